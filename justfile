@@ -1,0 +1,41 @@
+# triollm tasks. `just --list` shows them all.
+
+set shell := ["bash", "-euo", "pipefail", "-c"]
+
+# serve the built-in demo model (or MODEL_DIR) on http://127.0.0.1:8000
+serve *ARGS:
+    triollm serve {{ARGS}}
+
+# the whole test suite: unit, integration and property tests (bounded example counts)
+test *ARGS:
+    python -m pytest -q {{ARGS}}
+
+# property tests only, at CI's example count
+prop *ARGS:
+    python -m pytest -q property_tests {{ARGS}}
+
+# a long property search (thousands of examples per state machine)
+prop-long:
+    HYPOTHESIS_PROFILE=long python -m pytest -q property_tests
+
+# lint, format check and types
+lint:
+    ruff check src tests property_tests tools bench
+    ruff format --check src tests property_tests tools bench
+    mypy
+
+# decode/prefill throughput of a SmolLM2-135M-shaped random model, f32 and bf16
+bench-engine *ARGS:
+    python bench/bench_engine.py {{ARGS}}
+
+# the seed's batching scenario under every policy (add --html FILE for the stepper page)
+simulate *ARGS:
+    triollm simulate {{ARGS}}
+
+# remake the tiny reference checkpoints and transformers' outputs (needs the `fixtures` extra)
+fixtures:
+    python tools/make_fixtures.py
+
+# retrain the built-in demo model from scratch (needs the `fixtures` extra; ~30 min on 2 cores)
+train-demo:
+    python tools/train_demo.py

@@ -1,0 +1,47 @@
+"""The ``triollm`` command: one subcommand per module, imported only when chosen.
+
+Each subcommand module offers ``configure(parser)`` to add its flags and
+``run(args) -> int`` to do the work; ``run`` returns the exit status. Errors the user
+can fix (a missing file, a bad flag value) are raised as
+:class:`~triollm.errors.UserError` and
+printed as one line, without a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from triollm.errors import UserError
+
+# name -> (module, one-line help). Imported lazily so `triollm simulate` never loads numba.
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "serve": ("triollm.server.command", "serve a model over an OpenAI-compatible HTTP API"),
+    "generate": ("triollm.generate", "generate text from a model directory, streamed to stdout"),
+    "simulate": ("triollm.sim.command", "replay the seed's batching scenario under each policy"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(prog="triollm")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    chosen = argv[0] if argv else None
+    for name, (module, help_text) in SUBCOMMANDS.items():
+        sp = sub.add_parser(name, help=help_text, description=help_text)
+        sp.set_defaults(_module=module)
+        if name == chosen:
+            importlib.import_module(module).configure(sp)
+    args = parser.parse_args(argv)
+    try:
+        return int(importlib.import_module(args._module).run(args) or 0)
+    except UserError as exc:
+        print(f"triollm: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
