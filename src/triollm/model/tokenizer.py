@@ -1,0 +1,526 @@
+"""Text <-> token ids for a Hugging Face model directory, and chat templates.
+
+A checkpoint's tokenizer lives in three places, and a server has to read all three
+the way ``transformers`` does or it silently feeds the model a different prompt than
+the one the model was trained on:
+
+- ``tokenizer.json``: the whole pipeline (normalizer, pre-tokenizer, model, decoder),
+  run by the Rust ``tokenizers`` library. We never re-implement any of it.
+- ``tokenizer_config.json``: which strings are BOS/EOS (a string, or an ``AddedToken``
+  dict with a ``content`` field), whether BOS is prepended (``add_bos_token``), and the
+  ``chat_template`` (a jinja2 string, or a list of ``{"name", "template"}``; newer
+  checkpoints keep it in ``chat_template.jinja`` beside it, which wins).
+- ``config.json`` / ``generation_config.json``: more EOS ids (``eos_token_id``, an int or
+  a list). Instruct models often stop on an id that the tokenizer config does not name
+  (Llama 3's ``<|eot_id|>``), so the stop set is the union of all of them.
+
+Chat templates are code shipped with a download. They run in jinja2's
+``ImmutableSandboxedEnvironment`` (no attribute access to ``__class__`` and friends, no
+mutation of the messages passed in) with the same helpers ``transformers`` provides
+(``raise_exception``, a ``tojson`` that does not HTML-escape, ``strftime_now``), so a
+template written for the Hub renders the same text here.
+
+The second half of this module is :class:`IncrementalDetokenizer`, which turns a stream
+of generated ids into a stream of complete characters. Tests:
+``tests/model/test_tokenizer.py``, ``tests/model/test_detok.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.ext
+import jinja2.nodes
+import jinja2.parser
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as _HFTokenizer
+
+from triollm.errors import ModelLoadError, UserError
+
+REPLACEMENT_CHAR = "\ufffd"  # what a lossy UTF-8 decode prints for an incomplete character
+
+
+def _read_json(path: Path, *, required: bool) -> dict[str, Any] | None:
+    """The parsed JSON object at ``path``, None when it is absent and optional.
+
+    Trap: a file that exists but is broken is always an error, even when optional:
+    silently ignoring a corrupt ``tokenizer_config.json`` would drop the BOS and the chat
+    template and produce plausible-looking garbage.
+    """
+    if not path.is_file():
+        if required:
+            raise ModelLoadError(f"{path}: file not found (the tokenizer needs it)")
+        return None
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise ModelLoadError(f"{path}: broken JSON at line {exc.lineno}: {exc.msg}") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ModelLoadError(f"{path}: cannot be read: {exc}") from None
+    if not isinstance(data, dict):
+        raise ModelLoadError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+def _token_string(value: object, path: Path, field: str) -> str | None:
+    """A special-token field as its text: a string, or an AddedToken dict's ``content``."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return value
+    if isinstance(value, dict) and isinstance(value.get("content"), str):
+        return str(value["content"])
+    raise ModelLoadError(
+        f"{path}: field {field!r} must be a string or an object with a 'content' string, "
+        f"got {value!r}"
+    )
+
+
+def _id_list(value: object, path: Path, field: str) -> list[int]:
+    """An ``eos_token_id``-style field (absent, an int, or a list of ints) as a list."""
+    if value is None:
+        return []
+    if isinstance(value, int) and not isinstance(value, bool):
+        return [value]
+    if isinstance(value, list) and all(
+        isinstance(v, int) and not isinstance(v, bool) for v in value
+    ):
+        return list(value)
+    raise ModelLoadError(f"{path}: field {field!r} must be an int or a list of ints, got {value!r}")
+
+
+class _GenerationTag(jinja2.ext.Extension):
+    """``{% generation %}...{% endgeneration %}``: renders its body unchanged.
+
+    Some templates mark the assistant's text with this tag (transformers uses it to build
+    a training mask). Without the extension such a template does not even compile; for
+    inference the body is all that matters.
+    """
+
+    tags = {"generation"}  # noqa: RUF012 (jinja2's API is a class attribute)
+
+    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
+
+    def _render(self, caller: Any) -> str:
+        return str(caller())
+
+
+def _raise_exception(message: str) -> None:
+    # Templates call this to refuse a conversation ("roles must alternate ...").
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(
+    value: object,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    # jinja2's own tojson HTML-escapes '<' and '&' (it is meant for <script> tags): a tool
+    # schema rendered that way is not what the model saw in training.
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+def compile_chat_template(source: str) -> jinja2.Template:
+    """Compile a chat template in the sandbox with the helpers Hub templates expect.
+
+    ``trim_blocks``/``lstrip_blocks`` match transformers, so ``{% if %}`` lines do not leave
+    stray newlines in the prompt. Raises ``jinja2.TemplateSyntaxError`` for a broken
+    template (the caller turns it into a ModelLoadError naming the file).
+    """
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True,
+        lstrip_blocks=True,
+        extensions=[_GenerationTag, jinja2.ext.loopcontrols],
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env.from_string(source)
+
+
+class Tokenizer:
+    """A model directory's tokenizer: encode, decode, and chat templates.
+
+    Build it with :meth:`from_dir`. ``eos_token_ids`` is the full stop set (tokenizer
+    config + config.json + generation_config.json); ``add_bos`` says whether
+    :meth:`encode` prepends ``bos_token_id``.
+
+    Trap: ``encode`` never adds BOS to text that already starts with it (a rendered chat
+    template usually does), so ``encode(apply_chat_template(m))`` has exactly one BOS.
+    """
+
+    def __init__(
+        self,
+        hf: _HFTokenizer,
+        *,
+        bos_token: str | None,
+        eos_tokens: Iterable[str],
+        eos_token_ids: Iterable[int],
+        add_bos: bool,
+        chat_templates: Mapping[str, str],
+        special_token_strings: Mapping[str, str],
+        byte_fallback: bool = False,
+        source: str = "",
+    ) -> None:
+        self._hf = hf
+        self.vocab_size: int = hf.get_vocab_size(with_added_tokens=True)
+        self.bos_token: str | None = bos_token
+        self.bos_token_id: int | None = None if bos_token is None else hf.token_to_id(bos_token)
+        eos_ids = set(eos_token_ids)
+        for tok in eos_tokens:
+            tid = hf.token_to_id(tok)
+            if tid is not None:
+                eos_ids.add(tid)
+        self.eos_token_ids: frozenset[int] = frozenset(eos_ids)
+        self.eos_token: str | None = next(iter(eos_tokens), None)
+        self.add_bos: bool = bool(add_bos and self.bos_token_id is not None)
+        self.chat_templates: dict[str, str] = dict(chat_templates)
+        self._compiled: dict[str, jinja2.Template] = {}
+        self._special_strings = dict(special_token_strings)
+        self._source = source
+        # Ids that decode(skip_special_tokens=True) drops: the detokenizer skips them too.
+        self.special_token_ids: frozenset[int] = frozenset(
+            tid for tid, added in hf.get_added_tokens_decoder().items() if added.special
+        )
+        # Ids of "<0xNN>" byte tokens when the decoder groups them (SentencePiece byte
+        # fallback). Empty for byte-level BPE, whose bytes are ordinary tokens.
+        self.byte_fallback_ids: frozenset[int] = (
+            frozenset(
+                tid
+                for text, tid in hf.get_vocab(with_added_tokens=False).items()
+                if len(text) == 6 and text.startswith("<0x") and text.endswith(">")
+            )
+            if byte_fallback
+            else frozenset()
+        )
+
+    # -- loading -------------------------------------------------------------------------
+
+    @classmethod
+    def from_dir(cls, model_dir: str | os.PathLike[str]) -> Tokenizer:
+        """Load ``tokenizer.json`` and its companions from a model directory.
+
+        Raises :class:`~triollm.errors.ModelLoadError` naming the file and the field for a
+        missing ``tokenizer.json``, broken JSON anywhere, a special token that is not in
+        the vocabulary, or a chat template that does not compile.
+        """
+        d = Path(model_dir)
+        if not d.is_dir():
+            raise ModelLoadError(f"{d}: not a directory")
+        tok_path = d / "tokenizer.json"
+        tok_json = _read_json(tok_path, required=True) or {}
+        try:
+            hf = _HFTokenizer.from_str(json.dumps(tok_json))
+        except Exception as exc:  # the Rust side raises a bare Exception subclass
+            raise ModelLoadError(
+                f"{tok_path}: not a tokenizer the tokenizers library reads: {exc}"
+            ) from None
+
+        cfg_path = d / "tokenizer_config.json"
+        cfg = _read_json(cfg_path, required=False) or {}
+        model_cfg_path = d / "config.json"
+        model_cfg = _read_json(model_cfg_path, required=False) or {}
+        gen_cfg_path = d / "generation_config.json"
+        gen_cfg = _read_json(gen_cfg_path, required=False) or {}
+
+        special: dict[str, str] = {}
+        for field in ("bos_token", "eos_token", "unk_token", "pad_token"):
+            text = _token_string(cfg.get(field), cfg_path, field)
+            if text is None:
+                continue
+            if hf.token_to_id(text) is None:
+                raise ModelLoadError(
+                    f"{cfg_path}: field {field!r} is {text!r}, which is not in the vocabulary "
+                    f"of {tok_path}"
+                )
+            special[field] = text
+
+        bos = special.get("bos_token")
+        if bos is None:
+            # No bos_token in the tokenizer config: fall back to config.json's id.
+            ids = _id_list(model_cfg.get("bos_token_id"), model_cfg_path, "bos_token_id")
+            if ids and ids[0] < hf.get_vocab_size(with_added_tokens=True):
+                bos = hf.id_to_token(ids[0])
+
+        eos_ids = _id_list(model_cfg.get("eos_token_id"), model_cfg_path, "eos_token_id")
+        eos_ids += _id_list(gen_cfg.get("eos_token_id"), gen_cfg_path, "eos_token_id")
+        eos_strings = [special["eos_token"]] if "eos_token" in special else []
+
+        add_bos_field = cfg.get("add_bos_token")
+        if add_bos_field is not None and not isinstance(add_bos_field, bool):
+            raise ModelLoadError(
+                f"{cfg_path}: field 'add_bos_token' must be true or false, got {add_bos_field!r}"
+            )
+        add_bos = (
+            add_bos_field
+            if add_bos_field is not None
+            else _post_processor_adds(hf, None if bos is None else hf.token_to_id(bos))
+        )
+
+        templates = _read_chat_templates(d, cfg, cfg_path)
+        tokenizer = cls(
+            hf,
+            bos_token=bos,
+            eos_tokens=eos_strings,
+            eos_token_ids=eos_ids,
+            add_bos=add_bos,
+            chat_templates=templates,
+            special_token_strings=special,
+            byte_fallback=_uses_byte_fallback(tok_json.get("decoder")),
+            source=str(d),
+        )
+        for name in templates:  # compile now: a broken template is a load error, not a 500
+            tokenizer._template(name)
+        return tokenizer
+
+    # -- encode / decode -------------------------------------------------------------------
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        """Token ids for ``text``; BOS first when the model wants it and it is not there yet.
+
+        Special tokens written in the text (``<|im_start|>``) become their ids, as in
+        transformers. We run the tokenizers pipeline without its post-processor and add
+        BOS ourselves, so ``add_bos_token`` from the config is the single source of truth.
+        """
+        ids: list[int] = self._hf.encode(text, add_special_tokens=False).ids
+        if (
+            add_special_tokens
+            and self.add_bos
+            and self.bos_token_id is not None
+            and (not ids or ids[0] != self.bos_token_id)
+        ):
+            ids.insert(0, self.bos_token_id)
+        return ids
+
+    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
+        """The text of ``ids``. Special tokens (BOS, EOS, chat markers) are dropped by default.
+
+        Trap: decoding a slice is not the slice of the decoding: a SentencePiece model
+        drops the leading space of the first token, and a byte-level model prints U+FFFD
+        for a character whose bytes are cut. Stream with :class:`IncrementalDetokenizer`.
+        """
+        return str(self._hf.decode(list(ids), skip_special_tokens=skip_special_tokens))
+
+    def token_text(self, token_id: int) -> str | None:
+        """The vocabulary string of one id (``"Ġthe"``, ``"▁the"``, ``"<0xF0>"``), or None."""
+        return self._hf.id_to_token(token_id)
+
+    # -- chat ------------------------------------------------------------------------------
+
+    @property
+    def has_chat_template(self) -> bool:
+        return "default" in self.chat_templates
+
+    def _template(self, name: str) -> jinja2.Template:
+        compiled = self._compiled.get(name)
+        if compiled is None:
+            try:
+                compiled = compile_chat_template(self.chat_templates[name])
+            except jinja2.TemplateSyntaxError as exc:
+                raise ModelLoadError(
+                    f"{self._source}: chat template {name!r} does not compile "
+                    f"(line {exc.lineno}: {exc.message})"
+                ) from None
+            self._compiled[name] = compiled
+        return compiled
+
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True
+    ) -> str:
+        """Render ``messages`` (``[{"role": ..., "content": ...}]``) with the model's template.
+
+        ``add_generation_prompt`` appends the assistant header so the model answers rather
+        than continuing the user's turn. Raises :class:`~triollm.errors.UserError` when the
+        model has no chat template (a base model) or the template refuses the messages.
+        """
+        if not self.has_chat_template:
+            names = sorted(self.chat_templates)
+            extra = f" (named templates: {', '.join(names)}; none is 'default')" if names else ""
+            raise UserError(
+                f"{self._source or 'this model'} has no chat template{extra}: "
+                "use a plain prompt instead of chat"
+            )
+        template = self._template("default")
+        try:
+            return template.render(
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                tools=None,
+                documents=None,
+                bos_token=self._special_strings.get("bos_token", self.bos_token or ""),
+                eos_token=self._special_strings.get("eos_token", ""),
+                unk_token=self._special_strings.get("unk_token", ""),
+                pad_token=self._special_strings.get("pad_token", ""),
+            )
+        except jinja2.exceptions.SecurityError as exc:
+            raise UserError(f"the chat template tried an unsafe operation: {exc}") from None
+        except jinja2.TemplateError as exc:
+            raise UserError(f"the chat template refused these messages: {exc}") from None
+
+    def encode_chat(
+        self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True
+    ) -> list[int]:
+        """Token ids of the rendered conversation, with exactly one BOS when the model has one."""
+        text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        return self.encode(text, add_special_tokens=True)
+
+
+def _post_processor_adds(hf: _HFTokenizer, bos_id: int | None) -> bool:
+    """Whether tokenizer.json's post-processor prepends BOS (Llama 3 style, no config flag).
+
+    Probed rather than parsed: post-processors come in several shapes (TemplateProcessing,
+    Sequence, RobertaProcessing) and the library already knows what each one does.
+    """
+    if bos_id is None:
+        return False
+    with_special = hf.encode("a", add_special_tokens=True).ids
+    without = hf.encode("a", add_special_tokens=False).ids
+    return (
+        bool(with_special) and with_special[0] == bos_id and (not without or without[0] != bos_id)
+    )
+
+
+def _uses_byte_fallback(decoder: object) -> bool:
+    """Whether tokenizer.json's decoder (possibly a Sequence) contains ByteFallback."""
+    if isinstance(decoder, dict):
+        if decoder.get("type") == "ByteFallback":
+            return True
+        return any(_uses_byte_fallback(d) for d in decoder.get("decoders") or ())
+    return False
+
+
+def _read_chat_templates(d: Path, cfg: Mapping[str, Any], cfg_path: Path) -> dict[str, str]:
+    """Named chat templates; ``"default"`` is the one used for chat."""
+    jinja_path = d / "chat_template.jinja"
+    if jinja_path.is_file():
+        try:
+            return {"default": jinja_path.read_text(encoding="utf-8")}
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ModelLoadError(f"{jinja_path}: cannot be read: {exc}") from None
+    value = cfg.get("chat_template")
+    if value is None:
+        return {}
+    if isinstance(value, str):
+        return {"default": value}
+    if isinstance(value, list):
+        out: dict[str, str] = {}
+        for i, item in enumerate(value):
+            if not (
+                isinstance(item, dict)
+                and isinstance(item.get("name"), str)
+                and isinstance(item.get("template"), str)
+            ):
+                raise ModelLoadError(
+                    f"{cfg_path}: field 'chat_template[{i}]' must be an object with "
+                    "'name' and 'template' strings"
+                )
+            out[item["name"]] = item["template"]
+        return out
+    raise ModelLoadError(
+        f"{cfg_path}: field 'chat_template' must be a string or a list of named templates"
+    )
+
+
+# How many prompt tokens the detokenizer keeps as decoding context. One is enough for the
+# leading-space rule (the context token absorbs the "first token" treatment); a few more
+# cover decoders that look further back. It only costs a slightly longer decode per push.
+_CONTEXT_TOKENS = 4
+
+
+class IncrementalDetokenizer:
+    """Turn generated ids, one at a time, into text that can be sent as it comes.
+
+    Two things make "decode each new token and send it" wrong:
+
+    1. **Split characters.** A byte-level vocabulary has tokens that are a *part* of a
+       UTF-8 character (an emoji is four bytes, often two or three tokens). Decoding such
+       a token alone gives U+FFFD; sending that would put a replacement character in the
+       client's text that the final answer does not contain. So text that ends in U+FFFD
+       is held back until a later token completes the character (or :meth:`flush`).
+    2. **Leading spaces.** SentencePiece-style decoders (``▁`` metaspace) drop the leading
+       space of the *first* token they decode, so ``decode([▁world])`` is ``"world"``
+       while ``decode([▁hello, ▁world])`` is ``"hello world"``. We therefore decode a
+       window that starts a few tokens *before* the new ones (the context) and emit only
+       the difference between the window with and without the new tokens.
+
+    Invariant: ``prefix < read <= len(ids)``-ish: ``ids[prefix:read]`` is the context
+    (already sent), ``ids[read:]`` is pending (not sent yet), and ``read`` always sits
+    on a complete-character boundary.
+
+    Special tokens (EOS, chat markers) are skipped as ``Tokenizer.decode`` skips them, so
+    ``"".join(push(t) for t in ids) + flush()`` equals ``tokenizer.decode(ids)`` when the
+    prompt is empty (and the continuation of ``decode(prompt)`` otherwise).
+
+    Byte-fallback vocabularies (``<0x..>`` tokens) are held until the run of byte tokens
+    ends, because the decoder renders a run as a whole (see ``_emit``).
+
+    Trap: call :meth:`flush` once at the end; text held back for an incomplete
+    character is only emitted there (as U+FFFD, exactly as the full decode shows it).
+    """
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = ()) -> None:
+        self._tok = tokenizer
+        skip = tokenizer.special_token_ids
+        context = [t for t in prompt_ids if t not in skip][-_CONTEXT_TOKENS:]
+        self._ids: list[int] = context
+        self._prefix = 0  # start of the decoding window (context tokens)
+        self._read = len(context)  # everything before this has been emitted (or is prompt)
+
+    def push(self, token_id: int) -> str:
+        """Add one generated id; return the text it completes (often ``""``)."""
+        if token_id in self._tok.special_token_ids:
+            return ""  # decode() drops it; keeping it would break the leading-space context
+        self._ids.append(token_id)
+        return self._emit(final=False)
+
+    def flush(self) -> str:
+        """Everything still held back (an incomplete character decodes as U+FFFD)."""
+        return self._emit(final=True)
+
+    def _emit(self, *, final: bool) -> str:
+        if self._read == len(self._ids):
+            return ""
+        sent = self._tok.decode(self._ids[self._prefix : self._read])
+        window = self._tok.decode(self._ids[self._prefix :])
+        if not final and (
+            len(window) <= len(sent)
+            or window.endswith(REPLACEMENT_CHAR)
+            or self._ids[-1] in self._tok.byte_fallback_ids
+        ):
+            # Hazard 1: an incomplete character; sending now would send U+FFFD.
+            # Hazard 2: ByteFallback decodes a *run* of "<0xNN>" tokens as one unit and
+            # turns the whole run into U+FFFDs if any byte in it is bad, so even a
+            # complete character at the end of a run may still change. Wait for the run
+            # to end (one token of latency for characters spelled in bytes).
+            return ""
+        # The window normally starts with the text already sent; when the context ended
+        # in the first bytes of a character (a prompt cut mid-emoji), the completed
+        # character replaces the U+FFFD that was shown, so emit from where they differ.
+        if window.startswith(sent):
+            new = window[len(sent) :]
+        else:
+            same = next(
+                (i for i, (a, b) in enumerate(zip(sent, window, strict=False)) if a != b),
+                min(len(sent), len(window)),
+            )
+            new = window[same:]
+        self._prefix = self._read
+        self._read = len(self._ids)
+        return new
