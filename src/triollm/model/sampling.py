@@ -1,0 +1,226 @@
+"""Choosing the next token from one row of logits: penalties, filters, a seeded draw.
+
+The pipeline for one sequence, one step (each stage is one vectorised numpy operation
+over the vocabulary; nothing loops over tokens in Python):
+
+1. **Penalties**, on the raw logits:
+   - repetition (Hugging Face semantics): every id seen in the prompt *or* the answer
+     has its logit divided by ``repetition_penalty`` when positive, multiplied when
+     negative (so the penalty always pushes it down);
+   - presence and frequency (OpenAI semantics): every id seen in the *answer* loses
+     ``presence_penalty`` once plus ``frequency_penalty`` per occurrence.
+2. **Temperature**: logits / T. ``temperature == 0`` means greedy: argmax of the
+   penalised logits, no random number is drawn.
+3. **Truncation**, in Hugging Face's order: top-k (ties with the k-th are kept), top-p
+   (the smallest set whose probability reaches ``top_p``, at least one token), min-p
+   (drop tokens below ``min_p`` times the top token's probability).
+4. **Draw**: one uniform number from the sequence's own generator, inverted through the
+   cumulative distribution. Exactly one draw per sampled token, so the stream of tokens
+   depends only on the seed and the logits, never on what else shares the batch.
+
+Log-probabilities (``logprobs``) are the log-softmax of the logits after penalties and
+temperature but *before* truncation (with T = 1 for greedy, where the tempered
+distribution would be a spike). That is OpenAI's meaning: the distribution the token
+was drawn from, shaped by the request's own settings, and still defined for the top-n
+alternatives that truncation removed.
+
+Tests: ``tests/model/test_sampling.py``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+_SEED_SPACE = 2**64  # numpy's generators take a non-negative seed; any int is folded into it
+MAX_LOGPROBS = 20  # OpenAI's limit for top_logprobs
+
+
+def _check_number(name: str, value: object, lo: float, hi: float, *, lo_open: bool) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    below = value <= lo if lo_open else value < lo
+    if below or value > hi:
+        bracket = "(" if lo_open else "["
+        raise ValueError(f"{name} must be in {bracket}{lo}, {hi}], got {value!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How one request turns logits into tokens. Frozen and validated on construction.
+
+    Every field's default leaves the model's distribution unchanged (plain sampling at
+    temperature 1). Bad values raise ``ValueError`` naming the field and its range,
+    which the HTTP layer turns into a 400 with that field as ``param``.
+
+    Trap: ``seed=None`` draws from OS entropy, so two identical requests differ; pass a
+    seed to reproduce a run. ``temperature=0`` ignores every truncation setting.
+    """
+
+    temperature: float = 1.0  # 0 = greedy; OpenAI's range [0, 2]
+    top_p: float = 1.0  # 1 = off
+    top_k: int = 0  # 0 = off
+    min_p: float = 0.0  # 0 = off
+    repetition_penalty: float = 1.0  # 1 = off; HF semantics over prompt + answer
+    presence_penalty: float = 0.0  # OpenAI semantics over the answer
+    frequency_penalty: float = 0.0  # OpenAI semantics over the answer
+    seed: int | None = None  # None = OS entropy
+    logprobs: int | None = None  # None = none; 0 = the chosen token's only; n = plus top-n
+
+    def __post_init__(self) -> None:
+        _check_number("temperature", self.temperature, 0.0, 2.0, lo_open=False)
+        _check_number("top_p", self.top_p, 0.0, 1.0, lo_open=True)
+        _check_number("min_p", self.min_p, 0.0, 1.0, lo_open=False)
+        _check_number("repetition_penalty", self.repetition_penalty, 0.0, 10.0, lo_open=True)
+        _check_number("presence_penalty", self.presence_penalty, -2.0, 2.0, lo_open=False)
+        _check_number("frequency_penalty", self.frequency_penalty, -2.0, 2.0, lo_open=False)
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
+        if self.seed is not None and (
+            isinstance(self.seed, bool) or not isinstance(self.seed, int)
+        ):
+            raise ValueError(f"seed must be an integer or null, got {self.seed!r}")
+        if self.logprobs is not None and (
+            isinstance(self.logprobs, bool)
+            or not isinstance(self.logprobs, int)
+            or not 0 <= self.logprobs <= MAX_LOGPROBS
+        ):
+            raise ValueError(
+                f"logprobs must be an integer in [0, {MAX_LOGPROBS}] or null, got {self.logprobs!r}"
+            )
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class Sample:
+    """One sampled token, with log-probabilities when the request asked for them."""
+
+    token_id: int
+    logprob: float | None = None
+    top_logprobs: tuple[tuple[int, float], ...] = ()  # (token_id, logprob), best first
+
+
+class SequenceSampler:
+    """The sampling state of one sequence: its random generator and the ids it has seen.
+
+    Create one per sequence when it joins the batch; call :meth:`sample` once per step
+    with that sequence's logits row.
+
+    Trap: :meth:`sample` records the token it returns (for the penalties). Call
+    :meth:`accept` only for a token this sampler did not choose (one forced from
+    outside); calling it for a sampled token counts that token twice.
+    """
+
+    def __init__(self, params: SamplingParams, prompt_ids: Sequence[int] = ()) -> None:
+        self.params = params
+        seed = None if params.seed is None else params.seed % _SEED_SPACE
+        self._rng = np.random.default_rng(seed)
+        # Invariant: _counts holds the answer's ids only; the prompt is kept apart because
+        # presence/frequency penalties must not see it, while the repetition penalty does.
+        self._prompt_ids = np.unique(np.asarray(prompt_ids, dtype=np.int64))
+        self._counts: dict[int, int] = {}
+
+    def accept(self, token_id: int) -> None:
+        """Record a token that joined the answer without being drawn by :meth:`sample`."""
+        self._counts[token_id] = self._counts.get(token_id, 0) + 1
+
+    def sample(self, logits: np.ndarray) -> Sample:
+        """Choose the next token from ``logits`` (float32, shape ``(vocab,)``) and record it."""
+        p = self.params
+        x = self._penalised(logits)  # (vocab,) float32, a copy
+        logp_source: np.ndarray | None = None
+        if p.logprobs is not None:
+            logp_source = x if p.greedy else x / np.float32(p.temperature)
+        if p.greedy:
+            token = int(np.argmax(x))
+        else:
+            token = self._draw(truncate(x / np.float32(p.temperature), p.top_k, p.top_p, p.min_p))
+        self.accept(token)
+        if logp_source is None:
+            return Sample(token)
+        assert p.logprobs is not None
+        return _with_logprobs(token, log_softmax(logp_source), p.logprobs)
+
+    # -- stages ----------------------------------------------------------------------------
+
+    def _penalised(self, logits: np.ndarray) -> np.ndarray:
+        p = self.params
+        x = np.array(logits, dtype=np.float32, copy=True)  # (vocab,) float32
+        vocab = x.shape[0]
+        if not self._counts and p.repetition_penalty == 1.0:
+            return x
+        gen_ids = np.fromiter(self._counts.keys(), dtype=np.int64, count=len(self._counts))
+        gen_counts = np.fromiter(self._counts.values(), dtype=np.float32, count=len(self._counts))
+        keep = gen_ids < vocab  # an id past this row (a bigger tokenizer) cannot be penalised
+        gen_ids, gen_counts = gen_ids[keep], gen_counts[keep]
+        if p.repetition_penalty != 1.0:
+            seen = np.union1d(self._prompt_ids, gen_ids)
+            seen = seen[(seen >= 0) & (seen < vocab)]
+            vals = x[seen]
+            rp = np.float32(p.repetition_penalty)
+            x[seen] = np.where(vals < 0, vals * rp, vals / rp)
+        if p.presence_penalty or p.frequency_penalty:
+            x[gen_ids] -= gen_counts * np.float32(p.frequency_penalty) + np.float32(
+                p.presence_penalty
+            )
+        return x
+
+    def _draw(self, x: np.ndarray) -> int:
+        """Inverse-CDF draw from softmax(x): exactly one uniform number per token."""
+        probs = np.exp(x.astype(np.float64) - np.max(x))  # -inf -> 0
+        cdf = np.cumsum(probs)
+        # side="right" never lands on a zero-probability token: its cdf equals its
+        # predecessor's, and u * total is strictly below the last value.
+        u = self._rng.random() * cdf[-1]
+        return int(min(np.searchsorted(cdf, u, side="right"), x.shape[0] - 1))
+
+
+def truncate(x: np.ndarray, top_k: int, top_p: float, min_p: float) -> np.ndarray:
+    """Set to -inf every logit that top-k, then top-p, then min-p removes (a new array).
+
+    ``x`` is already divided by the temperature. At least one token always survives.
+    """
+    vocab = x.shape[0]
+    out = x.copy()
+    if 0 < top_k < vocab:
+        kth = np.partition(out, vocab - top_k)[vocab - top_k]  # the k-th largest value
+        out[out < kth] = -np.inf  # ties with the k-th are kept, as in HF
+    if top_p < 1.0:
+        order = np.argsort(out)  # ascending
+        probs = _softmax64(out[order])
+        # Remove the low tail whose total stays within 1 - top_p; the best token always stays.
+        remove = np.cumsum(probs) <= (1.0 - top_p)
+        remove[-1] = False
+        out[order[remove]] = -np.inf
+    if min_p > 0.0:
+        probs = _softmax64(out)
+        out[probs < min_p * probs.max()] = -np.inf
+    return out
+
+
+def _softmax64(x: np.ndarray) -> np.ndarray:
+    e = np.exp(x.astype(np.float64) - np.max(x))
+    return np.asarray(e / e.sum())
+
+
+def log_softmax(x: np.ndarray) -> np.ndarray:
+    """log(softmax(x)) in float64, computed stably (max subtracted, log-sum-exp)."""
+    x64 = x.astype(np.float64)
+    shifted = x64 - np.max(x64)
+    return np.asarray(shifted - np.log(np.exp(shifted).sum()))
+
+
+def _with_logprobs(token: int, logp: np.ndarray, top_n: int) -> Sample:
+    top: tuple[tuple[int, float], ...] = ()
+    if top_n > 0:
+        n = min(top_n, logp.shape[0])
+        idx = np.argpartition(logp, -n)[-n:]
+        idx = idx[np.argsort(-logp[idx], kind="stable")]
+        top = tuple((int(i), float(logp[i])) for i in idx)
+    return Sample(token, float(logp[token]), top)
