@@ -1,0 +1,788 @@
+"""The Scheduler: who is admitted, and what each forward pass computes.
+
+A pure state machine over integers, in the style of h11: no trio, no numpy, no
+clock, no I/O. Prompts and sampled token ids go in; :class:`~triollm.plan.StepPlan`
+messages come out. The live server, the offline engine, the simulator
+(``triollm simulate``) and the property tests all drive this same object.
+
+Rules (docs/scheduling.md teaches each one, with the test that proves it):
+
+1. **Refuse at the door what can never run.** ``add`` raises :class:`Infeasible`
+   for an empty prompt, a prompt that fills the context, prompt + max_tokens past
+   the context, or more blocks than the whole pool holds. Everything that queues
+   can therefore run on an empty pool, which is what makes every bound below finite.
+2. **Admission takes blocks all together or not at all** (``BlockPool.allocate``).
+   How many depends on the policy: ``reserve`` and ``static`` take
+   ``ceil((prompt + max_tokens) / block_size)`` so an admitted sequence can always
+   finish; ``free-slot`` takes the prompt's blocks only (and can deadlock);
+   ``preempt`` takes the prompt's blocks and insists a watermark stays free.
+3. **FCFS with bounded overtaking.** Waiters are ordered by arrival ticket.
+   ``admit_waiting`` tries the head; while the head does not fit, later waiters may
+   pass it, at most ``K`` times in total; after that nobody passes it.
+4. **Step composition.** Within ``step_rows``: first every decoding sequence that
+   was left out of the previous step gets its row (so "wait for the next step" is
+   a promise), then one prefill chunk (<= ``chunk_tokens``) per sequence with no
+   first token yet, in admission order, then one row per decoding sequence in
+   admission order. A sequence that does not fit is left out, never evicted.
+5. **Growth.** ``reserve``/``static`` never allocate after admission. ``free-slot``
+   and ``preempt`` allocate one block when a decode row crosses into a new block;
+   when the pool is dry, ``free-slot`` leaves the sequence waiting for a block, and
+   ``preempt`` evicts the running sequence with the *latest* ticket (recompute: its
+   blocks are freed, it re-queues at its original ticket, and its next prefill
+   recomputes prompt + generated tokens). No admission follows a preempting plan.
+6. **Cancellation** at any state frees every block immediately (so certainly by
+   the next ``plan_step``), and ``commit`` ignores results for sequences that are
+   no longer running: a cancel may land while a step runs in a worker thread.
+7. **Deadlock is detected, never spun on.** Under ``free-slot``, a plan with no row
+   while sequences are running and no waiter can be admitted is a deadlock:
+   nothing can free a block. ``statistics().deadlocked`` turns true and
+   :meth:`Scheduler.deadlock_report` says who holds what. Under the other
+   policies that state is impossible and ``plan_step`` raises if it ever occurs.
+
+Theory of operation (one turn of the batch loop)::
+
+    scheduler.admit_waiting()        # or the admission queue's try_admit(seq)
+    plan = scheduler.plan_step()     # empty plan: sleep until something changes
+    result = batch.run(plan)         # in a worker thread: the plan is frozen
+    finished = scheduler.commit(result)
+
+Between ``plan_step`` and ``commit`` exactly one plan is in flight; ``plan_step``
+refuses to plan a second one (``discard_step`` drops a plan whose run failed).
+
+Positions: a sequence with ``n`` token ids (prompt + generated) has computed the
+K/V of ``n_computed`` positions. While it decodes, ``n_computed == n - 1``: its
+last sampled token has not been fed yet, and the next decode row feeds it at
+position ``n - 1``. A sequence ends when it has generated ``max_tokens``, so it
+never reaches past position ``prompt + max_tokens - 1 < context_tokens``.
+"""
+
+from __future__ import annotations
+
+import bisect
+import enum
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from triollm.kv import BlockPool, blocks_for
+from triollm.plan import ChunkPlan, Finished, FinishReason, StepPlan, StepResult
+
+
+class Policy(enum.Enum):
+    """How the Scheduler admits and grows sequences (rule 2 and rule 5)."""
+
+    STATIC = "static"  # request-level batching: a new batch only after the whole last one ends
+    RESERVE = "reserve"  # continuous batching, reserving prompt + answer at admission (default)
+    FREE_SLOT = "free-slot"  # admit on a free slot + the prompt's blocks; can deadlock
+    PREEMPT = "preempt"  # prompt + watermark; evict the latest arrival when the pool runs dry
+
+
+class SeqState(enum.Enum):
+    """Where a sequence is. WAITING -> PREFILLING -> DECODING -> FINISHED | CANCELLED;
+    a preempted sequence goes back to WAITING and keeps its ticket."""
+
+    WAITING = "waiting"
+    PREFILLING = "prefilling"
+    DECODING = "decoding"
+    FINISHED = "finished"
+    CANCELLED = "cancelled"
+
+
+RUNNING_STATES = frozenset({SeqState.PREFILLING, SeqState.DECODING})
+TERMINAL_STATES = frozenset({SeqState.FINISHED, SeqState.CANCELLED})
+
+# How many finished/cancelled sequences keep answering state(); older ones are
+# forgotten so a long-running server's memory does not grow with every request.
+_TERMINAL_MEMORY = 65536
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Everything the Scheduler needs, validated once. Units are in the names.
+
+    Trap: ``step_rows`` must be at least ``slots``: rule 4 promises a left-out
+    decoding sequence a row in the next step, and there can be ``slots`` of them.
+    """
+
+    num_blocks: int  # KV blocks in the pool (the Batch allocates the arrays to match)
+    block_size: int = 32  # positions per block; Forma's value, a multiple of a SIMD width
+    slots: int = 4  # sequences running at once; bounds memory and the batch's width
+    chunk_tokens: int = (
+        512  # prefill tokens per sequence per step; caps how long a prompt stalls decodes
+    )
+    step_rows: int = 544  # rows per forward pass: one full chunk plus room for ~32 decodes
+    context_tokens: int = 2048  # positions one sequence may reach (prompt + answer)
+    policy: Policy = Policy.RESERVE  # the only policy that can neither deadlock nor thrash
+    overtake_limit: int | None = None  # K; None means K = slots; 0 = strict FIFO
+    preempt_watermark_blocks: int = (
+        1  # preempt: free blocks an admission must leave, against thrash
+    )
+
+    def __post_init__(self) -> None:
+        if isinstance(self.policy, str):  # let callers and JSON files say "free-slot"
+            try:
+                object.__setattr__(self, "policy", Policy(self.policy))
+            except ValueError:
+                names = ", ".join(p.value for p in Policy)
+                raise ValueError(f"policy must be one of {names}, got {self.policy!r}") from None
+        for name in ("num_blocks", "block_size", "slots", "chunk_tokens", "step_rows"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if not isinstance(self.context_tokens, int) or self.context_tokens < 2:
+            raise ValueError(
+                f"context_tokens must be an integer >= 2 (a prompt token and an answer), "
+                f"got {self.context_tokens!r}"
+            )
+        if self.step_rows < self.slots:
+            raise ValueError(
+                f"step_rows ({self.step_rows}) must be >= slots ({self.slots}): every "
+                "left-out decoding sequence is promised a row in the next step"
+            )
+        if self.overtake_limit is not None and self.overtake_limit < 0:
+            raise ValueError(f"overtake_limit must be >= 0 or None, got {self.overtake_limit}")
+        if self.preempt_watermark_blocks < 0:
+            raise ValueError(
+                f"preempt_watermark_blocks must be >= 0, got {self.preempt_watermark_blocks}"
+            )
+
+    @property
+    def overtake_k(self) -> int:
+        """K: how many times the head of the queue may be passed."""
+        return self.slots if self.overtake_limit is None else self.overtake_limit
+
+
+class Infeasible(Exception):
+    """A request that could never run on this pool and context; refused before it queues.
+
+    ``field`` names the request field to blame (``"prompt"`` or ``"max_tokens"``);
+    the HTTP layer reports it as ``param``. ``str()`` gives the numbers.
+    """
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+@dataclass(frozen=True, slots=True)
+class SequenceInfo:
+    """A snapshot of one live sequence (for the simulator, metrics and tests)."""
+
+    seq_id: int
+    ticket: int  # arrival order; kept across preemption
+    state: SeqState
+    slot: int | None  # which slot it occupies; None while waiting
+    prompt_len: int
+    n_generated: int
+    n_computed: int  # positions whose K/V is written
+    max_tokens: int  # the resolved answer budget
+    blocks: tuple[int, ...]  # its block table
+    first_token_step: int | None  # the step whose commit gave its first token; None before
+    preemptions: int
+
+
+@dataclass(frozen=True, slots=True)
+class Holder:
+    """One running sequence in a deadlock: what it holds and what it waits for."""
+
+    seq_id: int
+    blocks: tuple[int, ...]
+    n_computed: int
+    blocks_needed: int  # more blocks it needs before its next row
+
+
+@dataclass(frozen=True, slots=True)
+class DeadlockReport:
+    """Why nothing can run: every running sequence waits for a block none can free."""
+
+    step: int  # the scheduler's step counter when it was detected
+    holders: tuple[Holder, ...]
+    waiting: tuple[int, ...]  # seq_ids queued behind them
+    free_blocks: int
+
+    def describe(self) -> str:
+        held = "; ".join(
+            f"seq {h.seq_id} holds {len(h.blocks)} block(s) {list(h.blocks)} after "
+            f"{h.n_computed} positions and needs {h.blocks_needed} more"
+            for h in self.holders
+        )
+        return (
+            f"deadlock after step {self.step}: {self.free_blocks} block(s) free; {held}; "
+            f"waiting: {list(self.waiting) or 'none'}"
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerStatistics:
+    """A frozen snapshot of the Scheduler's counters and gauges."""
+
+    policy: Policy
+    step: int  # non-empty plans issued so far
+    waiting: int
+    running: int
+    prefilling: int
+    decoding: int
+    free_slots: int
+    blocks_total: int
+    blocks_free: int
+    blocks_held: int
+    deadlocked: bool
+    admitted_total: int  # admissions, counting each readmission after a preemption
+    finished_total: int
+    cancelled_total: int
+    preemptions_total: int
+
+
+class _Seq:
+    """The Scheduler's private record of one sequence. Only the Scheduler mutates it."""
+
+    __slots__ = (
+        "admission",
+        "blocks",
+        "computed",
+        "first_token_step",
+        "left_out",
+        "max_tokens",
+        "passed",
+        "preemptions",
+        "prompt_len",
+        "seq_id",
+        "state",
+        "stop_ids",
+        "ticket",
+        "token_ids",
+    )
+
+    def __init__(
+        self, seq_id: int, ticket: int, prompt: Sequence[int], max_tokens: int, stop: frozenset[int]
+    ) -> None:
+        self.seq_id = seq_id
+        self.ticket = ticket
+        self.prompt_len = len(prompt)
+        # Invariant: token_ids = prompt + every token sampled so far (the Batch gets
+        # its chunk's ids from here; a preempted sequence recomputes all of them).
+        self.token_ids: list[int] = list(prompt)
+        self.max_tokens = max_tokens
+        self.stop_ids = stop
+        self.state = SeqState.WAITING
+        self.computed = 0
+        # Invariant: blocks is empty unless state is PREFILLING or DECODING.
+        self.blocks: list[int] = []
+        self.admission = 0  # admission counter value; orders rows within a step
+        self.first_token_step: int | None = None
+        self.left_out = False  # a decoding sequence with no row in the last step
+        self.passed = 0  # times overtaken while it was the head of the queue
+        self.preemptions = 0
+
+    @property
+    def n_generated(self) -> int:
+        return len(self.token_ids) - self.prompt_len
+
+
+class Scheduler:
+    """The policy half of the server (see the module docstring for the rules).
+
+    Not thread-safe: one task owns it. The Batch runs a frozen plan in a worker
+    thread while the event loop may call ``cancel``; that is safe because
+    ``commit`` re-checks every sequence it is told about.
+    """
+
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+        self.pool = BlockPool(config.num_blocks, config.block_size)
+        self._seqs: dict[int, _Seq] = {}  # live sequences (waiting or running)
+        self._terminal: OrderedDict[int, SeqState] = OrderedDict()
+        self._waiting: list[tuple[int, int]] = []  # (ticket, seq_id), sorted by ticket
+        self._running: list[int] = []  # seq_ids in admission order
+        self._slot_of: dict[int, int] = {}
+        self._next_id = 0
+        self._next_admission = 0
+        self._step = 0
+        self._inflight: StepPlan | None = None
+        self._batch_open = True  # static: may the current batch still take members?
+        self._last_plan_preempted = False
+        self._deadlock: DeadlockReport | None = None
+        self._admitted_total = 0
+        self._finished_total = 0
+        self._cancelled_total = 0
+        self._preemptions_total = 0
+
+    # -- the door ---------------------------------------------------------------
+
+    def feasible(self, prompt_len: int, max_tokens: int | None) -> str | None:
+        """``None`` if a request of this shape could run on an empty pool; else why not."""
+        problem = self._infeasible(prompt_len, max_tokens)
+        return None if problem is None else str(problem)
+
+    def _infeasible(self, prompt_len: int, max_tokens: int | None) -> Infeasible | None:
+        cfg = self.config
+        ctx = cfg.context_tokens
+        if prompt_len < 1:
+            return Infeasible("prompt", "the prompt is empty; at least one token is needed")
+        if max_tokens is not None and max_tokens < 1:
+            return Infeasible("max_tokens", f"max_tokens must be >= 1, got {max_tokens}")
+        if prompt_len >= ctx:
+            return Infeasible(
+                "prompt",
+                f"prompt ({prompt_len} tokens) leaves no room for an answer in the "
+                f"context of {ctx} positions",
+            )
+        answer = ctx - prompt_len if max_tokens is None else max_tokens
+        if prompt_len + answer > ctx:
+            return Infeasible(
+                "max_tokens",
+                f"prompt ({prompt_len} tokens) + max_tokens ({answer}) = {prompt_len + answer} "
+                f"exceeds the context of {ctx} positions",
+            )
+        need = blocks_for(prompt_len + answer, cfg.block_size)
+        if need > cfg.num_blocks:
+            blame = (
+                "max_tokens"
+                if max_tokens is not None and blocks_for(prompt_len, cfg.block_size) < need
+                else "prompt"
+            )
+            return Infeasible(
+                blame,
+                f"prompt ({prompt_len} tokens) + answer ({answer}) = {prompt_len + answer} "
+                f"positions need {need} blocks of {cfg.block_size}, but the whole pool has "
+                f"{cfg.num_blocks}",
+            )
+        return None
+
+    def add(
+        self,
+        prompt_ids: Sequence[int],
+        max_tokens: int | None,
+        stop_token_ids: frozenset[int] = frozenset(),
+    ) -> int:
+        """Queue a request as a WAITING sequence with the next arrival ticket.
+
+        ``max_tokens=None`` means the rest of the context. Raises :class:`Infeasible`
+        (nothing queued) when it could never run. Trap: ``add`` never admits; call
+        ``admit_waiting`` or ``try_admit``.
+        """
+        problem = self._infeasible(len(prompt_ids), max_tokens)
+        if problem is not None:
+            raise problem
+        answer = self.config.context_tokens - len(prompt_ids) if max_tokens is None else max_tokens
+        seq_id = self._next_id
+        self._next_id += 1
+        seq = _Seq(seq_id, seq_id, prompt_ids, answer, frozenset(stop_token_ids))
+        self._seqs[seq_id] = seq
+        bisect.insort(self._waiting, (seq.ticket, seq_id))
+        return seq_id
+
+    # -- admission ----------------------------------------------------------------
+
+    def _admission_blocks(self, seq: _Seq) -> tuple[int, int]:
+        """(blocks to take now, extra blocks that must stay free) for ``seq``."""
+        cfg = self.config
+        whole = blocks_for(seq.prompt_len + seq.max_tokens, cfg.block_size)
+        if cfg.policy in (Policy.RESERVE, Policy.STATIC):
+            return whole, 0
+        # free-slot and preempt take what the prefill will write: the prompt, plus
+        # (after a preemption) the generated tokens it recomputes.
+        now = blocks_for(len(seq.token_ids), cfg.block_size)
+        if cfg.policy is Policy.FREE_SLOT:
+            return now, 0
+        # The watermark is capped at the whole need, so an empty pool always admits
+        # (rule 1 guarantees whole <= num_blocks): the oldest can never be locked out.
+        return now, min(cfg.preempt_watermark_blocks, whole - now)
+
+    def _can_admit(self, seq: _Seq) -> bool:
+        if len(self._running) >= self.config.slots:
+            return False
+        if self.config.policy is Policy.STATIC and not self._batch_open:
+            return False
+        if self.config.policy is Policy.PREEMPT and self._last_plan_preempted:
+            return False  # vLLM's rule: a step that had to evict admits nobody
+        take, keep_free = self._admission_blocks(seq)
+        return take + keep_free <= self.pool.statistics().free
+
+    def _admit(self, seq: _Seq) -> None:
+        take, _ = self._admission_blocks(seq)
+        blocks = self.pool.allocate(take)
+        if blocks is None:  # _can_admit said yes a moment ago; nothing ran in between
+            raise RuntimeError(f"admission of seq {seq.seq_id} found {take} blocks gone")
+        self._waiting.remove((seq.ticket, seq.seq_id))
+        seq.blocks = list(blocks)
+        seq.state = SeqState.PREFILLING
+        seq.computed = 0
+        seq.passed = 0
+        seq.left_out = False
+        seq.admission = self._next_admission
+        self._next_admission += 1
+        taken = set(self._slot_of.values())
+        self._slot_of[seq.seq_id] = min(s for s in range(self.config.slots) if s not in taken)
+        self._running.append(seq.seq_id)
+        self._admitted_total += 1
+
+    def try_admit(self, seq_id: int) -> bool:
+        """Admit this waiting sequence now if the policy and the pool allow; never blocks.
+
+        Returns True when the sequence is running (admitted now or before), False
+        when it must keep waiting or has ended. Trap: this ignores arrival order on
+        purpose; the caller (the admission queue) owns FCFS. The one exception: a
+        preempted sequence waiting with an earlier ticket goes first.
+        """
+        seq = self._seqs.get(seq_id)
+        if seq is None:
+            self._check_known(seq_id)
+            return False
+        if seq.state in RUNNING_STATES:
+            return True
+        if any(self._seqs[s].preemptions and t < seq.ticket for t, s in self._waiting):
+            return False
+        if not self._can_admit(seq):
+            return False
+        self._admit(seq)
+        return True
+
+    def admit_waiting(self) -> tuple[int, ...]:
+        """One FCFS pass with bounded overtaking (rule 3); returns the seq_ids admitted.
+
+        The head is admitted if it fits. If not, later waiters that fit are admitted
+        in ticket order, each counting one pass against the head, until the head has
+        been passed K times; from then on nobody passes it until it is admitted.
+        """
+        admitted: list[int] = []
+        k = self.config.overtake_k
+        while self._waiting:
+            head = self._seqs[self._waiting[0][1]]
+            if self._can_admit(head):
+                self._admit(head)
+                admitted.append(head.seq_id)
+                continue
+            for _, sid in list(self._waiting[1:]):
+                if head.passed >= k:
+                    break
+                follower = self._seqs[sid]
+                if self._can_admit(follower):
+                    self._admit(follower)
+                    head.passed += 1
+                    admitted.append(sid)
+            # Admitting followers only uses capacity up, so the head cannot fit now.
+            break
+        return tuple(admitted)
+
+    # -- one step -----------------------------------------------------------------
+
+    def plan_step(self) -> StepPlan:
+        """Compose the next forward pass (rules 4 and 5). An empty plan: nothing runs.
+
+        Trap: a non-empty plan must be answered by ``commit`` (or dropped with
+        ``discard_step``) before the next ``plan_step``.
+        """
+        if self._inflight is not None:
+            raise RuntimeError(
+                f"plan_step() called while step {self._inflight.step} is in flight; "
+                "commit() or discard_step() it first"
+            )
+        self._readmit_preempted()
+        self._last_plan_preempted = False
+        blocked = self._grow()
+        cfg = self.config
+        order = [self._seqs[s] for s in self._running]  # admission order
+        rows: dict[int, int] = {}  # seq_id -> rows this step
+        left = cfg.step_rows
+        # (a) the promise of rule 4: last step's left-out decoders go first.
+        for seq in order:
+            if seq.state is SeqState.DECODING and seq.left_out and seq.seq_id not in blocked:
+                rows[seq.seq_id] = 1
+                left -= 1
+        # (b) prefill chunks: a waiting caller measures time to first token.
+        for seq in order:
+            if seq.state is SeqState.PREFILLING and left > 0:
+                n = min(cfg.chunk_tokens, len(seq.token_ids) - seq.computed, left)
+                rows[seq.seq_id] = n
+                left -= n
+        # (c) one decode row each, while rows last.
+        for seq in order:
+            if left == 0:
+                break
+            if seq.state is SeqState.DECODING and seq.seq_id not in (rows.keys() | blocked):
+                rows[seq.seq_id] = 1
+                left -= 1
+        for seq in order:
+            seq.left_out = seq.seq_id not in rows and seq.seq_id not in blocked
+        if not rows:
+            return self._empty_plan()
+        self._deadlock = None
+        self._step += 1
+        self._batch_open = False  # static: the batch is closed once it has run
+        chunks = [self._chunk(seq, rows[seq.seq_id]) for seq in order if seq.seq_id in rows]
+        # Prefill chunks first, then decode rows (the StepPlan contract).
+        chunks.sort(key=lambda c: not c.prefill)
+        plan = StepPlan(step=self._step, chunks=tuple(chunks))
+        self._inflight = plan
+        return plan
+
+    def _chunk(self, seq: _Seq, n: int) -> ChunkPlan:
+        start = seq.computed
+        if seq.state is SeqState.DECODING:
+            return ChunkPlan(
+                seq_id=seq.seq_id,
+                token_ids=(seq.token_ids[start],),
+                start=start,
+                block_table=tuple(seq.blocks),
+                sample=True,
+                prefill=False,
+            )
+        end = start + n
+        return ChunkPlan(
+            seq_id=seq.seq_id,
+            token_ids=tuple(seq.token_ids[start:end]),
+            start=start,
+            block_table=tuple(seq.blocks),
+            sample=end == len(seq.token_ids),  # only the final chunk's logits are a new token
+            prefill=True,
+        )
+
+    def _empty_plan(self) -> StepPlan:
+        if self._running:
+            if self.config.policy is not Policy.FREE_SLOT:
+                raise RuntimeError(
+                    f"no row could be planned for {len(self._running)} running sequence(s) "
+                    f"under policy {self.config.policy.value}: a scheduler invariant is broken"
+                )
+            if not any(self._can_admit(self._seqs[s]) for _, s in self._waiting):
+                self._deadlock = self._report()
+        return StepPlan(step=self._step, chunks=())
+
+    def _grow(self) -> set[int]:
+        """Give every decoding sequence the block its next row writes into (rule 5).
+
+        Returns the seq_ids that must wait for a block (free-slot only). Oldest
+        ticket first, so under ``preempt`` the oldest running sequence is served
+        first and is never the victim while anyone younger runs.
+        """
+        cfg = self.config
+        blocked: set[int] = set()
+        decoding = [self._seqs[s] for s in self._running]
+        for seq in sorted(decoding, key=lambda s: s.ticket):
+            if seq.state is not SeqState.DECODING:
+                continue  # prefilling (its blocks were taken at admission) or just preempted
+            need = blocks_for(seq.computed + 1, cfg.block_size) - len(seq.blocks)
+            if need <= 0:
+                continue
+            if cfg.policy in (Policy.RESERVE, Policy.STATIC):
+                raise RuntimeError(f"seq {seq.seq_id} outgrew its reservation")
+            got = self.pool.allocate(need)
+            while got is None and cfg.policy is Policy.PREEMPT:
+                victim = max((self._seqs[s] for s in self._running), key=lambda s: s.ticket)
+                self._preempt(victim)
+                if victim is seq:
+                    break
+                got = self.pool.allocate(need)
+            if got is None:
+                if seq.state is SeqState.DECODING:
+                    blocked.add(seq.seq_id)
+                continue
+            seq.blocks.extend(got)
+        return blocked
+
+    def _preempt(self, seq: _Seq) -> None:
+        # Recompute, not swap: drop the K/V, keep the token ids and the ticket.
+        self._release(seq)
+        seq.state = SeqState.WAITING
+        seq.computed = 0
+        seq.preemptions += 1
+        seq.left_out = False
+        bisect.insort(self._waiting, (seq.ticket, seq.seq_id))
+        self._preemptions_total += 1
+        self._last_plan_preempted = True
+
+    def _readmit_preempted(self) -> None:
+        # A preempted sequence is readmitted only while it is the head of the queue,
+        # so readmission never overtakes anyone (rule 3 holds without counting).
+        while self._waiting:
+            head = self._seqs[self._waiting[0][1]]
+            if not head.preemptions or not self._can_admit(head):
+                return
+            self._admit(head)
+
+    def commit(self, result: StepResult) -> tuple[Finished, ...]:
+        """Apply one step's result: advance positions, append tokens, end sequences.
+
+        A sequence ends on a stop token id (``STOP``) or on reaching ``max_tokens``
+        (``LENGTH``; the context can never be the tighter limit, rule 1). Its blocks
+        are back in the pool before this returns. Results for sequences no longer
+        running (cancelled or finished while the step ran) are ignored.
+        """
+        plan = self._inflight
+        if plan is None:
+            raise RuntimeError("commit() without a plan in flight")
+        if result.step != plan.step:
+            raise ValueError(f"result for step {result.step}, but step {plan.step} is in flight")
+        sampled = {t.seq_id: t for t in result.sampled}
+        live = [
+            c
+            for c in plan.chunks
+            if (s := self._seqs.get(c.seq_id)) is not None and s.state in RUNNING_STATES
+        ]
+        missing = [c.seq_id for c in live if c.sample and c.seq_id not in sampled]
+        if missing:  # checked before anything changes, so a bad result leaves no trace
+            raise ValueError(f"step {plan.step} sampled no token for sequence(s) {missing}")
+        self._inflight = None
+        finished: list[Finished] = []
+        for chunk in live:
+            seq = self._seqs[chunk.seq_id]
+            seq.computed = chunk.start + chunk.n_rows
+            if not chunk.sample:
+                continue
+            token = sampled[seq.seq_id].token_id
+            seq.token_ids.append(token)
+            seq.state = SeqState.DECODING
+            if seq.first_token_step is None:
+                seq.first_token_step = plan.step
+            if token in seq.stop_ids:
+                finished.append(self._end(seq, SeqState.FINISHED, FinishReason.STOP))
+            elif seq.n_generated >= seq.max_tokens:
+                finished.append(self._end(seq, SeqState.FINISHED, FinishReason.LENGTH))
+        return tuple(finished)
+
+    def discard_step(self) -> None:
+        """Forget the plan in flight without applying it (its run failed).
+
+        Nothing it planned advanced, so the same rows will be planned again.
+        """
+        self._inflight = None
+
+    # -- ending -------------------------------------------------------------------
+
+    def finish(self, seq_id: int, reason: FinishReason = FinishReason.STOP) -> None:
+        """End a sequence early (a stop string matched); its blocks go back now.
+
+        Idempotent; an ended or forgotten sequence is left alone.
+        """
+        if reason is FinishReason.CANCELLED:
+            self.cancel(seq_id)
+            return
+        seq = self._seqs.get(seq_id)
+        if seq is None:
+            self._check_known(seq_id)
+            return
+        self._end(seq, SeqState.FINISHED, reason)
+
+    def cancel(self, seq_id: int) -> None:
+        """Drop a sequence in any state; its blocks are back in the pool on return.
+
+        Idempotent. Trap: a step already running may still produce a token for it;
+        ``commit`` ignores that token.
+        """
+        seq = self._seqs.get(seq_id)
+        if seq is None:
+            self._check_known(seq_id)
+            return
+        self._end(seq, SeqState.CANCELLED, FinishReason.CANCELLED)
+
+    def _end(self, seq: _Seq, state: SeqState, reason: FinishReason) -> Finished:
+        if seq.state is SeqState.WAITING:
+            self._waiting.remove((seq.ticket, seq.seq_id))
+        else:
+            self._release(seq)
+        seq.state = state
+        del self._seqs[seq.seq_id]
+        self._terminal[seq.seq_id] = state
+        if len(self._terminal) > _TERMINAL_MEMORY:
+            self._terminal.popitem(last=False)
+        if state is SeqState.CANCELLED:
+            self._cancelled_total += 1
+        else:
+            self._finished_total += 1
+        return Finished(seq.seq_id, reason, seq.n_generated)
+
+    def _release(self, seq: _Seq) -> None:
+        """Give a running sequence's blocks and slot back."""
+        self.pool.free(seq.blocks)
+        seq.blocks = []  # the same call that frees drops the ids: no stale table
+        self._running.remove(seq.seq_id)
+        del self._slot_of[seq.seq_id]
+        self._deadlock = None  # blocks came back: the next plan_step re-judges
+        if not self._running:
+            self._batch_open = True
+
+    def _check_known(self, seq_id: int) -> None:
+        if not 0 <= seq_id < self._next_id:
+            raise KeyError(seq_id)
+
+    # -- looking ------------------------------------------------------------------
+
+    def state(self, seq_id: int) -> SeqState:
+        """The sequence's state; ``KeyError`` for an id never issued or forgotten."""
+        seq = self._seqs.get(seq_id)
+        if seq is not None:
+            return seq.state
+        return self._terminal[seq_id]
+
+    def sequence(self, seq_id: int) -> SequenceInfo:
+        """A snapshot of a live (waiting or running) sequence; ``KeyError`` otherwise."""
+        seq = self._seqs[seq_id]
+        return SequenceInfo(
+            seq_id=seq.seq_id,
+            ticket=seq.ticket,
+            state=seq.state,
+            slot=self._slot_of.get(seq_id),
+            prompt_len=seq.prompt_len,
+            n_generated=seq.n_generated,
+            n_computed=seq.computed,
+            max_tokens=seq.max_tokens,
+            blocks=tuple(seq.blocks),
+            first_token_step=seq.first_token_step,
+            preemptions=seq.preemptions,
+        )
+
+    def token_ids(self, seq_id: int) -> tuple[int, ...]:
+        """Prompt + generated token ids of a live sequence."""
+        return tuple(self._seqs[seq_id].token_ids)
+
+    def running_ids(self) -> tuple[int, ...]:
+        """Running seq_ids in admission order."""
+        return tuple(self._running)
+
+    def waiting_ids(self) -> tuple[int, ...]:
+        """Waiting seq_ids in ticket order (the head first)."""
+        return tuple(s for _, s in self._waiting)
+
+    def deadlock_report(self) -> DeadlockReport | None:
+        """The current deadlock (free-slot only), or None."""
+        return self._deadlock
+
+    def _report(self) -> DeadlockReport:
+        bs = self.config.block_size
+        holders = tuple(
+            Holder(
+                seq_id=s.seq_id,
+                blocks=tuple(s.blocks),
+                n_computed=s.computed,
+                blocks_needed=blocks_for(s.computed + 1, bs) - len(s.blocks),
+            )
+            for s in (self._seqs[i] for i in self._running)
+        )
+        return DeadlockReport(
+            step=self._step,
+            holders=holders,
+            waiting=self.waiting_ids(),
+            free_blocks=self.pool.statistics().free,
+        )
+
+    def statistics(self) -> SchedulerStatistics:
+        pool = self.pool.statistics()
+        states = [self._seqs[s].state for s in self._running]
+        return SchedulerStatistics(
+            policy=self.config.policy,
+            step=self._step,
+            waiting=len(self._waiting),
+            running=len(self._running),
+            prefilling=states.count(SeqState.PREFILLING),
+            decoding=states.count(SeqState.DECODING),
+            free_slots=self.config.slots - len(self._running),
+            blocks_total=pool.total,
+            blocks_free=pool.free,
+            blocks_held=pool.held,
+            deadlocked=self._deadlock is not None,
+            admitted_total=self._admitted_total,
+            finished_total=self._finished_total,
+            cancelled_total=self._cancelled_total,
+            preemptions_total=self._preemptions_total,
+        )
