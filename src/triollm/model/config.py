@@ -1,0 +1,300 @@
+"""The model's shape, read from a Hugging Face ``config.json``.
+
+One frozen :class:`ModelConfig` covers the four Llama-family layouts we run: they
+share the decoder block (RMSNorm, RoPE attention with GQA, SwiGLU MLP) and differ
+in a handful of switches, each a field here:
+
+- ``llama``: optional ``attention_bias`` (q/k/v/o), ``rope_scaling`` of type
+  ``llama3`` or ``linear``, tied or untied output head;
+- ``mistral``: llama plus ``sliding_window`` (attention sees only the last W
+  positions);
+- ``qwen2``: q/k/v biases always on, o_proj without bias;
+- ``qwen3``: per-head RMSNorm on q and k before RoPE, explicit ``head_dim``.
+
+Two spellings of RoPE coexist in the wild: checkpoints saved before transformers
+5 carry ``rope_theta`` and ``rope_scaling`` at the top level; transformers 5
+writes one ``rope_parameters`` object holding both. Both are read here.
+
+Trap: every error is a :class:`~triollm.errors.ModelLoadError` naming the file
+(``source``) and the field, because the person reading it is looking at that file.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from triollm.errors import ModelLoadError
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass(frozen=True, slots=True)
+class RopeScaling:
+    """How RoPE frequencies are stretched for a longer context than training's.
+
+    ``rope_type`` ``linear`` divides every frequency by ``factor``. ``llama3``
+    divides only the low frequencies (wavelength beyond
+    ``original_max_position_embeddings / low_freq_factor``), keeps the high ones,
+    and blends in between.
+    """
+
+    rope_type: str  # "linear" | "llama3"
+    factor: float
+    low_freq_factor: float = 1.0  # llama3 only
+    high_freq_factor: float = 4.0  # llama3 only
+    original_max_position_embeddings: int = 8192  # llama3 only
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    """The architecture of one checkpoint, validated.
+
+    Build it with :meth:`from_dir` (a model directory) or :meth:`from_dict` (a
+    parsed ``config.json``, e.g. for a random benchmark model).
+    """
+
+    model_type: str  # one of SUPPORTED_MODEL_TYPES
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int  # < num_attention_heads means GQA
+    head_dim: int  # explicit in qwen3; hidden_size // num_attention_heads otherwise
+    vocab_size: int
+    max_position_embeddings: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: RopeScaling | None
+    tie_word_embeddings: bool  # True: lm_head is embed_tokens (no lm_head.weight tensor)
+    attention_bias: bool  # q/k/v projections carry a bias (qwen2 always; llama/qwen3 when set)
+    o_proj_bias: bool  # the output projection carries a bias too (llama/qwen3 attention_bias)
+    qk_norm: bool  # qwen3: RMSNorm over head_dim on q and k, before RoPE
+    sliding_window: int | None  # mistral: attend to at most this many latest positions
+    bos_token_id: int | None
+    eos_token_ids: frozenset[int]
+    torch_dtype: str  # the checkpoint's stated dtype ("float32", "bfloat16", ...)
+
+    @property
+    def kv_group_size(self) -> int:
+        """Query heads per KV head (1 without GQA)."""
+        return self.num_attention_heads // self.num_key_value_heads
+
+    def kv_bytes_per_position(self) -> int:
+        """Bytes of float32 K and V that one position occupies, over all layers."""
+        return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * 4
+
+    @classmethod
+    def from_dir(cls, model_dir: str | os.PathLike[str]) -> ModelConfig:
+        """Read ``model_dir/config.json``; ModelLoadError if missing or invalid."""
+        path = Path(model_dir) / "config.json"
+        if not path.is_file():
+            raise ModelLoadError(f"{path}: file not found (a model directory needs config.json)")
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ModelLoadError(f"{path}: not valid JSON ({exc})") from None
+        return cls.from_dict(data, source=str(path))
+
+    @classmethod
+    def from_dict(cls, d: Any, source: str = "config.json") -> ModelConfig:
+        """Validate a parsed ``config.json``. ``source`` names the file in errors."""
+        if not isinstance(d, Mapping):
+            raise ModelLoadError(f"{source}: expected a JSON object, got {type(d).__name__}")
+        r = _Reader(d, source)
+        model_type = r.string("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ModelLoadError(
+                f"{source}: model_type {model_type!r} is not supported "
+                f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
+            )
+        hidden_size = r.positive_int("hidden_size")
+        n_heads = r.positive_int("num_attention_heads")
+        n_kv = r.positive_int("num_key_value_heads", default=n_heads)
+        if n_heads % n_kv:
+            raise ModelLoadError(
+                f"{source}: num_attention_heads ({n_heads}) must be a multiple of "
+                f"num_key_value_heads ({n_kv})"
+            )
+        head_dim = r.positive_int("head_dim", default=None)
+        if head_dim is None:
+            if hidden_size % n_heads:
+                raise ModelLoadError(
+                    f"{source}: hidden_size ({hidden_size}) is not a multiple of "
+                    f"num_attention_heads ({n_heads}) and head_dim is not given"
+                )
+            head_dim = hidden_size // n_heads
+        if head_dim % 2:
+            raise ModelLoadError(f"{source}: head_dim must be even for RoPE, got {head_dim}")
+
+        for flag in ("mlp_bias",):
+            if r.boolean(flag, default=False):
+                raise ModelLoadError(f"{source}: {flag}=true is not supported")
+        if r.string("hidden_act", default="silu") != "silu":
+            raise ModelLoadError(f"{source}: hidden_act must be 'silu' (SwiGLU)")
+
+        if model_type == "qwen2":
+            attention_bias, o_proj_bias = True, False
+        elif model_type == "mistral":
+            attention_bias = o_proj_bias = False
+        else:
+            attention_bias = o_proj_bias = r.boolean("attention_bias", default=False)
+
+        sliding_window: int | None = None
+        if model_type == "mistral":
+            sliding_window = r.positive_int("sliding_window", default=None)
+        elif r.boolean("use_sliding_window", default=False):
+            raise ModelLoadError(
+                f"{source}: use_sliding_window=true is not supported for {model_type}"
+            )
+
+        max_pos = r.positive_int("max_position_embeddings")
+        rope_theta, rope_scaling = _read_rope(d, source)
+        eos = d.get("eos_token_id")
+        if eos is None:
+            eos_ids: frozenset[int] = frozenset()
+        elif _is_int(eos):
+            eos_ids = frozenset([int(eos)])
+        elif isinstance(eos, list) and all(_is_int(e) for e in eos):
+            eos_ids = frozenset(int(e) for e in eos)
+        else:
+            raise ModelLoadError(
+                f"{source}: eos_token_id must be an integer or a list of integers, got {eos!r}"
+            )
+        dtype = d.get("torch_dtype", d.get("dtype", "float32"))
+        return cls(
+            model_type=model_type,
+            hidden_size=hidden_size,
+            intermediate_size=r.positive_int("intermediate_size"),
+            num_hidden_layers=r.positive_int("num_hidden_layers"),
+            num_attention_heads=n_heads,
+            num_key_value_heads=n_kv,
+            head_dim=head_dim,
+            vocab_size=r.positive_int("vocab_size"),
+            max_position_embeddings=max_pos,
+            rms_norm_eps=r.positive_float("rms_norm_eps", default=1e-6),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            tie_word_embeddings=r.boolean("tie_word_embeddings", default=False),
+            attention_bias=attention_bias,
+            o_proj_bias=o_proj_bias,
+            qk_norm=model_type == "qwen3",
+            sliding_window=sliding_window,
+            bos_token_id=r.nonnegative_int("bos_token_id", default=None),
+            eos_token_ids=eos_ids,
+            torch_dtype=str(dtype) if dtype is not None else "float32",
+        )
+
+
+def _is_int(v: object) -> bool:
+    # JSON true/false arrive as bool, a subclass of int: never accept them as counts.
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+_MISSING: Any = object()  # sentinel: the field has no default and is required
+
+
+class _Reader:
+    """Typed field access with errors that name the file and the field."""
+
+    def __init__(self, d: Mapping[str, Any], source: str) -> None:
+        self.d = d
+        self.source = source
+
+    def _get(self, key: str, default: Any) -> Any:
+        # JSON null counts as absent: HF writes ``"head_dim": null`` for "derive it".
+        v = self.d.get(key)
+        if v is None:
+            if default is _MISSING:
+                raise ModelLoadError(f"{self.source}: required field {key!r} is missing")
+            return default
+        return v
+
+    def string(self, key: str, default: Any = _MISSING) -> Any:
+        v = self._get(key, default)
+        if v is not default and not isinstance(v, str):
+            raise ModelLoadError(f"{self.source}: field {key!r} must be a string, got {v!r}")
+        return v
+
+    def positive_int(self, key: str, default: Any = _MISSING) -> Any:
+        v = self._get(key, default)
+        if v is not default and (not _is_int(v) or v <= 0):
+            raise ModelLoadError(
+                f"{self.source}: field {key!r} must be a positive integer, got {v!r}"
+            )
+        return v
+
+    def nonnegative_int(self, key: str, default: Any = _MISSING) -> Any:
+        v = self._get(key, default)
+        if v is not default and (not _is_int(v) or v < 0):
+            raise ModelLoadError(
+                f"{self.source}: field {key!r} must be a non-negative integer, got {v!r}"
+            )
+        return v
+
+    def positive_float(self, key: str, default: Any = _MISSING) -> Any:
+        v = self._get(key, default)
+        if v is default:
+            return v
+        if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or v <= 0:
+            raise ModelLoadError(
+                f"{self.source}: field {key!r} must be a positive number, got {v!r}"
+            )
+        return float(v)
+
+    def boolean(self, key: str, default: Any = _MISSING) -> Any:
+        v = self._get(key, default)
+        if v is not default and not isinstance(v, bool):
+            raise ModelLoadError(f"{self.source}: field {key!r} must be true or false, got {v!r}")
+        return v
+
+
+def _read_rope(d: Mapping[str, Any], source: str) -> tuple[float, RopeScaling | None]:
+    """RoPE base and scaling from either spelling (see the module docstring)."""
+    params = d.get("rope_parameters")
+    if params is not None:
+        if not isinstance(params, Mapping):
+            raise ModelLoadError(f"{source}: field 'rope_parameters' must be an object")
+        field = "rope_parameters"
+        theta_src: Mapping[str, Any] = params
+        scaling: Any = params
+    else:
+        field = "rope_scaling"
+        theta_src = d
+        scaling = d.get("rope_scaling")
+    theta = _Reader(theta_src, source).positive_float("rope_theta", default=10000.0)
+    if scaling is None:
+        return theta, None
+    if not isinstance(scaling, Mapping):
+        raise ModelLoadError(f"{source}: field {field!r} must be an object or null")
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ModelLoadError(
+            f"{source}: {field}.rope_type {rope_type!r} is not supported "
+            f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
+        )
+    if rope_type == "default":
+        return theta, None
+    r = _Reader(scaling, f"{source} ({field})")
+    factor = r.positive_float("factor")
+    if rope_type == "linear":
+        return theta, RopeScaling("linear", factor)
+    low = r.positive_float("low_freq_factor")
+    high = r.positive_float("high_freq_factor")
+    if high <= low:
+        raise ModelLoadError(
+            f"{source}: {field}.high_freq_factor ({high}) must exceed low_freq_factor ({low})"
+        )
+    return theta, RopeScaling(
+        "llama3",
+        factor,
+        low_freq_factor=low,
+        high_freq_factor=high,
+        original_max_position_embeddings=r.positive_int("original_max_position_embeddings"),
+    )

@@ -1,0 +1,219 @@
+"""The forward pass's hot loops that are not weight products, as numba kernels.
+
+Each kernel is a plain loop nest over float32 arrays, compiled once
+(``cache=True`` keeps the machine code in ``__pycache__`` so the next process
+loads it instead of recompiling) and run without the GIL (``nogil=True``).
+
+Why ``nogil`` is not optional: the server runs ``Batch.run`` in a worker thread
+(``trio.to_thread.run_sync``). A kernel that holds the GIL for the length of an
+attention pass freezes the event loop for that long: no token is streamed, no
+request accepted, no cancellation noticed. numpy's BLAS releases the GIL on its
+own; these kernels must too.
+
+The kernels write into ``out`` arrays the caller preallocated; they never return
+new arrays, so the forward pass does not allocate per layer. Every array is
+float32 (the caller's job; see ``llama.py``). ``fastmath`` is on where
+reassociating a float32 sum is harmless; none of these loops compares against
+infinities or NaN (attention starts its max from a real score, never ``-inf``).
+
+Read with ``llama.py`` (the caller) and ``tests/model/test_kernels.py`` (each
+kernel against a plain-numpy reference on random shapes).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+
+
+@njit(cache=True, nogil=True, fastmath=True)
+def rms_norm(x: np.ndarray, weight: np.ndarray, eps: np.float32, out: np.ndarray) -> None:
+    """``out[i] = x[i] / sqrt(mean(x[i]**2) + eps) * weight`` for each row i.
+
+    x, out: (n, d) float32 (may be the same array); weight: (d,) float32.
+    """
+    n, d = x.shape
+    for i in range(n):
+        ss = np.float32(0.0)
+        for j in range(d):
+            ss += x[i, j] * x[i, j]
+        inv = np.float32(1.0) / np.sqrt(ss / np.float32(d) + np.float32(eps))
+        for j in range(d):
+            # HF rounds the normalised row before scaling by the weight; in float32
+            # both orders agree to the last bit or two, well inside tolerance.
+            out[i, j] = weight[j] * (x[i, j] * inv)
+
+
+@njit(cache=True, nogil=True, fastmath=True)
+def rope(x: np.ndarray, positions: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> None:
+    """Rotate ``x`` in place by each row's position, the Hugging Face way.
+
+    x: (n, n_heads, head_dim) float32; positions: (n,) int64;
+    cos, sin: (max_positions, head_dim // 2) float32 tables.
+    "Rotate half": dimension j pairs with j + head_dim/2 (not with j+1 as in the
+    original RoPE paper's interleaved layout; HF checkpoints have their q/k
+    weights permuted for this convention, so the other one gives garbage).
+    """
+    n, n_heads, head_dim = x.shape
+    half = head_dim // 2
+    for i in range(n):
+        p = positions[i]
+        for h in range(n_heads):
+            for j in range(half):
+                c = cos[p, j]
+                s = sin[p, j]
+                x1 = x[i, h, j]
+                x2 = x[i, h, j + half]
+                x[i, h, j] = x1 * c - x2 * s
+                x[i, h, j + half] = x2 * c + x1 * s
+
+
+@njit(cache=True, nogil=True, fastmath=True)
+def silu_mul(gate: np.ndarray, up: np.ndarray, out: np.ndarray) -> None:
+    """SwiGLU's middle: ``out = gate * sigmoid(gate) * up``. All (n, f) float32."""
+    n, f = gate.shape
+    for i in range(n):
+        for j in range(f):
+            g = gate[i, j]
+            out[i, j] = g / (np.float32(1.0) + np.exp(-g)) * up[i, j]
+
+
+@njit(cache=True, nogil=True)
+def write_kv(
+    k: np.ndarray,
+    v: np.ndarray,
+    k_cache: np.ndarray,
+    v_cache: np.ndarray,
+    row_block: np.ndarray,
+    row_offset: np.ndarray,
+) -> None:
+    """Store each row's K and V at its block and offset in one layer's pool.
+
+    k, v: (n, n_kv_heads, head_dim) float32; k_cache, v_cache:
+    (num_blocks, n_kv_heads, block_size, head_dim) float32; row_block,
+    row_offset: (n,) int64, already resolved through the block table.
+    Trap: no bounds checks here; the caller validates block ids first.
+    """
+    n, n_kv, head_dim = k.shape
+    for i in range(n):
+        b = row_block[i]
+        o = row_offset[i]
+        for h in range(n_kv):
+            for j in range(head_dim):
+                k_cache[b, h, o, j] = k[i, h, j]
+                v_cache[b, h, o, j] = v[i, h, j]
+
+
+@njit(cache=True, nogil=True, fastmath=True, parallel=True)
+def paged_attention(
+    q: np.ndarray,
+    k_cache: np.ndarray,
+    v_cache: np.ndarray,
+    positions: np.ndarray,
+    row_chunk: np.ndarray,
+    block_tables: np.ndarray,
+    window: int,
+    scale: np.float32,
+    out: np.ndarray,
+) -> None:
+    """Causal attention of every row over its own sequence's cached positions.
+
+    q: (n, n_heads, head_dim) float32, RoPE applied; k_cache, v_cache:
+    (num_blocks, n_kv_heads, block_size, head_dim) float32, already holding
+    this step's K/V; positions: (n,) int64; row_chunk: (n,) int64, the row's
+    index into block_tables: (n_chunks, max_blocks) int64; window: 0, or
+    attend only to the last ``window`` positions (mistral); out: (n, n_heads,
+    head_dim) float32.
+
+    Row i sees positions ``lo .. positions[i]`` of its sequence and nothing
+    else: the block table is the only way in, so another sequence's blocks are
+    unreachable, and positions past the row's own are never read (they may hold
+    a reservation's stale data). Work is split over (row, KV head) pairs; the
+    query heads of one GQA group share each K/V vector they load (the hot spot:
+    the K and V reads). Softmax is two-pass over a per-pair score buffer.
+    """
+    n, n_heads, head_dim = q.shape
+    n_kv = k_cache.shape[1]
+    block_size = k_cache.shape[2]
+    group = n_heads // n_kv
+    for item in prange(n * n_kv):
+        i = item // n_kv
+        kvh = item % n_kv
+        p = positions[i]
+        lo = 0
+        if window > 0 and p - window + 1 > 0:
+            lo = p - window + 1
+        n_ctx = p + 1 - lo
+        table = block_tables[row_chunk[i]]
+        scores = np.empty((group, n_ctx), dtype=np.float32)
+        # pass 1: scores = q . k * scale, and each head's max
+        for t in range(n_ctx):
+            pos = lo + t
+            b = table[pos // block_size]
+            o = pos % block_size
+            for g in range(group):
+                h = kvh * group + g
+                s = np.float32(0.0)
+                for j in range(head_dim):
+                    s += q[i, h, j] * k_cache[b, kvh, o, j]
+                scores[g, t] = s * np.float32(scale)
+        for g in range(group):
+            m = scores[g, 0]
+            for t in range(1, n_ctx):
+                m = max(m, scores[g, t])
+            total = np.float32(0.0)
+            for t in range(n_ctx):
+                e = np.exp(scores[g, t] - m)
+                scores[g, t] = e
+                total += e
+            inv = np.float32(1.0) / total
+            for t in range(n_ctx):
+                scores[g, t] *= inv
+            h = kvh * group + g
+            for j in range(head_dim):
+                out[i, h, j] = np.float32(0.0)
+        # pass 2: out = sum_t p_t * v_t
+        for t in range(n_ctx):
+            pos = lo + t
+            b = table[pos // block_size]
+            o = pos % block_size
+            for g in range(group):
+                h = kvh * group + g
+                w = scores[g, t]
+                for j in range(head_dim):
+                    out[i, h, j] += w * v_cache[b, kvh, o, j]
+
+
+def warm_up() -> float:
+    """Compile (or load from the on-disk cache) every kernel; return seconds taken.
+
+    Called at model load so the first request does not pay the compile. The
+    argument types match the forward pass's exactly (float32 ``eps``/``scale``,
+    int64 indices): numba compiles one version per signature, and a mismatch
+    here would leave the real one to compile during the first request.
+    """
+    import time
+
+    t0 = time.perf_counter()
+    x = np.ones((2, 2, 4), dtype=np.float32)
+    pos = np.zeros(2, dtype=np.int64)
+    tab = np.ones((4, 2), dtype=np.float32)
+    rope(x, pos, tab, tab)
+    x2 = x.reshape(2, 8)
+    rms_norm(x2, np.ones(8, dtype=np.float32), np.float32(1e-6), x2)
+    silu_mul(x2, x2, x2)
+    cache = np.zeros((1, 2, 4, 4), dtype=np.float32)
+    write_kv(x, x, cache, cache, pos, pos)
+    tables = np.zeros((1, 1), dtype=np.int64)
+    paged_attention(x, cache, cache, pos, pos, tables, 0, np.float32(0.5), np.empty_like(x))
+    return time.perf_counter() - t0
+
+
+__all__ = [
+    "paged_attention",
+    "rms_norm",
+    "rope",
+    "silu_mul",
+    "warm_up",
+    "write_kv",
+]

@@ -1,0 +1,439 @@
+"""The Llama-family decoder, run on a ragged batch over a paged KV cache.
+
+One :meth:`LlamaModel.forward` call computes the rows of several sequences at
+once: some contribute a prefill chunk of many prompt tokens, others a single
+decode token. Rows are stacked into one ``(n_rows, hidden)`` matrix, so every
+weight product runs once for the whole batch (the point of batching: a weight
+read from memory serves every row). Only attention is per sequence, and it
+finds each sequence's earlier K/V through that sequence's block table.
+
+Theory of operation, per layer (the labels match the comments in ``forward``):
+
+1. attention RMSNorm, then q/k/v projections for all rows (+ qwen2 biases);
+2. qwen3 only: RMSNorm of each q and k head;
+3. RoPE at each row's own position;
+4. write this step's K/V into the paged pool *first*, then attend: row i reads
+   positions ``0 .. position[i]`` of its sequence from the pool, so its own
+   chunk's earlier rows and the sequence's earlier steps look the same, and
+   the causal mask is just the loop bound;
+5. output projection and residual; MLP RMSNorm, SwiGLU, residual.
+
+After the last layer, the final norm and the output head run only on the rows
+whose logits will be sampled (the last row of a chunk with ``sample=True``):
+a 512-token prefill chunk needs one row of logits, not 512, and the head is the
+largest single product for a small model (vocab x hidden).
+
+Every array is float32. numpy 2 promotes a float32 array times an
+``np.float64`` scalar to float64, and one such constant once made a step 14x
+slower by turning the residual stream into float64; constants here are made
+``np.float32`` explicitly and the tests assert the dtypes.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from triollm.errors import ModelLoadError
+from triollm.model import kernels
+from triollm.model.config import ModelConfig
+from triollm.model.matmul import PreparedWeight, linear, prepare
+from triollm.model.weights import (
+    MappingSource,
+    TensorSource,
+    bf16_bits_to_f32,
+    expected_shapes,
+)
+from triollm.plan import ChunkPlan
+
+
+class PagedKVCache:
+    """The K and V of every cached position, in blocks, for all layers.
+
+    ``k[layer, block, kv_head, offset, :]`` is the key of the position stored
+    at ``offset`` of ``block``; a sequence's position ``p`` lives in block
+    ``block_table[p // block_size]`` at offset ``p % block_size``. The layout
+    puts the positions of one block and head next to each other, so attention
+    streams a block's keys contiguously.
+
+    Allocated once, zeroed, at the size the scheduler's pool was given. The
+    cache does not know which sequence owns a block: ownership is the block
+    pool's (``kv.py``); the cache is only storage.
+    """
+
+    def __init__(self, config: ModelConfig, num_blocks: int, block_size: int) -> None:
+        if num_blocks <= 0:
+            raise ValueError(f"num_blocks must be positive, got {num_blocks}")
+        if block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        shape = (
+            config.num_hidden_layers,
+            num_blocks,
+            config.num_key_value_heads,
+            block_size,
+            config.head_dim,
+        )
+        # (n_layers, num_blocks, n_kv_heads, block_size, head_dim) float32
+        self.k = np.zeros(shape, dtype=np.float32)
+        # (n_layers, num_blocks, n_kv_heads, block_size, head_dim) float32
+        self.v = np.zeros(shape, dtype=np.float32)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.k.nbytes + self.v.nbytes)
+
+
+@dataclass(eq=False)
+class LlamaLayer:
+    """One decoder block's parameters, named after their checkpoint keys
+    (``model.layers.{i}.<name>``) minus the ``self_attn.``/``mlp.`` prefix."""
+
+    input_layernorm: np.ndarray  # (hidden,) float32
+    q_proj: PreparedWeight  # [n_heads * head_dim, hidden]
+    k_proj: PreparedWeight  # [n_kv_heads * head_dim, hidden]
+    v_proj: PreparedWeight  # [n_kv_heads * head_dim, hidden]
+    o_proj: PreparedWeight  # [hidden, n_heads * head_dim]
+    q_proj_bias: np.ndarray | None  # (n_heads * head_dim,) float32, qwen2
+    k_proj_bias: np.ndarray | None  # (n_kv_heads * head_dim,) float32
+    v_proj_bias: np.ndarray | None  # (n_kv_heads * head_dim,) float32
+    o_proj_bias: np.ndarray | None  # (hidden,) float32, llama attention_bias
+    q_norm: np.ndarray | None  # (head_dim,) float32, qwen3
+    k_norm: np.ndarray | None  # (head_dim,) float32, qwen3
+    post_attention_layernorm: np.ndarray  # (hidden,) float32
+    gate_proj: PreparedWeight  # [intermediate, hidden]
+    up_proj: PreparedWeight  # [intermediate, hidden]
+    down_proj: PreparedWeight  # [hidden, intermediate]
+
+
+class _Scratch:
+    """Per-row buffers reused by every layer and every step; grown, never shrunk."""
+
+    def __init__(self, config: ModelConfig, rows: int) -> None:
+        c = config
+        self.rows = rows
+        q_dim = c.num_attention_heads * c.head_dim
+        kv_dim = c.num_key_value_heads * c.head_dim
+        f32 = np.float32
+        self.x = np.empty((rows, c.hidden_size), f32)  # residual stream
+        self.xn = np.empty((rows, c.hidden_size), f32)  # normed input of a sublayer
+        self.q = np.empty((rows, q_dim), f32)
+        self.k = np.empty((rows, kv_dim), f32)
+        self.v = np.empty((rows, kv_dim), f32)
+        self.att = np.empty((rows, q_dim), f32)  # attention output, heads concatenated
+        self.proj = np.empty((rows, c.hidden_size), f32)  # o_proj / down_proj output
+        self.gate = np.empty((rows, c.intermediate_size), f32)
+        self.up = np.empty((rows, c.intermediate_size), f32)
+
+
+class LlamaModel:
+    """Llama / Mistral / Qwen2 / Qwen3 decoder weights plus a ragged forward pass.
+
+    ``weights`` is an in-memory ``{checkpoint key: array}`` mapping or a
+    :class:`~triollm.model.weights.TensorSource` (a :class:`Checkpoint`, read
+    lazily). Arrays are float32, float16, or uint16 holding bfloat16 bits. Each
+    tensor is taken once, checked against its expected shape, prepared, and
+    the raw array dropped, so a lazy source never has the model in memory twice.
+
+    Trap: one model runs one forward at a time (it reuses its scratch buffers);
+    ``forward`` takes a lock, so a second caller waits rather than corrupts.
+    """
+
+    def __init__(
+        self, config: ModelConfig, weights: Mapping[str, np.ndarray] | TensorSource
+    ) -> None:
+        self.config = config
+        source: TensorSource = MappingSource(weights) if isinstance(weights, Mapping) else weights
+        self._source = source
+        self._shapes = expected_shapes(config)
+        c = config
+        # model.embed_tokens.weight: (vocab, hidden), kept in the checkpoint dtype;
+        # only the rows a step looks up are widened to float32.
+        self.embed_tokens = self._take("model.embed_tokens.weight")
+        self.layers: list[LlamaLayer] = []
+        for i in range(c.num_hidden_layers):
+            p = f"model.layers.{i}."
+            bias = c.attention_bias
+            self.layers.append(
+                LlamaLayer(
+                    input_layernorm=self._vector(p + "input_layernorm.weight"),
+                    q_proj=self._linear(p + "self_attn.q_proj.weight"),
+                    k_proj=self._linear(p + "self_attn.k_proj.weight"),
+                    v_proj=self._linear(p + "self_attn.v_proj.weight"),
+                    o_proj=self._linear(p + "self_attn.o_proj.weight"),
+                    q_proj_bias=self._vector(p + "self_attn.q_proj.bias") if bias else None,
+                    k_proj_bias=self._vector(p + "self_attn.k_proj.bias") if bias else None,
+                    v_proj_bias=self._vector(p + "self_attn.v_proj.bias") if bias else None,
+                    o_proj_bias=(
+                        self._vector(p + "self_attn.o_proj.bias") if c.o_proj_bias else None
+                    ),
+                    q_norm=self._vector(p + "self_attn.q_norm.weight") if c.qk_norm else None,
+                    k_norm=self._vector(p + "self_attn.k_norm.weight") if c.qk_norm else None,
+                    post_attention_layernorm=self._vector(p + "post_attention_layernorm.weight"),
+                    gate_proj=self._linear(p + "mlp.gate_proj.weight"),
+                    up_proj=self._linear(p + "mlp.up_proj.weight"),
+                    down_proj=self._linear(p + "mlp.down_proj.weight"),
+                )
+            )
+        self.norm = self._vector("model.norm.weight")  # (hidden,) float32
+        if c.tie_word_embeddings:
+            # The head shares the embedding matrix; prepare() lays out its own copy.
+            self.lm_head = self._prepare("model.embed_tokens.weight", self.embed_tokens)
+        else:
+            self.lm_head = self._linear("lm_head.weight")
+        # Drop the source: a Checkpoint holds its files open, and nothing is read later.
+        del self._source, self._shapes
+        # RoPE tables: (max_position_embeddings, head_dim // 2) float32 each
+        self.rope_cos, self.rope_sin = rope_tables(c)
+        self.eps = np.float32(c.rms_norm_eps)
+        self.scale = np.float32(1.0 / np.sqrt(np.float32(c.head_dim)))
+        self._scratch = _Scratch(c, 16)
+        self._lock = threading.Lock()
+
+    # -- loading ---------------------------------------------------------------
+
+    def _take(self, key: str) -> np.ndarray:
+        arr = self._source.get_tensor(key)
+        want = self._shapes[key]
+        if tuple(arr.shape) != want:
+            raise ModelLoadError(
+                f"{self._source.where(key)}: tensor {key!r} has shape {tuple(arr.shape)}, "
+                f"expected {want}"
+            )
+        if arr.dtype not in (np.float32, np.float16, np.uint16):
+            raise ModelLoadError(
+                f"{self._source.where(key)}: tensor {key!r} has dtype {arr.dtype}; "
+                "expected float32, float16 or bfloat16 bits (uint16)"
+            )
+        return arr
+
+    def _vector(self, key: str) -> np.ndarray:
+        return to_f32(self._take(key))
+
+    def _prepare(self, key: str, arr: np.ndarray) -> PreparedWeight:
+        return prepare(arr, bf16=arr.dtype == np.uint16)
+
+    def _linear(self, key: str) -> PreparedWeight:
+        return self._prepare(key, self._take(key))
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of parameters held in memory (prepared weights, embedding, norms)."""
+        # A tied head is prepared into its own buffer, so it really is held twice.
+        total = self.embed_tokens.nbytes + self.norm.nbytes + self.lm_head.nbytes
+        for layer in self.layers:
+            for value in vars(layer).values():
+                if value is not None:
+                    total += value.nbytes
+        return int(total)
+
+    # -- the forward pass ------------------------------------------------------
+
+    def forward(self, chunks: Sequence[ChunkPlan], kv: PagedKVCache) -> np.ndarray:
+        """Run one ragged step; return ``(n_sampled, vocab)`` float32 logits.
+
+        Row order is the chunks' order; the logits rows are the chunks with
+        ``sample=True``, in order. Writes every row's K/V into ``kv`` through
+        the chunk's block table before any row attends.
+
+        Trap: a block table must cover ``start + n_rows`` positions and name
+        blocks inside the pool; this is checked (ValueError), because the
+        kernels themselves do no bounds checks.
+        """
+        with self._lock:
+            return self._forward(chunks, kv)
+
+    def _forward(self, chunks: Sequence[ChunkPlan], kv: PagedKVCache) -> np.ndarray:
+        c = self.config
+        rows = _RowIndex.build(chunks, kv, c)
+        n = rows.n
+        if n > self._scratch.rows:
+            self._scratch = _Scratch(c, max(n, 2 * self._scratch.rows))
+        s = self._scratch
+        n_h, n_kv, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        x = s.x[:n]  # (n, hidden) float32: the residual stream
+        xn = s.xn[:n]  # (n, hidden) float32
+        q = s.q[:n]  # (n, n_heads * head_dim) float32
+        k = s.k[:n]  # (n, n_kv_heads * head_dim) float32
+        v = s.v[:n]  # (n, n_kv_heads * head_dim) float32
+        att = s.att[:n]  # (n, n_heads * head_dim) float32
+        proj = s.proj[:n]  # (n, hidden) float32
+        gate = s.gate[:n]  # (n, intermediate) float32
+        up = s.up[:n]  # (n, intermediate) float32
+        q3 = q.reshape(n, n_h, hd)  # (n, n_heads, head_dim) view
+        k3 = k.reshape(n, n_kv, hd)  # (n, n_kv_heads, head_dim) view
+        v3 = v.reshape(n, n_kv, hd)  # (n, n_kv_heads, head_dim) view
+        att3 = att.reshape(n, n_h, hd)  # (n, n_heads, head_dim) view
+
+        # token embedding (widened from the checkpoint dtype, only these rows)
+        x[...] = to_f32(self.embed_tokens[rows.tokens])
+
+        for i, layer in enumerate(self.layers):
+            # attention rmsnorm
+            kernels.rms_norm(x, layer.input_layernorm, self.eps, xn)
+            # q, k, v projections (+ qwen2 / attention_bias biases)
+            linear(xn, layer.q_proj, out=q)
+            linear(xn, layer.k_proj, out=k)
+            linear(xn, layer.v_proj, out=v)
+            qb, kb, vb = layer.q_proj_bias, layer.k_proj_bias, layer.v_proj_bias
+            if qb is not None and kb is not None and vb is not None:
+                q += qb
+                k += kb
+                v += vb
+            # qwen3: RMSNorm over each head's vector, before RoPE
+            if layer.q_norm is not None and layer.k_norm is not None:
+                q_heads = q.reshape(n * n_h, hd)
+                k_heads = k.reshape(n * n_kv, hd)
+                kernels.rms_norm(q_heads, layer.q_norm, self.eps, q_heads)
+                kernels.rms_norm(k_heads, layer.k_norm, self.eps, k_heads)
+            # RoPE at each row's own position
+            kernels.rope(q3, rows.positions, self.rope_cos, self.rope_sin)
+            kernels.rope(k3, rows.positions, self.rope_cos, self.rope_sin)
+            # write this step's K/V through the block tables, then attend over the pool
+            kernels.write_kv(k3, v3, kv.k[i], kv.v[i], rows.block, rows.offset)
+            kernels.paged_attention(
+                q3,
+                kv.k[i],
+                kv.v[i],
+                rows.positions,
+                rows.chunk,
+                rows.tables,
+                rows.window,
+                self.scale,
+                att3,
+            )
+            # output projection + residual
+            linear(att, layer.o_proj, out=proj)
+            if layer.o_proj_bias is not None:
+                proj += layer.o_proj_bias
+            x += proj
+            # mlp rmsnorm
+            kernels.rms_norm(x, layer.post_attention_layernorm, self.eps, xn)
+            # SwiGLU: down(silu(gate(x)) * up(x)) + residual
+            linear(xn, layer.gate_proj, out=gate)
+            linear(xn, layer.up_proj, out=up)
+            kernels.silu_mul(gate, up, gate)
+            linear(gate, layer.down_proj, out=proj)
+            x += proj
+
+        # final norm + output head, only on the rows that are sampled
+        h = x[rows.sampled]  # (n_sampled, hidden) float32, a copy
+        kernels.rms_norm(h, self.norm, self.eps, h)
+        return linear(h, self.lm_head)  # (n_sampled, vocab) float32
+
+
+@dataclass(frozen=True)
+class _RowIndex:
+    """The ragged batch flattened into per-row arrays the kernels index by."""
+
+    n: int
+    tokens: np.ndarray  # (n,) int64 token ids
+    positions: np.ndarray  # (n,) int64 position of each row in its sequence
+    chunk: np.ndarray  # (n,) int64 index of the row's chunk (its row of `tables`)
+    block: np.ndarray  # (n,) int64 pool block the row's K/V goes to
+    offset: np.ndarray  # (n,) int64 offset inside that block
+    tables: np.ndarray  # (n_chunks, max_blocks) int64 block tables, padded with 0
+    sampled: np.ndarray  # (n_sampled,) int64 rows whose logits are returned
+    window: int  # sliding window, 0 for none
+
+    @staticmethod
+    def build(chunks: Sequence[ChunkPlan], kv: PagedKVCache, c: ModelConfig) -> _RowIndex:
+        if not chunks:
+            raise ValueError("forward needs at least one chunk (an empty plan is not run)")
+        bs = kv.block_size
+        max_blocks = max(len(ch.block_table) for ch in chunks)
+        tables = np.zeros((len(chunks), max(max_blocks, 1)), dtype=np.int64)
+        lengths = [len(ch.token_ids) for ch in chunks]
+        n = sum(lengths)
+        positions = np.empty(n, dtype=np.int64)
+        chunk_of_row = np.empty(n, dtype=np.int64)
+        sampled: list[int] = []
+        row = 0
+        for ci, ch in enumerate(chunks):
+            m = lengths[ci]
+            if m < 1:
+                raise ValueError(f"chunk of sequence {ch.seq_id} has no tokens")
+            end = ch.start + m
+            if ch.start < 0 or end > len(ch.block_table) * bs:
+                raise ValueError(
+                    f"sequence {ch.seq_id}: positions {ch.start}..{end - 1} need "
+                    f"{-(-end // bs)} blocks of {bs}, block table has {len(ch.block_table)}"
+                )
+            if end > c.max_position_embeddings:
+                raise ValueError(
+                    f"sequence {ch.seq_id}: position {end - 1} is past the model's "
+                    f"max_position_embeddings ({c.max_position_embeddings})"
+                )
+            tables[ci, : len(ch.block_table)] = ch.block_table
+            positions[row : row + m] = np.arange(ch.start, end)
+            chunk_of_row[row : row + m] = ci
+            row += m
+            if ch.sample:
+                sampled.append(row - 1)
+        if tables.size and (tables.min() < 0 or tables.max() >= kv.num_blocks):
+            raise ValueError(
+                f"a block table names a block outside the pool (0..{kv.num_blocks - 1})"
+            )
+        tokens = np.fromiter((t for ch in chunks for t in ch.token_ids), dtype=np.int64, count=n)
+        if tokens.min() < 0 or tokens.max() >= c.vocab_size:
+            raise ValueError(f"a token id is outside the vocabulary (0..{c.vocab_size - 1})")
+        block = tables[chunk_of_row, positions // bs]
+        return _RowIndex(
+            n=n,
+            tokens=tokens,
+            positions=positions,
+            chunk=chunk_of_row,
+            block=np.ascontiguousarray(block),
+            offset=positions % bs,
+            tables=tables,
+            sampled=np.asarray(sampled, dtype=np.int64),
+            window=c.sliding_window or 0,
+        )
+
+
+def to_f32(arr: np.ndarray) -> np.ndarray:
+    """Widen a checkpoint array (float32, float16, or uint16 bf16 bits) to float32."""
+    if arr.dtype == np.uint16:
+        return bf16_bits_to_f32(arr)
+    return np.ascontiguousarray(arr, dtype=np.float32)
+
+
+def inverse_frequencies(config: ModelConfig) -> np.ndarray:
+    """RoPE's per-pair angular frequencies, (head_dim // 2,) float32, with scaling.
+
+    Computed in float32 the way transformers does, so the angles (and so the
+    logits of long prompts) agree with the reference to float32 rounding.
+    """
+    d = config.head_dim
+    exponent = np.arange(0, d, 2, dtype=np.int64).astype(np.float32) / np.float32(d)
+    inv_freq = (np.float32(1.0) / (np.float32(config.rope_theta) ** exponent)).astype(np.float32)
+    sc = config.rope_scaling
+    if sc is None:
+        return inv_freq
+    if sc.rope_type == "linear":
+        return (inv_freq / np.float32(sc.factor)).astype(np.float32)
+    # llama3: stretch long wavelengths by `factor`, keep short ones, blend between.
+    factor = np.float32(sc.factor)
+    old_len = np.float32(sc.original_max_position_embeddings)
+    low_wavelen = old_len / np.float32(sc.low_freq_factor)
+    high_wavelen = old_len / np.float32(sc.high_freq_factor)
+    wavelen = np.float32(2 * np.pi) / inv_freq
+    scaled = np.where(wavelen > low_wavelen, inv_freq / factor, inv_freq).astype(np.float32)
+    smooth = (old_len / wavelen - np.float32(sc.low_freq_factor)) / np.float32(
+        sc.high_freq_factor - sc.low_freq_factor
+    )
+    smoothed = (np.float32(1.0) - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+    return np.where(medium, smoothed, scaled).astype(np.float32)
+
+
+def rope_tables(config: ModelConfig) -> tuple[np.ndarray, np.ndarray]:
+    """cos and sin of ``position * inv_freq``: two (max_positions, head_dim // 2) float32."""
+    inv_freq = inverse_frequencies(config)
+    pos = np.arange(config.max_position_embeddings, dtype=np.float32)
+    angles = np.outer(pos, inv_freq).astype(np.float32)  # (max_positions, head_dim // 2)
+    return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
