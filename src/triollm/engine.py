@@ -1,0 +1,219 @@
+"""The offline driver: the server's batch loop without trio, for ``triollm generate`` and tests.
+
+The server runs one loop in a trio task (``service.py``); this module runs the *same*
+loop synchronously, against the same two objects:
+
+- the :class:`~triollm.scheduler.Scheduler` (pure policy: who is admitted, what each
+  step computes), and
+- the :class:`~triollm.batch.Batch` (mechanism: the ragged forward pass over the paged
+  KV cache, and per-sequence sampling).
+
+One turn, as in ``plan.py``'s theory of operation::
+
+    scheduler.admit_waiting()
+    plan = scheduler.plan_step()
+    result = batch.run(plan)
+    finished = scheduler.commit(result)
+
+Because nothing here is a simplified copy of the server's path, a test that runs
+several prompts through :meth:`Engine.generate_many` and compares them with each prompt
+run alone checks the real batching (``tests/test_engine.py``).
+
+Trap: an empty plan while sequences are still live means no sequence can make
+progress; offline there is nobody to free capacity, so :meth:`Engine._steps` raises
+instead of spinning.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Generator, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+from triollm.batch import Batch
+from triollm.model.loader import LoadedModel
+from triollm.model.sampling import SamplingParams
+from triollm.plan import Finished, FinishReason, SampledToken
+from triollm.scheduler import Scheduler, SchedulerConfig
+
+# Offline generation runs one request at a time unless asked for more, so the context
+# can be as long as the model allows up to this cap; 4096 positions of a 135M model's
+# K/V are ~190 MB of float32, which a laptop holds comfortably.
+DEFAULT_CONTEXT_CAP = 4096
+
+
+def engine_config(
+    loaded: LoadedModel,
+    *,
+    slots: int = 1,
+    context_tokens: int | None = None,
+    block_size: int = 32,
+) -> SchedulerConfig:
+    """A scheduler config whose pool holds ``slots`` sequences of the whole context.
+
+    ``context_tokens`` defaults to the model's ``max_position_embeddings`` capped at
+    :data:`DEFAULT_CONTEXT_CAP`. The pool is sized so the reserve policy can admit
+    every slot at once with a full-context reservation: offline there is no queue of
+    strangers to be fair to, only the caller's own prompts.
+    """
+    limit = loaded.config.max_position_embeddings
+    context = min(limit, DEFAULT_CONTEXT_CAP) if context_tokens is None else context_tokens
+    if context > limit:
+        raise ValueError(
+            f"context_tokens ({context}) exceeds the model's max_position_embeddings ({limit})"
+        )
+    blocks_per_seq = math.ceil(context / block_size)
+    return SchedulerConfig(
+        num_blocks=blocks_per_seq * slots,
+        block_size=block_size,
+        slots=slots,
+        context_tokens=context,
+        step_rows=max(544, slots + 512),
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    """One prompt to complete. ``stop_token_ids`` usually holds the tokenizer's EOS ids."""
+
+    prompt_ids: tuple[int, ...]
+    params: SamplingParams = field(default_factory=SamplingParams)
+    max_tokens: int | None = None  # None: the rest of the context
+    stop_token_ids: frozenset[int] = frozenset()
+
+
+@dataclass(frozen=True, slots=True)
+class Completion:
+    """What one request produced: every sampled token (a stop token included) and why it ended."""
+
+    prompt_ids: tuple[int, ...]
+    tokens: tuple[SampledToken, ...]
+    finish_reason: FinishReason
+
+    @property
+    def token_ids(self) -> list[int]:
+        return [t.token_id for t in self.tokens]
+
+
+class Generation(Iterator[SampledToken]):
+    """The token stream of one request; ``finish_reason`` is set once it is exhausted.
+
+    Trap: breaking out of the loop early (a stop string matched) leaves the sequence
+    holding KV blocks until :meth:`close` runs; ``for`` does not call it. Use the
+    generation as a context manager, or call ``close()``: the sequence then ends with
+    ``finish_reason`` STOP.
+    """
+
+    def __init__(self, engine: Engine, seq_id: int) -> None:
+        self._engine = engine
+        self.seq_id = seq_id
+        self._events = engine._steps({seq_id})
+        self.finish_reason: FinishReason | None = None
+
+    def __iter__(self) -> Generation:
+        return self
+
+    def __next__(self) -> SampledToken:
+        for event in self._events:
+            if isinstance(event, SampledToken):
+                return event
+            self.finish_reason = event.reason
+        raise StopIteration
+
+    def close(self) -> None:
+        if self.finish_reason is None:
+            self._events.close()  # the generator's finally ends the sequence
+            self.finish_reason = FinishReason.STOP
+
+    def __enter__(self) -> Generation:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class Engine:
+    """A Scheduler and a Batch over one loaded model, driven step by step in this thread.
+
+    Not thread-safe and not re-entrant: one :class:`Generation` (or one
+    :meth:`generate_many` call) at a time.
+    """
+
+    def __init__(self, loaded: LoadedModel, config: SchedulerConfig) -> None:
+        self.loaded = loaded
+        self.config = config
+        self.scheduler = Scheduler(config)
+        self.batch = Batch(loaded, num_blocks=config.num_blocks, block_size=config.block_size)
+        self.step_seconds: list[float] = []  # forward + sampling time of every step run
+
+    def submit(self, request: Request) -> int:
+        """Queue a request in the scheduler and the batch; returns its seq_id.
+
+        Raises :class:`~triollm.scheduler.Infeasible` (nothing queued) when the
+        prompt and ``max_tokens`` can never fit the context or the pool.
+        """
+        seq_id = self.scheduler.add(request.prompt_ids, request.max_tokens, request.stop_token_ids)
+        self.batch.add(seq_id, request.prompt_ids, request.params)
+        return seq_id
+
+    def generate(
+        self,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        max_tokens: int | None = None,
+        stop_token_ids: Iterable[int] = (),
+    ) -> Generation:
+        """Stream the tokens of one prompt as each step samples them."""
+        req = Request(tuple(prompt_ids), params, max_tokens, frozenset(stop_token_ids))
+        return Generation(self, self.submit(req))
+
+    def generate_many(self, requests: Sequence[Request]) -> list[Completion]:
+        """Complete several prompts in one batch (as far as the slots allow), in order."""
+        ids = [self.submit(r) for r in requests]
+        tokens: dict[int, list[SampledToken]] = {i: [] for i in ids}
+        reasons: dict[int, FinishReason] = {}
+        for event in self._steps(set(ids)):
+            if isinstance(event, SampledToken):
+                tokens[event.seq_id].append(event)
+            else:
+                reasons[event.seq_id] = event.reason
+        return [
+            Completion(r.prompt_ids, tuple(tokens[i]), reasons[i])
+            for r, i in zip(requests, ids, strict=True)
+        ]
+
+    def _steps(self, live: set[int]) -> Generator[SampledToken | Finished, None, None]:
+        """Run steps until every sequence in ``live`` has finished, yielding as they come.
+
+        A sampled token is yielded before the Finished of its sequence. Closing the
+        generator early cancels whatever is still live, so its blocks go back.
+        """
+        live = set(live)
+        try:
+            while live:
+                self.scheduler.admit_waiting()
+                plan = self.scheduler.plan_step()
+                if plan.is_empty:
+                    stats = self.scheduler.statistics()
+                    raise RuntimeError(
+                        f"no sequence can make progress ({stats}); offline, nothing else "
+                        "will free capacity"
+                    )
+                try:
+                    result = self.batch.run(plan)
+                except BaseException:
+                    self.scheduler.discard_step()  # else the next plan_step refuses to plan
+                    raise
+                self.step_seconds.append(result.seconds)
+                finished = self.scheduler.commit(result)
+                for token in result.sampled:
+                    if token.seq_id in live:
+                        yield token
+                for done in finished:
+                    self.batch.remove(done.seq_id)
+                    live.discard(done.seq_id)
+                    yield done
+        finally:
+            for seq_id in live:  # closed early, or an exception: give the blocks back
+                self.scheduler.cancel(seq_id)
+                self.batch.remove(seq_id)
