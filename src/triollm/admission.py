@@ -1,0 +1,262 @@
+"""The admission queue: a bounded wait for a slot, driven by one task.
+
+Theory of operation.
+
+1. A request *enqueues* (sync, :meth:`AdmissionQueue.enqueue`): if the queue already
+   holds ``max_waiters`` it is refused at once with :class:`QueueFull` (429); if
+   it can never run, the scheduler's ``add`` raises ``Infeasible`` (400). Otherwise
+   it becomes a WAITING sequence in the scheduler, which stamps it with an arrival
+   ticket, and a :class:`_Waiter` here.
+2. It then *waits* (:meth:`AdmissionQueue.wait_admitted`) on its own event, under
+   a cancel scope whose deadline is the wait budget. That deadline is a scope of
+   its own, nested inside the handler's: when it fires, the scope catches its own
+   cancellation and we answer 429 :class:`QueueTimeout`; when the *client* leaves,
+   the outer scope's ``Cancelled`` passes straight through ours (a scope only
+   catches a cancellation it caused). So "timed out" and "client left" stay two
+   different outcomes, the trio form of Go's separate timer beside ``ctx``.
+3. One driver task (:meth:`AdmissionQueue.run`) sleeps on a capacity channel of
+   size 1. Arrivals, finishes, cancels and every step offer a token with
+   ``send_nowait``; a pending token absorbs the next (``WouldBlock`` ignored). At
+   each wake the driver calls the scheduler's pure ``admit_waiting()``, which makes
+   one FCFS pass with bounded overtaking over *all* waiters and says who got in.
+   Nothing is counted from the signals: admissibility is recomputed from state,
+   so a coalesced signal loses nothing, and a signal after a state change always
+   leaves a token behind for the next pass.
+
+Why one driver and not each waiter watching the channel: FCFS and the overtake
+count are global. With N readers, the one that wins a signal may be one the rules
+forbid to enter, and the rest sleep until the next release (a lost wake-up).
+
+The race (tested both ways in tests/test_admission.py): a client may leave in the
+same instant the driver admits it. Both orders end with the slot back:
+
+- the waiter runs first: it marks itself GONE and cancels its WAITING sequence,
+  so the driver's next pass never sees it;
+- the driver runs first: it marks the waiter ADMITTED; the waiter then wakes with
+  ``Cancelled``, sees ADMITTED, and cancels the now-running sequence.
+
+Exactly one transition out of WAITING happens, and both happen on the event
+loop thread without an ``await`` in between, so no lock is needed.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import trio
+
+
+class Refusal(Exception):
+    """A capacity refusal (HTTP 429): not the client's fault, try again later."""
+
+    reason = "refused"
+
+    def __init__(self, message: str, retry_after_s: int) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class QueueFull(Refusal):
+    reason = "queue_full"
+
+
+class QueueTimeout(Refusal):
+    reason = "queue_timeout"
+
+
+class QueueClosed(Exception):
+    """The service is shutting down; nobody else is admitted (HTTP 503)."""
+
+
+class AdmissionScheduler(Protocol):
+    """The part of :class:`triollm.scheduler.Scheduler` the queue uses."""
+
+    def add(
+        self,
+        prompt_ids: Sequence[int],
+        max_tokens: int | None,
+        stop_token_ids: frozenset[int] = ...,
+    ) -> int: ...
+    def admit_waiting(self) -> tuple[int, ...]: ...
+    def cancel(self, seq_id: int) -> None: ...
+
+
+class WaiterState(enum.Enum):
+    WAITING = "waiting"
+    ADMITTED = "admitted"  # the driver let it in; it holds a slot and blocks
+    CLOSED = "closed"  # the queue closed while it waited
+    GONE = "gone"  # it left (client gone, timed out, or closed); its sequence is cancelled
+
+
+@dataclass(eq=False)
+class _Waiter:
+    seq_id: int
+    arrived: float
+    resolved: trio.Event
+    state: WaiterState = WaiterState.WAITING
+
+
+def retry_after(wait_s: float) -> int:
+    """Whole seconds for ``Retry-After``: the wait budget rounded up, never below 1.
+
+    The budget, not a service-time estimate: it is the one figure we can promise
+    (a request that waited that long was refused), and HTTP wants an integer.
+    """
+    return max(1, math.ceil(wait_s))
+
+
+class AdmissionQueue:
+    """Bounded waiting for admission in front of the scheduler.
+
+    ``on_admit(seq_id)`` is called (sync, from the driver) for each sequence the
+    moment it is admitted, before its waiter wakes: the service uses it to put the
+    sequence into the batch before the next step can plan it. ``on_release(seq_id)``
+    is called when a sequence that was admitted is given back here (its client
+    left in the race above).
+
+    Trap: :meth:`signal` must be called after *every* change that could admit
+    someone (a finish, a cancel, a step). Forgetting one is not a crash but a stall:
+    waiters sleep until some unrelated event wakes the driver.
+    """
+
+    def __init__(
+        self,
+        scheduler: AdmissionScheduler,
+        *,
+        max_waiters: int,
+        wait_s: float,
+        on_admit: Callable[[int], None] = lambda seq_id: None,
+        on_release: Callable[[int], None] = lambda seq_id: None,
+    ) -> None:
+        if max_waiters < 1:
+            raise ValueError(f"max_waiters must be at least 1, got {max_waiters}")
+        if not wait_s > 0:
+            raise ValueError(f"wait_s must be positive, got {wait_s}")
+        self._scheduler = scheduler
+        self.max_waiters = max_waiters
+        self.wait_s = wait_s
+        self._on_admit = on_admit
+        self._on_release = on_release
+        # Invariant: every key is a WAITING sequence in the scheduler.
+        self._waiters: dict[int, _Waiter] = {}
+        # Every waiter from enqueue until its wait_admitted returns (the driver may
+        # admit it before the caller starts waiting).
+        self._tickets: dict[int, _Waiter] = {}
+        self._wake_send, self._wake_recv = trio.open_memory_channel[None](1)
+        self._closed = False
+        self.passes = 0  # driver passes (for tests: proves coalescing)
+
+    # ------------------------------------------------------------------ sync core
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiters)
+
+    def signal(self) -> None:
+        """Offer one capacity token; a pending one absorbs it. Never blocks."""
+        try:
+            self._wake_send.send_nowait(None)
+        except trio.WouldBlock:
+            pass  # a wake-up is already pending: the driver will recompute from state
+        except trio.ClosedResourceError:
+            pass  # the driver has stopped (shutdown)
+
+    def enqueue(
+        self,
+        prompt_ids: Sequence[int],
+        max_tokens: int | None,
+        stop_token_ids: frozenset[int] = frozenset(),
+    ) -> int:
+        """Take a place in the queue, or be refused now. Returns the sequence id.
+
+        Raises :class:`QueueFull`, :class:`QueueClosed`, or the scheduler's
+        ``Infeasible`` (a request that could never run is refused before it queues).
+        """
+        if self._closed:
+            raise QueueClosed("the server is shutting down")
+        if len(self._waiters) >= self.max_waiters:
+            raise QueueFull(
+                f"the admission queue is full ({self.max_waiters} waiting); retry later",
+                retry_after(self.wait_s),
+            )
+        seq_id = self._scheduler.add(prompt_ids, max_tokens, stop_token_ids)
+        waiter = _Waiter(seq_id, trio.current_time(), trio.Event())
+        self._waiters[seq_id] = waiter
+        self._tickets[seq_id] = waiter
+        self.signal()
+        return seq_id
+
+    def drive(self) -> tuple[int, ...]:
+        """One admission pass (what the driver does at each wake). Sync, so tests
+        can run it at an exact point to order the cancel/admit race."""
+        self.passes += 1
+        admitted = self._scheduler.admit_waiting()
+        for seq_id in admitted:
+            waiter = self._waiters.pop(seq_id, None)
+            if waiter is None:
+                # Not a waiter of ours: a preempted sequence (policy preempt) re-entering.
+                # Its request is still streaming; the service never stopped owning it.
+                continue
+            waiter.state = WaiterState.ADMITTED
+            self._on_admit(seq_id)
+            waiter.resolved.set()
+        return admitted
+
+    def close(self) -> None:
+        """Stop admitting: every waiter is woken with :class:`QueueClosed`."""
+        self._closed = True
+        for waiter in self._waiters.values():
+            waiter.state = WaiterState.CLOSED
+            waiter.resolved.set()
+        self._wake_send.close()
+
+    def _leave(self, waiter: _Waiter) -> None:
+        """Undo a wait that did not end in a taken slot. Sync: it runs in ``finally``
+        under a cancelled scope, where any ``await`` would raise at once."""
+        was = waiter.state
+        waiter.state = WaiterState.GONE
+        self._waiters.pop(waiter.seq_id, None)
+        self._scheduler.cancel(waiter.seq_id)
+        if was is WaiterState.ADMITTED:
+            self._on_release(waiter.seq_id)
+        # A head that leaves may unblock the followers it was holding back.
+        self.signal()
+
+    # ------------------------------------------------------------------ async shell
+
+    async def wait_admitted(self, seq_id: int) -> float:
+        """Wait until the driver admits ``seq_id``; returns the seconds waited.
+
+        Raises :class:`QueueTimeout` when the wait budget runs out,
+        :class:`QueueClosed` on shutdown; a client that leaves gets ``Cancelled``
+        (the caller's scope), and in every one of those cases the sequence is
+        cancelled and any slot it was given goes back before this returns.
+        """
+        waiter = self._tickets[seq_id]
+        taken = False
+        try:
+            with trio.CancelScope(deadline=waiter.arrived + self.wait_s):
+                await waiter.resolved.wait()
+            if waiter.state is WaiterState.ADMITTED:
+                taken = True
+                return trio.current_time() - waiter.arrived
+            if waiter.state is WaiterState.CLOSED:
+                raise QueueClosed("the server is shutting down")
+            raise QueueTimeout(
+                f"waited {self.wait_s:g} s for a slot without being admitted; retry later",
+                retry_after(self.wait_s),
+            )
+        finally:
+            del self._tickets[seq_id]
+            if not taken:
+                self._leave(waiter)
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """The driver: one pass per wake until :meth:`close`."""
+        task_status.started()
+        async for _ in self._wake_recv:
+            self.drive()

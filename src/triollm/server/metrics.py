@@ -1,0 +1,170 @@
+"""Prometheus metrics, vLLM-style names under the ``triollm:`` prefix.
+
+Every :class:`Metrics` owns its own ``CollectorRegistry``. The process-global
+default registry would make two services in one process (the test suite starts
+many) collide on metric names, and would leak series between tests.
+
+Gauges that mirror scheduler state (running, waiting, KV blocks) are computed
+at scrape time from a ``statistics()`` callback, so they can never drift from
+the truth the way hand-incremented gauges do when a code path forgets one.
+
+Trap: ``prometheus_client`` appends ``_total`` to counter names itself; the
+names below are given without it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+# Seconds. From 1 ms (a decode step of a tiny model) to a minute (a long queue wait).
+LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+# Why a request ended without finishing: the reasons the issue names, plus shutdown.
+REJECTION_REASONS = (
+    "queue_full",
+    "queue_timeout",
+    "client_closed",
+    "too_slow",
+    "bad_request",
+    "shutdown",
+)
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+class _Stats(Protocol):
+    waiting: int
+    running: int
+    blocks_total: int
+    blocks_held: int
+
+
+class Metrics:
+    """The service's counters and histograms; one instance per service."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.running = Gauge(
+            "triollm:num_requests_running", "Sequences holding a slot.", registry=r
+        )
+        self.waiting = Gauge(
+            "triollm:num_requests_waiting", "Requests in the admission queue.", registry=r
+        )
+        self.kv_blocks_used = Gauge(
+            "triollm:kv_blocks_used", "KV cache blocks held by sequences.", registry=r
+        )
+        self.kv_blocks_total = Gauge(
+            "triollm:kv_blocks_total", "KV cache blocks in the pool.", registry=r
+        )
+        self.kv_usage = Gauge(
+            "triollm:kv_cache_usage_perc", "Fraction of KV blocks held (0-1).", registry=r
+        )
+        self.ttft = Histogram(
+            "triollm:time_to_first_token_seconds",
+            "From arrival to the first generated token.",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "triollm:inter_token_latency_seconds",
+            "Between consecutive tokens of one request.",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.queue_time = Histogram(
+            "triollm:request_queue_time_seconds",
+            "From arrival to admission (0 when admitted at once).",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "triollm:e2e_request_latency_seconds",
+            "From arrival to the last token, for requests that finished.",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.step_rows = Histogram(
+            "triollm:step_rows",
+            "Rows computed per forward pass.",
+            buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024),
+            registry=r,
+        )
+        self.step_width = Histogram(
+            "triollm:step_sequences",
+            "Sequences sharing one forward pass (the batch width).",
+            buckets=(1, 2, 3, 4, 6, 8, 12, 16, 32),
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "triollm:prompt_tokens", "Prompt tokens of admitted requests.", registry=r
+        )
+        self.generation_tokens = Counter(
+            "triollm:generation_tokens", "Tokens generated.", registry=r
+        )
+        self.success = Counter(
+            "triollm:request_success",
+            "Requests that finished, by finish_reason.",
+            ["finished_reason"],
+            registry=r,
+        )
+        self.rejections = Counter(
+            "triollm:request_rejections",
+            "Requests that ended without finishing, by reason.",
+            ["reason"],
+            registry=r,
+        )
+        for reason in REJECTION_REASONS:
+            self.rejections.labels(reason=reason)  # export zeros, so rate() works from the start
+        for reason in ("stop", "length"):
+            self.success.labels(finished_reason=reason)
+
+    def bind(self, statistics: Callable[[], _Stats]) -> None:
+        """Compute the state gauges from ``statistics()`` at every scrape."""
+        self.running.set_function(lambda: statistics().running)
+        self.waiting.set_function(lambda: statistics().waiting)
+        self.kv_blocks_used.set_function(lambda: statistics().blocks_held)
+        self.kv_blocks_total.set_function(lambda: statistics().blocks_total)
+
+        def usage() -> float:
+            s = statistics()
+            return s.blocks_held / s.blocks_total if s.blocks_total else 0.0
+
+        self.kv_usage.set_function(usage)
+
+    # -- the service's Observer hooks (triollm.service.Observer) --------------------
+
+    def admitted(self, prompt_tokens: int, queue_seconds: float) -> None:
+        self.prompt_tokens.inc(prompt_tokens)
+        self.queue_time.observe(queue_seconds)
+
+    def token(self, first: bool, seconds_since_previous: float) -> None:
+        self.generation_tokens.inc()
+        (self.ttft if first else self.itl).observe(seconds_since_previous)
+
+    def finished(self, reason: str, e2e_seconds: float) -> None:
+        self.success.labels(finished_reason=reason).inc()
+        self.e2e.observe(e2e_seconds)
+
+    def rejected(self, reason: str) -> None:
+        if reason not in REJECTION_REASONS:
+            raise ValueError(f"unknown rejection reason {reason!r}")
+        self.rejections.labels(reason=reason).inc()
+
+    def step(self, rows: int, width: int) -> None:
+        self.step_rows.observe(rows)
+        self.step_width.observe(width)
+
+    # -- reading ---------------------------------------------------------------------
+
+    def rejection_count(self, reason: str) -> float:
+        """The current count for one reason (tests read it)."""
+        value = self.registry.get_sample_value(
+            "triollm:request_rejections_total", {"reason": reason}
+        )
+        return value or 0.0
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

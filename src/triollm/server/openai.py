@@ -1,0 +1,341 @@
+"""OpenAI's request and error shapes: parse a JSON body into a frozen request, or refuse it.
+
+Everything a client can get wrong is found here, before the request touches the
+tokenizer, the queue or the scheduler: bad JSON, a field of the wrong type or
+out of range, a feature we do not implement (``n`` other than 1, ``echo``,
+``logit_bias`` ...). Each refusal is an :class:`ApiError` whose ``param`` names the
+field, so the ``openai`` client shows the user which argument to fix. The result
+is a :class:`GenerationRequest`, frozen, holding only plain values: the handler
+reads everything it needs from the Quart ``request`` *before* it starts the
+response, because the request object is gone by the time the body is written.
+
+Trap: JSON ``true`` is a Python ``bool``, which is an ``int``. Every integer field
+checks for ``bool`` first, or ``"max_tokens": true`` would mean one token.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from typing import Any, Literal
+
+# OpenAI caps `stop` at 4 sequences; more would make the hold-back buffer (the
+# longest stop string) and the per-token search cost grow without bound.
+MAX_STOP_SEQUENCES = 4
+MAX_STOP_CHARS = 256
+# The legacy completions API allows at most 5 alternatives per token; chat allows 20.
+MAX_COMPLETION_LOGPROBS = 5
+MAX_CHAT_TOP_LOGPROBS = 20
+
+
+class ApiError(Exception):
+    """A refusal with an HTTP status and OpenAI's error body.
+
+    ``param`` names the request field to fix (``None`` when no single field is to
+    blame); ``code`` is a short machine-readable reason (``"queue_full"``). The
+    message names the limit, so a refusal reads as arithmetic, not as a bug.
+    """
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = dict(headers or {})
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+
+def bad_request(message: str, param: str | None, code: str | None = None) -> ApiError:
+    return ApiError(400, message, param=param, code=code)
+
+
+@dataclass(frozen=True, slots=True)
+class ChatMessage:
+    role: str
+    content: str
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationRequest:
+    """One validated request, completion or chat, with every field resolved.
+
+    Exactly one of ``prompt_text`` / ``prompt_ids`` / ``messages`` is set.
+    ``max_tokens`` None means "until a stop or the end of the context".
+    ``logprobs`` None means no log-probabilities; an int is the number of
+    alternatives per token (0 = only the chosen token's).
+    """
+
+    kind: Literal["completion", "chat"]
+    model: str
+    prompt_text: str | None = None
+    prompt_ids: tuple[int, ...] | None = None
+    messages: tuple[ChatMessage, ...] | None = None
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None
+    stream: bool = False
+    include_usage: bool = False
+    user: str | None = None
+    ignore_eos: bool = False
+
+
+# --------------------------------------------------------------------------- field readers
+
+
+def _number(body: dict[str, Any], name: str, default: float, lo: float, hi: float) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise bad_request(f"'{name}' must be a number, got {type(value).__name__}", name)
+    if not math.isfinite(value) or not lo <= value <= hi:
+        raise bad_request(f"'{name}' must be between {lo} and {hi}, got {value}", name)
+    return float(value)
+
+
+def _integer(body: dict[str, Any], name: str, lo: int, hi: int | None = None) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise bad_request(f"'{name}' must be an integer, got {type(value).__name__}", name)
+    if value < lo or (hi is not None and value > hi):
+        limit = f"at least {lo}" if hi is None else f"between {lo} and {hi}"
+        raise bad_request(f"'{name}' must be {limit}, got {value}", name)
+    return value
+
+
+def _boolean(body: dict[str, Any], name: str, default: bool = False) -> bool:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise bad_request(f"'{name}' must be true or false, got {type(value).__name__}", name)
+    return value
+
+
+def _string(body: dict[str, Any], name: str) -> str | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise bad_request(f"'{name}' must be a string, got {type(value).__name__}", name)
+    return value
+
+
+def _stop(body: dict[str, Any]) -> tuple[str, ...]:
+    value = body.get("stop")
+    if value is None:
+        return ()
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
+        raise bad_request("'stop' must be a string or a list of strings", "stop")
+    if len(items) > MAX_STOP_SEQUENCES:
+        raise bad_request(
+            f"'stop' may hold at most {MAX_STOP_SEQUENCES} sequences, got {len(items)}", "stop"
+        )
+    for s in items:
+        if not s:
+            raise bad_request("'stop' sequences must not be empty", "stop")
+        if len(s) > MAX_STOP_CHARS:
+            raise bad_request(
+                f"'stop' sequences may be at most {MAX_STOP_CHARS} characters, got {len(s)}",
+                "stop",
+            )
+    return tuple(items)
+
+
+def _refuse_unsupported(body: dict[str, Any], kind: str) -> None:
+    """Fields we do not implement are refused by name, never silently ignored:
+    a client that asked for two choices and got one would miscount."""
+    n = body.get("n")
+    if n is not None and (isinstance(n, bool) or n != 1):
+        raise bad_request(f"'n' must be 1 (this server returns one choice), got {n!r}", "n")
+    best_of = body.get("best_of")
+    if best_of is not None and (isinstance(best_of, bool) or best_of != 1):
+        raise bad_request(f"'best_of' must be 1, got {best_of!r}", "best_of")
+    if body.get("echo"):
+        raise bad_request("'echo' is not supported", "echo")
+    if body.get("suffix") is not None:
+        raise bad_request("'suffix' is not supported", "suffix")
+    if body.get("logit_bias"):
+        raise bad_request("'logit_bias' is not supported", "logit_bias")
+    if kind == "chat":
+        if body.get("tools"):
+            raise bad_request("'tools' is not supported", "tools")
+        fmt = body.get("response_format")
+        if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type", "text") != "text"):
+            raise bad_request(
+                "'response_format' other than text is not supported", "response_format"
+            )
+
+
+def _common(body: dict[str, Any], kind: Literal["completion", "chat"]) -> dict[str, Any]:
+    _refuse_unsupported(body, kind)
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise bad_request("'model' is required and must be a string", "model")
+    max_tokens = _integer(body, "max_tokens", 1)
+    max_completion = _integer(body, "max_completion_tokens", 1)
+    if max_tokens is not None and max_completion is not None and max_tokens != max_completion:
+        raise bad_request(
+            f"'max_tokens' ({max_tokens}) and 'max_completion_tokens' ({max_completion}) differ;"
+            " give one",
+            "max_completion_tokens",
+        )
+    stream = _boolean(body, "stream")
+    include_usage = False
+    options = body.get("stream_options")
+    if options is not None:
+        if not stream:
+            raise bad_request(
+                "'stream_options' is only allowed when 'stream' is true", "stream_options"
+            )
+        if not isinstance(options, dict):
+            raise bad_request("'stream_options' must be an object", "stream_options")
+        include_usage = _boolean(options, "include_usage")
+    top_k = _integer(body, "top_k", -1)
+    seed = _integer(body, "seed", -(2**63), 2**64 - 1)
+    user = _string(body, "user")
+    return {
+        "kind": kind,
+        "model": model,
+        "max_tokens": max_completion if max_completion is not None else max_tokens,
+        "temperature": _number(body, "temperature", 1.0, 0.0, 2.0),
+        "top_p": _number(body, "top_p", 1.0, 0.0, 1.0),
+        "top_k": 0 if top_k is None or top_k == -1 else top_k,  # -1 is vLLM's "off"
+        "min_p": _number(body, "min_p", 0.0, 0.0, 1.0),
+        "seed": None if seed is None else seed % 2**64,
+        "stop": _stop(body),
+        "presence_penalty": _number(body, "presence_penalty", 0.0, -2.0, 2.0),
+        "frequency_penalty": _number(body, "frequency_penalty", 0.0, -2.0, 2.0),
+        "repetition_penalty": _number(body, "repetition_penalty", 1.0, 0.01, 10.0),
+        "stream": stream,
+        "include_usage": include_usage,
+        "user": user,
+        "ignore_eos": _boolean(body, "ignore_eos"),
+    }
+
+
+def _load_object(raw: bytes) -> dict[str, Any]:
+    try:
+        body = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise bad_request(f"the body is not valid JSON: {exc}", None, "invalid_json") from None
+    if not isinstance(body, dict):
+        raise bad_request("the body must be a JSON object", None, "invalid_json")
+    return body
+
+
+def parse_completion(raw: bytes) -> GenerationRequest:
+    """``POST /v1/completions``: ``prompt`` is a string or a list of token ids.
+
+    A list holding one string or one list of ids is accepted (the ``openai``
+    client sends that shape); several prompts are refused by name.
+    """
+    body = _load_object(raw)
+    fields = _common(body, "completion")
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]
+    prompt_text: str | None = None
+    prompt_ids: tuple[int, ...] | None = None
+    if isinstance(prompt, str):
+        if not prompt:
+            raise bad_request("'prompt' must not be empty", "prompt")
+        prompt_text = prompt
+    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+        if any(isinstance(t, bool) or t < 0 for t in prompt):
+            raise bad_request("'prompt' token ids must be non-negative integers", "prompt")
+        prompt_ids = tuple(prompt)
+    elif isinstance(prompt, list) and len(prompt) > 1:
+        raise bad_request(
+            f"'prompt' must be one prompt (a string or a list of token ids); got {len(prompt)}",
+            "prompt",
+        )
+    else:
+        raise bad_request("'prompt' is required: a string or a list of token ids", "prompt")
+    logprobs = _integer(body, "logprobs", 0, MAX_COMPLETION_LOGPROBS)
+    return GenerationRequest(
+        prompt_text=prompt_text, prompt_ids=prompt_ids, logprobs=logprobs, **fields
+    )
+
+
+def _message(index: int, item: Any) -> ChatMessage:
+    param = f"messages[{index}]"
+    if not isinstance(item, dict):
+        raise bad_request(f"'{param}' must be an object", param)
+    role = item.get("role")
+    if role not in ("system", "developer", "user", "assistant", "tool"):
+        raise bad_request(
+            f"'{param}.role' must be system, developer, user, assistant or tool; got {role!r}",
+            f"{param}.role",
+        )
+    content = item.get("content")
+    if content is None and role == "assistant":
+        content = ""
+    if isinstance(content, list):
+        parts = []
+        for j, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text":
+                raise bad_request(
+                    f"'{param}.content[{j}]' must be a text part (images are not supported)",
+                    f"{param}.content",
+                )
+            text = part.get("text")
+            if not isinstance(text, str):
+                raise bad_request(
+                    f"'{param}.content[{j}].text' must be a string", f"{param}.content"
+                )
+            parts.append(text)
+        content = "".join(parts)
+    if not isinstance(content, str):
+        raise bad_request(f"'{param}.content' must be a string or text parts", f"{param}.content")
+    return ChatMessage(role=role, content=content)
+
+
+def parse_chat(raw: bytes) -> GenerationRequest:
+    """``POST /v1/chat/completions``: ``messages`` go through the model's chat template.
+
+    ``logprobs`` is a boolean here and ``top_logprobs`` the number of alternatives.
+    """
+    body = _load_object(raw)
+    fields = _common(body, "chat")
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise bad_request("'messages' is required: a non-empty list of messages", "messages")
+    parsed = tuple(_message(i, m) for i, m in enumerate(messages))
+    want = _boolean(body, "logprobs")
+    top = _integer(body, "top_logprobs", 0, MAX_CHAT_TOP_LOGPROBS)
+    if top is not None and not want:
+        raise bad_request("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+    return GenerationRequest(messages=parsed, logprobs=(top or 0) if want else None, **fields)

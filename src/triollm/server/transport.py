@@ -1,0 +1,165 @@
+"""A bounded write for hypercorn's trio worker: a client that stops reading cannot pin us.
+
+The hazard (hypercorn 0.18, ``hypercorn/trio/tcp_server.py``, ``TCPServer.protocol_send``):
+every write to the socket runs inside ``trio.CancelScope(shield=True)`` with no
+deadline. The shield is there for a good reason -- a ``send_all`` interrupted
+half-way leaves half an HTTP chunk on the wire -- but it means a client that keeps
+its connection open and stops reading blocks that write until the kernel's
+buffers drain, i.e. forever. The request's task is stuck inside the shield: the
+disconnect machinery cannot reach it (the client never disconnects), our
+cancellation cannot reach it (shielded), and hypercorn's graceful shutdown
+cannot reach it either (it cancels the handler nursery, which the shield ignores).
+
+The fix keeps the shield and gives it a deadline of its own: a shielded cancel
+scope is immune to *outer* cancellation but still fires at *its own* deadline.
+A write that makes no progress for ``write_timeout_s`` seconds is abandoned, and
+because an abandoned ``send_all`` leaves the stream in an unknown state, the
+connection is aborted at once (``SO_LINGER`` 0, so the kernel drops the queued
+bytes with a RST instead of retrying them for minutes). Closing the socket wakes
+hypercorn's reader task, which reports ``http.disconnect`` to the app, and
+quart-trio cancels the handler: the ordinary client-left path takes over.
+
+It also lets a deployment shrink the kernel's send buffer (``SO_SNDBUF``) so a
+stalled reader backs up into our bounded per-request channel after kilobytes
+rather than megabytes, and keeps a set of live connections so shutdown can
+abort the ones still open after the grace period.
+
+How it is installed: ``hypercorn.trio.run.worker_serve`` builds connections by
+calling the module-global name ``TCPServer``. :func:`install` replaces that name
+with :class:`GuardedTCPServer`, a subclass that changes only ``run`` (register,
+buffer size) and the ``RawData`` branch of ``protocol_send``. It does so only for
+the hypercorn versions in :data:`PINNED_VERSIONS`, whose ``protocol_send`` it was
+written against and tested on; the options live on the hypercorn ``Config``, so a
+config without them behaves exactly as stock hypercorn.
+Test: tests/server/test_slow_client.py.
+
+Trap: upgrading hypercorn silently turns this off (install() returns False and
+the service logs a warning); tests/server/test_transport.py fails first.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.metadata
+import logging
+import socket
+import struct
+from typing import Any
+
+import hypercorn.trio.run as hypercorn_run
+import trio
+from hypercorn.config import Config
+from hypercorn.events import Closed, Event, RawData
+from hypercorn.trio.tcp_server import TCPServer
+
+log = logging.getLogger("triollm.server")
+
+PINNED_VERSIONS = frozenset({"0.18.0"})
+# The attributes this module reads from a hypercorn Config (absent = stock behaviour).
+WRITE_TIMEOUT_ATTR = "triollm_write_timeout_s"
+SEND_BUFFER_ATTR = "triollm_send_buffer_bytes"
+CONNECTIONS_ATTR = "triollm_connections"
+
+
+class GuardedTCPServer(TCPServer):
+    """hypercorn's TCPServer with a deadline on every shielded write."""
+
+    aborted = False
+
+    async def run(self) -> None:
+        connections: set[GuardedTCPServer] | None = getattr(self.config, CONNECTIONS_ATTR, None)
+        size = getattr(self.config, SEND_BUFFER_ATTR, None)
+        sock = getattr(self.stream, "socket", None)
+        if size is not None and sock is not None:
+            # Set before the first write; Linux doubles the value and disables autotuning.
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, size)
+        if connections is not None:
+            connections.add(self)
+        try:
+            await super().run()
+        finally:
+            if connections is not None:
+                connections.discard(self)
+
+    async def protocol_send(self, event: Event) -> None:
+        timeout: float | None = getattr(self.config, WRITE_TIMEOUT_ATTR, None)
+        if not isinstance(event, RawData) or timeout is None:
+            await super().protocol_send(event)
+            return
+        stalled = False
+        async with self.send_lock:
+            try:
+                # Shielded, as upstream: an outer cancel must not cut a chunk in half.
+                # The deadline is this scope's own, so it still fires inside the shield.
+                with trio.CancelScope(shield=True, deadline=trio.current_time() + timeout) as sc:
+                    await self.stream.send_all(event.data)
+                stalled = sc.cancelled_caught
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                await self.protocol.handle(Closed())
+                return
+        if stalled:
+            log.warning(
+                "write stalled for %.1f s (client not reading); aborting the connection", timeout
+            )
+            await self.abort()
+
+    async def abort(self) -> None:
+        """Drop the connection now: RST, queued bytes discarded, reader woken."""
+        if self.aborted:
+            return
+        self.aborted = True
+        sock = getattr(self.stream, "socket", None)
+        if sock is not None:
+            with contextlib.suppress(OSError):  # already closed by the peer: nothing to drop
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        with trio.CancelScope(shield=True):
+            await self.stream.aclose()  # closes at once; wakes the reader task
+        # The reader reports the disconnect too; doing it here as well makes it
+        # prompt even if the reader is parked (h11 PAUSED on a pipelined request).
+        await self.protocol.handle(Closed())
+
+
+def installed() -> bool:
+    return hypercorn_run.TCPServer is GuardedTCPServer
+
+
+def install() -> bool:
+    """Make hypercorn's trio worker build :class:`GuardedTCPServer` connections.
+
+    Idempotent. Returns False (and changes nothing) on a hypercorn version this
+    adaptation was not written against.
+    """
+    if installed():
+        return True
+    version = importlib.metadata.version("hypercorn")
+    if version not in PINNED_VERSIONS or hypercorn_run.TCPServer is not TCPServer:
+        log.warning(
+            "hypercorn %s is not one of %s: writes to a client that stops reading are unbounded",
+            version,
+            sorted(PINNED_VERSIONS),
+        )
+        return False
+    hypercorn_run.TCPServer = GuardedTCPServer  # type: ignore[misc]
+    return True
+
+
+def configure(
+    config: Config,
+    *,
+    write_timeout_s: float | None,
+    send_buffer_bytes: int | None,
+) -> set[Any]:
+    """Put the guard's options on a hypercorn Config; returns its live-connection set."""
+    connections: set[GuardedTCPServer] = set()
+    setattr(config, WRITE_TIMEOUT_ATTR, write_timeout_s)
+    setattr(config, SEND_BUFFER_ATTR, send_buffer_bytes)
+    setattr(config, CONNECTIONS_ATTR, connections)
+    return connections
+
+
+async def abort_all(connections: set[Any]) -> int:
+    """Abort every connection still open (shutdown after the grace period)."""
+    live = list(connections)
+    for conn in live:
+        await conn.abort()
+    return len(live)

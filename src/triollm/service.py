@@ -1,0 +1,718 @@
+"""The Service: one nursery that owns the batch loop, the admission driver and the HTTP server.
+
+Theory of operation (read with ``admission.py`` and ``plan.py``).
+
+The batch loop is one task. Each turn:
+
+1. apply pending batch membership (``executor.add`` / ``remove``): only here, between
+   steps, because the executor's state is being read by a worker thread during a step;
+2. ``plan = scheduler.plan_step()``; an empty plan parks the loop on an event that the
+   next admission sets (a sleep on an event, never on a timer);
+3. ``result = await trio.to_thread.run_sync(executor.run, plan)``: the forward pass runs
+   in a worker thread, so the event loop keeps accepting requests and writing SSE while
+   numpy/numba compute (the kernels release the GIL);
+4. ``finished = scheduler.commit(result)``, then each sampled token goes to its
+   request: detokenized, stop strings held back, and handed over with ``send_nowait``
+   on that request's bounded memory channel. ``trio.WouldBlock`` means the client has
+   fallen ``stream_buffer_steps`` steps behind: its sequence is cancelled, its blocks
+   go back, and its stream ends with a ``too_slow`` error. The loop never awaits a client;
+5. signal the admission driver: a step may have freed a slot.
+
+A request's stream ends with exactly one :data:`Outcome`, set *before* the channel is
+closed, so the reader drains the buffered deltas and then reads why it ended.
+
+Cancellation: a client that leaves makes its handler's cancel scope fire; the HTTP
+edge then calls :meth:`RequestStream.close` from a ``finally`` block. ``close`` is
+synchronous on purpose: inside a cancelled scope every ``await`` raises at once, so
+cleanup that awaits would silently not happen. It cancels the sequence in the
+scheduler, whose blocks are back in the pool before ``close`` returns.
+
+Trap: every change that could let a waiter in (finish, cancel, step) must call
+``self.queue.signal()``; a missed signal is not a crash but a stall.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import deque
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import trio
+
+from triollm.admission import AdmissionQueue
+from triollm.plan import Finished, FinishReason, SampledToken, StepPlan, StepResult
+from triollm.scheduler import Scheduler
+
+log = logging.getLogger("triollm.service")
+
+
+# --------------------------------------------------------------------------- configuration
+
+
+@dataclass(frozen=True)
+class ServiceConfig:
+    """The service's own knobs (the scheduler has its own config)."""
+
+    queue_depth_per_slot: int = 8  # waiters per slot; Forma's figure: bounded, never a backlog
+    queue_wait_s: float = 30.0  # wait budget; past it a waiter gets 429 (and Retry-After: 30)
+    # Steps of undelivered output a client may fall behind before it is cut off. Each
+    # step gives a request at most one delta, so this is also a bound in tokens. 256 is
+    # Forma's figure: at ~20 steps/s about 12 s of jitter, and only a few KB per request.
+    stream_buffer_steps: int = 256
+    max_tokens_default: int | None = None  # None: the rest of the context
+
+    def __post_init__(self) -> None:
+        if self.queue_depth_per_slot < 1:
+            raise ValueError(f"queue_depth_per_slot must be >= 1, got {self.queue_depth_per_slot}")
+        if not (self.queue_wait_s > 0 and math.isfinite(self.queue_wait_s)):
+            raise ValueError(f"queue_wait_s must be a positive number, got {self.queue_wait_s}")
+        if self.stream_buffer_steps < 1:
+            raise ValueError(f"stream_buffer_steps must be >= 1, got {self.stream_buffer_steps}")
+        if self.max_tokens_default is not None and self.max_tokens_default < 1:
+            raise ValueError(f"max_tokens_default must be >= 1, got {self.max_tokens_default}")
+
+
+class Executor(Protocol):
+    """What the batch loop needs from :class:`triollm.batch.Batch` (tests pass a fake)."""
+
+    def add(self, seq_id: int, prompt_ids: Sequence[int], params: Any) -> None: ...
+    def remove(self, seq_id: int) -> None: ...
+    def run(self, plan: StepPlan) -> StepResult: ...
+
+
+class Detokenizer(Protocol):
+    def push(self, token_id: int) -> str: ...
+    def flush(self) -> str: ...
+
+
+class Observer(Protocol):
+    """The metrics hooks the service calls (``server/metrics.py`` provides them)."""
+
+    def admitted(self, prompt_tokens: int, queue_seconds: float) -> None: ...
+    def token(self, first: bool, seconds_since_previous: float) -> None: ...
+    def finished(self, reason: str, e2e_seconds: float) -> None: ...
+    def rejected(self, reason: str) -> None: ...
+    def step(self, rows: int, width: int) -> None: ...
+
+
+class _NullObserver:
+    def admitted(self, prompt_tokens: int, queue_seconds: float) -> None:
+        pass
+
+    def token(self, first: bool, seconds_since_previous: float) -> None:
+        pass
+
+    def finished(self, reason: str, e2e_seconds: float) -> None:
+        pass
+
+    def rejected(self, reason: str) -> None:
+        pass
+
+    def step(self, rows: int, width: int) -> None:
+        pass
+
+
+# --------------------------------------------------------------------------- stream events
+
+
+@dataclass(frozen=True, slots=True)
+class TokenInfo:
+    """One generated token with its log-probabilities (when the request asked)."""
+
+    token_id: int
+    logprob: float | None
+    top: tuple[tuple[int, float], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Delta:
+    """New text for one request from one step (possibly empty while a stop string is
+    held back) and the tokens that produced it."""
+
+    text: str
+    tokens: tuple[TokenInfo, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Completed:
+    """The request finished normally. ``final`` is the last text (held-back text is
+    flushed into it) and the last token."""
+
+    finish_reason: str  # "stop" | "length"
+    final: Delta
+    prompt_tokens: int
+    completion_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class Failed:
+    """The request ended early: ``code`` is ``too_slow``, ``client_closed``,
+    ``shutdown`` or ``internal``."""
+
+    code: str
+    message: str
+    prompt_tokens: int
+    completion_tokens: int
+
+
+Outcome = Completed | Failed
+
+
+# --------------------------------------------------------------------------- stop strings
+
+
+class StopMatcher:
+    """Holds back text that could still turn into a stop string; never emits one.
+
+    Text is released only once no stop string can match across it: the longest
+    suffix of the pending text that is a prefix of some stop string stays behind.
+    A match ends the text just before the stop string (OpenAI's rule: the stop
+    sequence itself is not returned).
+    """
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self.stops = tuple(s for s in stops if s)
+        self.pending = ""
+
+    def feed(self, text: str) -> tuple[str, bool]:
+        """Returns (text safe to emit, whether a stop string matched)."""
+        self.pending += text
+        if not self.stops:
+            out, self.pending = self.pending, ""
+            return out, False
+        hits = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            out = self.pending[: min(hits)]
+            self.pending = ""
+            return out, True
+        hold = 0
+        for s in self.stops:
+            for k in range(min(len(s) - 1, len(self.pending)), hold, -1):
+                if self.pending.endswith(s[:k]):
+                    hold = k
+                    break
+        cut = len(self.pending) - hold
+        out, self.pending = self.pending[:cut], self.pending[cut:]
+        return out, False
+
+    def flush(self) -> str:
+        out, self.pending = self.pending, ""
+        return out
+
+
+# --------------------------------------------------------------------------- the step recorder
+
+
+@dataclass(frozen=True, slots=True)
+class StepRecord:
+    step: int
+    rows: int
+    width: int  # sequences in the forward pass
+    prefill_rows: int
+    decode_rows: int
+    seq_ids: tuple[int, ...]
+    seconds: float
+
+
+class StepRecorder:
+    """The last ``capacity`` steps: what each forward pass computed, and for whom.
+
+    Tests read batch width from here instead of from a clock ("two requests shared
+    a forward pass" is ``width >= 2`` on some step holding both ids).
+    """
+
+    def __init__(self, capacity: int = 4096) -> None:
+        self.records: deque[StepRecord] = deque(maxlen=capacity)
+        self.total_steps = 0
+
+    def record(self, plan: StepPlan, result: StepResult) -> StepRecord:
+        rec = StepRecord(
+            step=plan.step,
+            rows=plan.n_rows,
+            width=len(plan.chunks),
+            prefill_rows=sum(c.n_rows for c in plan.chunks if c.prefill),
+            decode_rows=sum(c.n_rows for c in plan.chunks if not c.prefill),
+            seq_ids=tuple(c.seq_id for c in plan.chunks),
+            seconds=result.seconds,
+        )
+        self.records.append(rec)
+        self.total_steps += 1
+        return rec
+
+    def shared(self, a: int, b: int) -> bool:
+        """Whether sequences ``a`` and ``b`` ever ran in the same forward pass."""
+        return any(a in r.seq_ids and b in r.seq_ids for r in self.records)
+
+    @property
+    def max_width(self) -> int:
+        return max((r.width for r in self.records), default=0)
+
+
+# --------------------------------------------------------------------------- one request
+
+
+@dataclass(eq=False)
+class _Live:
+    """The service's record of one request from enqueue to its outcome."""
+
+    seq_id: int
+    prompt_ids: tuple[int, ...]
+    params: Any
+    stop_ids: frozenset[int]
+    detok: Detokenizer
+    matcher: StopMatcher
+    send: trio.MemorySendChannel[Delta]
+    arrived: float
+    want_logprobs: bool
+    internal: bool = False  # the warm-up request: not counted in metrics
+    admitted_at: float | None = None
+    last_token_at: float | None = None
+    n_generated: int = 0
+    in_batch: bool = False
+    outcome: Outcome | None = None
+
+
+class RequestStream:
+    """The handler's end of one admitted request: ``async for delta in stream``,
+    then :attr:`outcome`.
+
+    Trap: call :meth:`close` in a ``finally`` (the HTTP edge does); a stream
+    dropped without it keeps generating until its buffer fills.
+    """
+
+    def __init__(
+        self, service: Service, live: _Live, recv: trio.MemoryReceiveChannel[Delta]
+    ) -> None:
+        self._service = service
+        self._live = live
+        self._recv = recv
+        self.seq_id = live.seq_id
+        self.prompt_tokens = len(live.prompt_ids)
+        self.queue_seconds = (live.admitted_at or live.arrived) - live.arrived
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> Delta:
+        try:
+            return await self._recv.receive()
+        except (trio.EndOfChannel, trio.ClosedResourceError):
+            raise StopAsyncIteration from None
+
+    @property
+    def outcome(self) -> Outcome | None:
+        """How the request ended; None while it runs."""
+        return self._live.outcome
+
+    def close(self) -> bool:
+        """End the request now if it is still running (sync: safe in a cancelled
+        ``finally``). Returns True if this cut it short (the client left)."""
+        self._recv.close()
+        return self._service._abandon(self._live)
+
+
+# --------------------------------------------------------------------------- the service
+
+
+class Service:
+    """Scheduler + executor + admission queue, driven by tasks in one nursery.
+
+    Build it, then ``await nursery.start(service.run)`` (optionally with a
+    ``frontend``, the HTTP server, started in the same nursery); ``submit`` from
+    request handlers.
+    """
+
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        executor: Executor,
+        *,
+        detokenizer: Callable[[Sequence[int]], Detokenizer],
+        eos_token_ids: frozenset[int],
+        config: ServiceConfig | None = None,
+        observer: Observer | None = None,
+        recorder: StepRecorder | None = None,
+        step_runner: Callable[[StepPlan], Awaitable[StepResult]] | None = None,
+    ) -> None:
+        self.scheduler = scheduler
+        self.executor = executor
+        # How a step runs: in a worker thread by default. Tests pass an in-loop runner
+        # they can gate, because a worker thread is invisible to MockClock and
+        # wait_all_tasks_blocked (the clock would autojump while the thread computes).
+        self._run_step = step_runner or self._run_in_thread
+        self.config = config or ServiceConfig()
+        self._detokenizer = detokenizer
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.observer: Observer = observer or _NullObserver()
+        self.recorder = recorder or StepRecorder()
+        slots = scheduler.config.slots
+        self.queue = AdmissionQueue(
+            scheduler,
+            max_waiters=slots * self.config.queue_depth_per_slot,
+            wait_s=self.config.queue_wait_s,
+            on_admit=self._on_admit,
+            on_release=self._on_release,
+        )
+        # Invariant: _live holds exactly the requests with no outcome yet.
+        self._live: dict[int, _Live] = {}
+        # Batch membership changes wait for the safe point between steps (the worker
+        # thread reads the executor's per-sequence state during a step).
+        self._to_add: list[int] = []
+        self._to_remove: list[int] = []
+        self._work = trio.Event()  # set when an admission may have made a plan non-empty
+        self._changed = trio.Event()  # set (and replaced) on every state change, for waiters
+        self._frontend_done = trio.Event()
+        self.closing = False
+        self.ready = False
+        self.running_step = False
+        self.outcomes: deque[tuple[int, str]] = deque(maxlen=1024)  # (seq_id, code) for tests
+
+    # ------------------------------------------------------------------ the task tree
+
+    async def run(
+        self,
+        frontend: Callable[..., Awaitable[Any]] | None = None,
+        *,
+        task_status: trio.TaskStatus[Any] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """Run the admission driver and the batch loop (and ``frontend``, if given)
+        until cancelled, or until the frontend returns (it has shut down)."""
+        async with trio.open_nursery() as nursery:
+            await nursery.start(self.queue.run)
+            nursery.start_soon(self._batch_loop)
+            started = None
+            if frontend is not None:
+                started = await nursery.start(self._run_frontend, frontend)
+            task_status.started(started)
+            if frontend is not None:
+                # The frontend ends after its graceful shutdown; take the rest down with it.
+                await self._frontend_done.wait()
+                self._end_all("shutdown", "the server shut down before the request finished")
+                nursery.cancel_scope.cancel()
+
+    async def _run_frontend(
+        self,
+        frontend: Callable[..., Awaitable[Any]],
+        *,
+        task_status: trio.TaskStatus[Any] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        try:
+            await frontend(task_status=task_status)
+        finally:
+            self._frontend_done.set()
+
+    async def warm_up(self, prompt_ids: Sequence[int], params: Any) -> None:
+        """Run one tiny request through the whole path (prefill and decode), so the
+        kernels are compiled before /ready says yes. Not counted in the metrics."""
+        stream = await self.submit(
+            prompt_ids, params=params, max_tokens=2, ignore_eos=True, internal=True
+        )
+        try:
+            async for _ in stream:
+                pass
+        finally:
+            stream.close()
+
+    def begin_shutdown(self) -> None:
+        """Stop admitting (waiters get 503); running streams continue."""
+        self.closing = True
+        self.ready = False
+        self.queue.close()
+        self._work.set()
+        self._notify()
+
+    # ------------------------------------------------------------------ requests
+
+    async def submit(
+        self,
+        prompt_ids: Sequence[int],
+        *,
+        params: Any,
+        max_tokens: int | None = None,
+        stop: Sequence[str] = (),
+        ignore_eos: bool = False,
+        want_logprobs: bool = False,
+        internal: bool = False,
+    ) -> RequestStream:
+        """Queue a request and wait for its admission; returns its stream.
+
+        Raises ``QueueFull`` / ``QueueTimeout`` (429), ``QueueClosed`` (503), the
+        scheduler's ``Infeasible`` (400); a client that leaves while queued gets
+        ``Cancelled`` with nothing left behind.
+        """
+        if max_tokens is None:
+            max_tokens = self.config.max_tokens_default
+            if max_tokens is not None:
+                room = self.scheduler.config.context_tokens - len(prompt_ids)
+                max_tokens = max(1, min(max_tokens, room))
+        stop_ids = frozenset() if ignore_eos else self.eos_token_ids
+        seq_id = self.queue.enqueue(prompt_ids, max_tokens, stop_ids)
+        send, recv = trio.open_memory_channel[Delta](self.config.stream_buffer_steps)
+        live = _Live(
+            seq_id=seq_id,
+            prompt_ids=tuple(prompt_ids),
+            params=params,
+            stop_ids=stop_ids,
+            detok=self._detokenizer(prompt_ids),
+            matcher=StopMatcher(stop),
+            send=send,
+            arrived=trio.current_time(),
+            want_logprobs=want_logprobs,
+            internal=internal,
+        )
+        self._live[seq_id] = live
+        self._notify()
+        try:
+            await self.queue.wait_admitted(seq_id)
+        except BaseException:
+            # Sync cleanup (we may be cancelled). The queue already cancelled the sequence.
+            self._live.pop(seq_id, None)
+            send.close()
+            self._notify()
+            raise
+        return RequestStream(self, live, recv)
+
+    def _on_admit(self, seq_id: int) -> None:
+        live = self._live.get(seq_id)
+        if live is None:
+            # Admission of a sequence we no longer track (impossible while the queue and
+            # the service stay in step); give its slot back rather than leak it.
+            self.scheduler.cancel(seq_id)
+            return
+        live.admitted_at = trio.current_time()
+        self._to_add.append(seq_id)
+        if not live.internal:
+            self.observer.admitted(len(live.prompt_ids), live.admitted_at - live.arrived)
+        self._work.set()
+        self._notify()
+
+    def _on_release(self, seq_id: int) -> None:
+        """An admitted sequence whose client left before taking its slot (the race)."""
+        live = self._live.pop(seq_id, None)
+        if live is not None and live.in_batch:
+            self._to_remove.append(seq_id)
+        self._notify()
+
+    # ------------------------------------------------------------------ ending requests
+
+    def _end(self, live: _Live, outcome: Outcome, *, cancel: bool) -> None:
+        """The one place a request ends. Sync; idempotent through ``_live``."""
+        if self._live.get(live.seq_id) is not live:
+            return
+        del self._live[live.seq_id]
+        if cancel:
+            self.scheduler.cancel(live.seq_id)  # blocks back in the pool now
+        live.outcome = outcome  # before close(): the reader drains, then reads this
+        live.send.close()
+        if live.in_batch:
+            self._to_remove.append(live.seq_id)
+        self.outcomes.append(
+            (
+                live.seq_id,
+                outcome.finish_reason if isinstance(outcome, Completed) else outcome.code,
+            )
+        )
+        if not live.internal:
+            if isinstance(outcome, Completed):
+                self.observer.finished(outcome.finish_reason, trio.current_time() - live.arrived)
+            elif outcome.code in ("too_slow", "client_closed", "shutdown"):
+                self.observer.rejected(outcome.code)
+        self.queue.signal()
+        self._notify()
+
+    def _failed(self, live: _Live, code: str, message: str) -> Failed:
+        return Failed(code, message, len(live.prompt_ids), live.n_generated)
+
+    def _abandon(self, live: _Live) -> bool:
+        if live.outcome is not None or self._live.get(live.seq_id) is not live:
+            return False
+        self._end(
+            live,
+            self._failed(live, "client_closed", "the client closed the connection"),
+            cancel=True,
+        )
+        return True
+
+    def _end_all(self, code: str, message: str) -> None:
+        for live in list(self._live.values()):
+            if live.admitted_at is not None:
+                self._end(live, self._failed(live, code, message), cancel=True)
+
+    # ------------------------------------------------------------------ the batch loop
+
+    def _apply_membership(self) -> None:
+        """The safe point: no step is running, so the executor may change."""
+        removes, self._to_remove = self._to_remove, []
+        for seq_id in removes:
+            self.executor.remove(seq_id)
+        adds, self._to_add = self._to_add, []
+        for seq_id in adds:
+            live = self._live.get(seq_id)
+            if live is None or live.outcome is not None:
+                continue  # left before it ever ran
+            self.executor.add(seq_id, live.prompt_ids, live.params)
+            live.in_batch = True
+
+    async def _batch_loop(self) -> None:
+        while True:
+            self._apply_membership()
+            plan = self.scheduler.plan_step()
+            if plan.is_empty:
+                self._work = trio.Event()
+                self._notify()
+                await self._work.wait()
+                continue
+            self.running_step = True
+            try:
+                result = await self._run_step(plan)
+            except Exception as exc:
+                self.running_step = False
+                self.scheduler.discard_step()
+                log.exception("step %d failed", plan.step)
+                for chunk in plan.chunks:
+                    live = self._live.get(chunk.seq_id)
+                    if live is not None:
+                        self._end(
+                            live,
+                            self._failed(live, "internal", f"the step failed: {exc}"),
+                            cancel=True,
+                        )
+                continue
+            self.running_step = False
+            finished = {f.seq_id: f for f in self.scheduler.commit(result)}
+            rec = self.recorder.record(plan, result)
+            self.observer.step(rec.rows, rec.width)
+            self._dispatch(result.sampled, finished)
+            self.queue.signal()  # a step may have freed a slot (and a signal is cheap)
+            self._notify()
+            await trio.lowlevel.checkpoint()  # let handlers write before the next step
+
+    async def _run_in_thread(self, plan: StepPlan) -> StepResult:
+        # Not abandon_on_cancel: the thread writes the KV pool; shutdown waits for the step.
+        return await trio.to_thread.run_sync(self.executor.run, plan)
+
+    def _dispatch(self, sampled: Sequence[SampledToken], finished: dict[int, Finished]) -> None:
+        now = trio.current_time()
+        for tok in sampled:
+            live = self._live.get(tok.seq_id)
+            if live is None:
+                continue  # cancelled while the step ran: commit ignored it too
+            self._deliver(live, tok, finished.get(tok.seq_id), now)
+        for seq_id, fin in finished.items():
+            live = self._live.get(seq_id)
+            if live is not None:  # finished without a token this step (never expected)
+                self._complete(live, fin.reason, Delta("", ()))
+
+    def _deliver(self, live: _Live, tok: SampledToken, fin: Finished | None, now: float) -> None:
+        first = live.last_token_at is None
+        # First token: time since arrival (TTFT). Later: time since the previous token.
+        since = now - (live.arrived if live.last_token_at is None else live.last_token_at)
+        live.last_token_at = now
+        live.n_generated += 1
+        if not live.internal:
+            self.observer.token(first, since)
+        info = (
+            (TokenInfo(tok.token_id, tok.logprob, tok.top_logprobs),) if live.want_logprobs else ()
+        )
+        if tok.token_id in live.stop_ids:
+            text, matched = "", False  # EOS / a stop id: it ends the text, it is not text
+        else:
+            text, matched = live.matcher.feed(live.detok.push(tok.token_id))
+        if matched:
+            if fin is None:
+                self.scheduler.finish(live.seq_id, FinishReason.STOP)
+            self._complete(live, FinishReason.STOP, Delta(text, info))
+            return
+        if fin is not None:
+            tail, matched = live.matcher.feed(live.detok.flush())
+            text += tail if matched else tail + live.matcher.flush()
+            reason = FinishReason.STOP if matched else fin.reason
+            self._complete(live, reason, Delta(text, info))
+            return
+        if not text and not info:
+            return  # held back: nothing to say yet
+        try:
+            live.send.send_nowait(Delta(text, info))
+        except trio.WouldBlock:
+            self._too_slow(live)
+
+    def _complete(self, live: _Live, reason: FinishReason, final: Delta) -> None:
+        outcome = Completed(reason.value, final, len(live.prompt_ids), live.n_generated)
+        # The scheduler has ended it already (commit or finish): no cancel.
+        self._end(live, outcome, cancel=False)
+
+    def _too_slow(self, live: _Live) -> None:
+        n = self.config.stream_buffer_steps
+        log.warning("seq %d: client %d steps behind (buffer full); cancelling it", live.seq_id, n)
+        self._end(
+            live,
+            self._failed(
+                live,
+                "too_slow",
+                f"the client fell {n} steps behind the generation (its stream buffer is full);"
+                " the request was cancelled to free its slot",
+            ),
+            cancel=True,
+        )
+
+    # ------------------------------------------------------------------ observation
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = trio.Event()
+
+    async def wait_until(self, predicate: Callable[[], bool]) -> None:
+        """Wait (on events, not a timer) until ``predicate()`` holds. For tests and
+        tools; the predicate is re-checked after every state change."""
+        while not predicate():
+            await self._changed.wait()
+
+    @property
+    def live_requests(self) -> int:
+        return len(self._live)
+
+    @property
+    def in_batch(self) -> frozenset[int]:
+        return frozenset(s for s, live in self._live.items() if live.in_batch)
+
+
+@dataclass(frozen=True)
+class MemoryReport:
+    """The startup arithmetic: why the limits are what they are."""
+
+    weight_bytes: int
+    kv_bytes_per_position: int
+    num_blocks: int
+    block_size: int
+    slots: int
+    context_tokens: int
+    lines: tuple[str, ...] = field(default=())
+
+    @property
+    def pool_positions(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def largest_request(self) -> int:
+        """Positions (prompt + max_tokens) of the largest request admissible on an empty pool."""
+        return min(self.context_tokens, self.pool_positions)
+
+    def describe(self) -> str:
+        mib = 1024 * 1024
+        kv_total = self.kv_bytes_per_position * self.pool_positions
+        return "\n".join(
+            [
+                f"weights: {self.weight_bytes / mib:.1f} MiB",
+                f"KV cache: {self.kv_bytes_per_position} bytes per position"
+                " (float32 K+V, all layers)",
+                f"pool: {self.num_blocks} blocks x {self.block_size} positions = "
+                f"{self.pool_positions} positions = {kv_total / mib:.1f} MiB",
+                f"slots: {self.slots}; context: {self.context_tokens} positions per sequence",
+                f"largest admissible request: prompt + max_tokens <= {self.largest_request} "
+                f"positions (min of the context and the pool)",
+                *self.lines,
+            ]
+        )
