@@ -1,0 +1,407 @@
+"""The Service's batch loop with a fake executor: no model, no threads, no wall clock.
+
+The fake "model" produces scripted tokens; its detokenizer maps a token id to one
+letter. Steps run on the event loop through a gate the test opens one step at a
+time, so every interleaving below is exact.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+import trio
+import trio.testing
+
+from triollm.admission import QueueFull
+from triollm.plan import SampledToken, StepPlan, StepResult
+from triollm.scheduler import Scheduler, SchedulerConfig, SeqState
+from triollm.service import Completed, Failed, Service, ServiceConfig, StopMatcher
+
+EOS = 1
+
+
+def letter(token: int) -> str:
+    return chr(ord("a") + (token - 2) % 26)
+
+
+def tok(ch: str) -> int:
+    return ord(ch) - ord("a") + 2
+
+
+class LetterDetok:
+    def __init__(self, prompt_ids: Sequence[int]) -> None:
+        pass
+
+    def push(self, token_id: int) -> str:
+        return letter(token_id)
+
+    def flush(self) -> str:
+        return ""
+
+
+class FakeExecutor:
+    """Scripted tokens per sequence (default: a b c ... forever). With ``gated``,
+    each step waits for the test to call ``release()``."""
+
+    def __init__(self, gated: bool = False) -> None:
+        self.scripts: dict[int, list[int]] = {}
+        self.members: set[int] = set()
+        self.removed: list[int] = []
+        self.steps: list[StepPlan] = []
+        self.gated = gated
+        self._gate_send, self._gate_recv = trio.open_memory_channel[None](math.inf)
+        self.inflight: StepPlan | None = None
+        self.fail_next = False
+
+    def add(self, seq_id: int, prompt_ids: Sequence[int], params: Any) -> None:
+        assert self.inflight is None, "membership changed while a step ran"
+        self.members.add(seq_id)
+
+    def remove(self, seq_id: int) -> None:
+        assert self.inflight is None, "membership changed while a step ran"
+        self.members.discard(seq_id)
+        self.removed.append(seq_id)
+
+    def release(self, n: int = 1) -> None:
+        for _ in range(n):
+            self._gate_send.send_nowait(None)
+
+    def run(self, plan: StepPlan) -> StepResult:
+        sampled = []
+        for chunk in plan.chunks:
+            assert chunk.seq_id in self.members, f"seq {chunk.seq_id} planned but not added"
+            if chunk.sample:
+                script = self.scripts.get(chunk.seq_id)
+                n = sum(1 for p in self.steps for c in p.chunks if c.seq_id == chunk.seq_id and c.sample)
+                token = script[n] if script else tok("abcdefghij"[n % 10])
+                sampled.append(SampledToken(chunk.seq_id, token))
+        self.steps.append(plan)
+        return StepResult(plan.step, tuple(sampled), plan.n_rows)
+
+    async def run_step(self, plan: StepPlan) -> StepResult:
+        self.inflight = plan
+        try:
+            if self.gated:
+                await self._gate_recv.receive()
+            else:
+                await trio.lowlevel.checkpoint()
+            if self.fail_next:
+                self.fail_next = False
+                raise RuntimeError("kernel exploded")
+            return self.run(plan)
+        finally:
+            self.inflight = None
+
+
+class Counter:
+    def __init__(self) -> None:
+        self.rejections: dict[str, int] = {}
+        self.finishes: dict[str, int] = {}
+        self.tokens = 0
+
+    def admitted(self, prompt_tokens: int, queue_seconds: float) -> None:
+        pass
+
+    def token(self, first: bool, seconds_since_previous: float) -> None:
+        self.tokens += 1
+
+    def finished(self, reason: str, e2e_seconds: float) -> None:
+        self.finishes[reason] = self.finishes.get(reason, 0) + 1
+
+    def rejected(self, reason: str) -> None:
+        self.rejections[reason] = self.rejections.get(reason, 0) + 1
+
+    def step(self, rows: int, width: int) -> None:
+        pass
+
+
+def make_service(
+    *, slots: int = 2, buffer: int = 8, gated: bool = False, num_blocks: int = 16, depth: int = 2
+) -> tuple[Service, FakeExecutor, Counter]:
+    sched = Scheduler(
+        SchedulerConfig(
+            num_blocks=num_blocks,
+            block_size=4,
+            slots=slots,
+            chunk_tokens=8,
+            step_rows=16,
+            context_tokens=32,
+        )
+    )
+    ex = FakeExecutor(gated=gated)
+    counter = Counter()
+    service = Service(
+        sched,
+        ex,
+        detokenizer=LetterDetok,
+        eos_token_ids=frozenset({EOS}),
+        config=ServiceConfig(
+            queue_depth_per_slot=depth, queue_wait_s=30.0, stream_buffer_steps=buffer
+        ),
+        observer=counter,
+        step_runner=ex.run_step,
+    )
+    return service, ex, counter
+
+
+async def read_all(stream) -> str:
+    text = ""
+    async for delta in stream:
+        text += delta.text
+    outcome = stream.outcome
+    if isinstance(outcome, Completed):
+        text += outcome.final.text
+    return text
+
+
+def pool_is_full(service: Service) -> bool:
+    s = service.scheduler.statistics()
+    return s.blocks_free == s.blocks_total and s.running == 0
+
+
+# ----------------------------------------------------------------------------- stop strings
+
+
+def test_stop_matcher_holds_back_a_possible_stop_and_never_emits_it():
+    m = StopMatcher(["XYZ"])
+    assert m.feed("ab") == ("ab", False)
+    assert m.feed("X") == ("", False)  # could be the start of XYZ: held
+    assert m.feed("Y") == ("", False)
+    assert m.feed("Q") == ("XYQ", False)  # can no longer match: released
+    assert m.feed("cXY") == ("c", False)
+    assert m.feed("Zdef") == ("", True)  # matched: nothing from the stop on
+
+
+def test_stop_matcher_picks_the_earliest_stop_and_flushes_the_rest():
+    m = StopMatcher(["cd", "b"])
+    assert m.feed("abcd") == ("a", True)
+    m = StopMatcher(["long-stop"])
+    assert m.feed("xlong") == ("x", False)
+    assert m.flush() == "long"
+
+
+# ----------------------------------------------------------------------------- streaming
+
+
+async def test_a_request_streams_its_tokens_and_finishes_with_length(autojump_clock):
+    service, ex, counter = make_service()
+    async with trio.open_nursery() as nursery:
+        await nursery.start(service.run)
+        stream = await service.submit([5, 6, 7], params=None, max_tokens=4)
+        deltas = [d.text async for d in stream]
+        outcome = stream.outcome
+        assert isinstance(outcome, Completed)
+        assert (outcome.finish_reason, outcome.completion_tokens) == ("length", 4)
+        assert "".join(deltas) + outcome.final.text == "abcd"
+        assert len(deltas) == 3  # one delta per step; the last token rides on the outcome
+        assert pool_is_full(service)
+        await trio.testing.wait_all_tasks_blocked()
+        assert ex.removed == [stream.seq_id]  # taken out of the batch at the next safe point
+        nursery.cancel_scope.cancel()
+    assert counter.finishes == {"length": 1}
+
+
+async def test_a_stop_string_is_never_emitted_and_finishes_the_sequence(autojump_clock):
+    service, ex, _ = make_service()
+    async with trio.open_nursery() as nursery:
+        await nursery.start(service.run)
+        ex.scripts[0] = [tok(c) for c in "abxyzcdefg"]
+        stream = await service.submit([5], params=None, max_tokens=10, stop=["xyz"])
+        assert stream.seq_id == 0
+        text = await read_all(stream)
+        assert text == "ab"
+        assert stream.outcome.finish_reason == "stop"
+        assert stream.outcome.completion_tokens == 5  # a b x y z, then finished early
+        assert service.scheduler.state(0) is SeqState.FINISHED
+        assert pool_is_full(service)
+        nursery.cancel_scope.cancel()
+
+
+async def test_eos_finishes_with_stop_and_is_not_text(autojump_clock):
+    service, ex, _ = make_service()
+    async with trio.open_nursery() as nursery:
+        await nursery.start(service.run)
+        ex.scripts[0] = [tok("h"), tok("i"), EOS, tok("z")]
+        stream = await service.submit([5], params=None, max_tokens=10)
+        assert await read_all(stream) == "hi"
+        assert (stream.outcome.finish_reason, stream.outcome.completion_tokens) == ("stop", 3)
+        nursery.cancel_scope.cancel()
+
+
+async def test_ignore_eos_keeps_generating(autojump_clock):
+    service, ex, _ = make_service()
+    async with trio.open_nursery() as nursery:
+        await nursery.start(service.run)
+        ex.scripts[0] = [tok("h"), EOS, tok("z")]
+        stream = await service.submit([5], params=None, max_tokens=3, ignore_eos=True)
+        text = await read_all(stream)
+        assert stream.outcome.finish_reason == "length"
+        assert text.endswith("z")
+        nursery.cancel_scope.cancel()
+
+
+async def test_two_requests_share_forward_passes(autojump_clock):
+    service, ex, _ = make_service(slots=2)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(service.run)
+        results: dict[int, str] = {}
+
+        async def client(prompt: list[int]) -> None:
+            stream = await service.submit(prompt, params=None, max_tokens=5)
+            results[stream.seq_id] = await read_all(stream)
+
+        nursery.start_soon(client, [5, 6])
+        nursery.start_soon(client, [7, 8, 9])
+        await service.wait_until(lambda: len(results) == 2)
+        assert service.recorder.max_width == 2
+        assert service.recorder.shared(0, 1)
+        assert results == {0: "abcde", 1: "abcde"}
+        nursery.cancel_scope.cancel()
+
+
+async def test_the_idle_loop_sleeps_on_an_event_not_a_timer(autojump_clock):
+    service, ex, _ = make_service()
+    async with trio.open_nursery() as nursery:
+        await nursery.start(service.run)
+        await trio.testing.wait_all_tasks_blocked()
+        autojump_clock.jump(3600)
+        await trio.testing.wait_all_tasks_blocked()
+        assert ex.steps == []  # an hour of idle: not a single step, not a single wake
+        stream = await service.submit([5], params=None, max_tokens=1)
+        assert await read_all(stream) == "a"
+        nursery.cancel_scope.cancel()
+
+
+# ----------------------------------------------------------------------------- backpressure
+
+
+async def test_a_slow_reader_is_cut_off_and_its_neighbour_completes(autojump_clock):
+    service, ex, counter = make_service(slots=2, buffer=2)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(service.run)
+        slow = await service.submit([5], params=None, max_tokens=20)
+        fast_text: list[str] = []
+
+        async def fast() -> None:
+            stream = await service.submit([6], params=None, max_tokens=12)
+            fast_text.append(await read_all(stream))
+
+        nursery.start_soon(fast)
+        # The slow reader never reads: after 2 buffered steps the 3rd delta would block.
+        await service.wait_until(lambda: slow.outcome is not None)
+        assert isinstance(slow.outcome, Failed)
+        assert slow.outcome.code == "too_slow"
+        assert slow.outcome.completion_tokens == 3
+        assert service.scheduler.state(slow.seq_id) is SeqState.CANCELLED
+        # What was buffered is still readable, then the stream ends.
+        assert [d.text async for d in slow] == ["a", "b"]
+        await service.wait_until(lambda: bool(fast_text))
+        assert fast_text == ["abcdefghij" + "ab"]
+        assert pool_is_full(service)
+        assert counter.rejections == {"too_slow": 1}
+        nursery.cancel_scope.cancel()
+
+
+# ----------------------------------------------------------------------------- cancellation
+
+
+async def test_a_client_leaving_mid_stream_returns_blocks_and_admits_the_next(autojump_clock):
+    service, ex, counter = make_service(slots=1, gated=True, num_blocks=2)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(service.run)
+        first = await service.submit([5, 6], params=None, max_tokens=6)  # 8 positions: 2 blocks
+        ex.release(2)
+        assert [await first.__anext__() for _ in range(2)][1].text == "b"
+        queued: list[Any] = []
+
+        async def second() -> None:
+            queued.append(await service.submit([7], params=None, max_tokens=2))
+
+        nursery.start_soon(second)
+        await trio.testing.wait_all_tasks_blocked()
+        assert queued == [] and service.queue.waiting == 1
+        assert first.close() is True  # the handler's finally: the client left
+        # Blocks are back at once (not at the next step), and the driver admitted the next.
+        await trio.testing.wait_all_tasks_blocked()
+        assert service.scheduler.state(first.seq_id) is SeqState.CANCELLED
+        assert len(queued) == 1
+        assert counter.rejections == {"client_closed": 1}
+        ex.release(10)
+        assert await read_all(queued[0]) == "ab"
+        assert first.close() is False  # idempotent: already ended
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_cancel_during_a_step_waits_for_the_safe_point_to_leave_the_batch(autojump_clock):
+    service, ex, _ = make_service(gated=True)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(service.run)
+        stream = await service.submit([5], params=None, max_tokens=8)
+        await trio.testing.wait_all_tasks_blocked()
+        assert ex.inflight is not None  # the first step is running
+        stream.close()
+        assert pool_is_full(service)  # blocks back even though the step still runs
+        assert ex.removed == []  # ...but the executor is not touched mid-step
+        ex.release()
+        await trio.testing.wait_all_tasks_blocked()
+        assert ex.removed == [stream.seq_id]  # commit ignored its token; removed after
+        assert ex.inflight is None and len(ex.steps) == 1
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_client_leaving_while_queued_leaves_nothing_behind(autojump_clock):
+    service, ex, counter = make_service(slots=1, gated=True)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(service.run)
+        holder = await service.submit([5], params=None, max_tokens=8)
+        with trio.move_on_after(5) as client:
+            await service.submit([6], params=None, max_tokens=2)
+        assert client.cancelled_caught
+        assert service.queue.waiting == 0
+        assert service.live_requests == 1
+        holder.close()
+        nursery.cancel_scope.cancel()
+
+
+async def test_overload_refuses_the_excess_at_once(autojump_clock):
+    service, ex, _ = make_service(slots=1, depth=2, gated=True)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(service.run)
+        await service.submit([5], params=None, max_tokens=2)
+        for _ in range(2):
+            nursery.start_soon(lambda: service.submit([5], params=None, max_tokens=2))
+        await trio.testing.wait_all_tasks_blocked()
+        with pytest.raises(QueueFull):
+            await service.submit([5], params=None, max_tokens=2)
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_failed_step_fails_only_its_requests_and_the_loop_goes_on(autojump_clock):
+    service, ex, _ = make_service()
+    async with trio.open_nursery() as nursery:
+        await nursery.start(service.run)
+        ex.fail_next = True
+        stream = await service.submit([5], params=None, max_tokens=3)
+        assert await read_all(stream) == ""
+        assert isinstance(stream.outcome, Failed) and stream.outcome.code == "internal"
+        assert pool_is_full(service)
+        again = await service.submit([5], params=None, max_tokens=3)
+        assert await read_all(again) == "abc"
+        nursery.cancel_scope.cancel()
+
+
+async def test_shutdown_refuses_new_work_and_lets_running_streams_finish(autojump_clock):
+    service, ex, _ = make_service(slots=1)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(service.run)
+        running = await service.submit([5], params=None, max_tokens=3)
+        service.begin_shutdown()
+        assert await read_all(running) == "abc"
+        from triollm.admission import QueueClosed
+
+        with pytest.raises(QueueClosed):
+            await service.submit([5], params=None, max_tokens=3)
+        nursery.cancel_scope.cancel()
