@@ -1,0 +1,286 @@
+"""``triollm generate``: complete one prompt from a model directory, streamed to stdout.
+
+The same path as the server, without HTTP: ``load_model`` -> tokenize (optionally
+through the chat template) -> :class:`~triollm.engine.Engine` (the real Scheduler and
+Batch) -> :class:`~triollm.model.tokenizer.IncrementalDetokenizer` -> stdout, one
+flushed write per piece of complete text.
+
+``--json`` prints one object at the end instead::
+
+    {"token_ids": [...], "text": "...", "prompt_token_ids": [...],
+     "finish_reason": "stop" | "length",
+     "timings": {"time_to_first_token_s": ..., "decode_tokens_per_s": ...,
+                 "prompt_tokens": ..., "completion_tokens": ...}}
+
+``token_ids`` are the generated ids only, including a final EOS/stop id when the model
+produced one; ``text`` leaves that stop token and any ``--stop`` string out.
+
+Every mistake the user can fix (no such directory, a broken config, a bad flag value, a
+prompt that cannot fit the context) is a :class:`~triollm.errors.UserError`: one line on
+stderr, exit status 2, no traceback. Tests: ``tests/test_generate.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import json
+import os
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, TextIO
+
+from triollm.errors import UserError
+from triollm.plan import FinishReason, SampledToken
+
+DEFAULT_MAX_TOKENS = 128  # enough to see a model's voice; capped by the context left
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "model_dir",
+        nargs="?",
+        metavar="MODEL_DIR",
+        help="a Hugging Face model directory (default: the built-in demo model)",
+    )
+    src = parser.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="the prompt text")
+    src.add_argument("--prompt-ids", help="the prompt as comma-separated token ids: 1,2,3")
+    parser.add_argument(
+        "--max-tokens",
+        type=int,
+        default=None,
+        help=f"tokens to generate (default {DEFAULT_MAX_TOKENS}, capped by the context left)",
+    )
+    parser.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (default 1)")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0, help="0 = off")
+    parser.add_argument("--min-p", type=float, default=0.0)
+    parser.add_argument("--repetition-penalty", type=float, default=1.0)
+    parser.add_argument("--presence-penalty", type=float, default=0.0)
+    parser.add_argument("--frequency-penalty", type=float, default=0.0)
+    parser.add_argument("--seed", type=int, default=None, help="reproduce a sampled run")
+    parser.add_argument("--logprobs", type=int, default=None, help="with --json: top-n logprobs")
+    parser.add_argument("--ignore-eos", action="store_true", help="do not stop at EOS")
+    parser.add_argument("--chat", action="store_true", help="wrap the prompt as a user message")
+    parser.add_argument("--json", action="store_true", help="print one JSON object at the end")
+    parser.add_argument(
+        "--stop", nargs="+", default=[], metavar="STR", help="stop before any of these strings"
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    # Imported here so `triollm generate --help` answers without loading numba.
+    from triollm.engine import Engine, engine_config
+    from triollm.model.loader import load_model
+    from triollm.scheduler import Infeasible
+
+    params = _sampling_params(args)
+    stops = _stop_strings(args.stop)
+    loaded = load_model(_model_dir(args.model_dir))
+    tok = loaded.tokenizer
+    prompt_ids = _prompt_ids(args, tok, loaded.config.vocab_size)
+    config = engine_config(loaded, slots=1)
+    left = config.context_tokens - len(prompt_ids)
+    max_tokens = args.max_tokens if args.max_tokens is not None else min(DEFAULT_MAX_TOKENS, left)
+    if max_tokens < 1:
+        raise UserError(
+            f"--max-tokens must be >= 1 (the prompt has {len(prompt_ids)} tokens and the "
+            f"context {config.context_tokens} positions), got {max_tokens}"
+        )
+    stop_ids = frozenset() if args.ignore_eos else tok.eos_token_ids | loaded.config.eos_token_ids
+
+    engine = Engine(loaded, config)
+    t0 = time.perf_counter()
+    try:
+        generation = engine.generate(prompt_ids, params, max_tokens, stop_ids)
+    except Infeasible as exc:
+        flag = "--max-tokens" if exc.field == "max_tokens" else "the prompt"
+        raise UserError(f"{flag}: {exc}") from None
+
+    try:
+        return _drive(generation, args, tok, prompt_ids, params, stops, stop_ids, t0)
+    except BrokenPipeError:
+        # The reader left (`| head`): stop quietly, and point stdout at /dev/null so the
+        # interpreter's own final flush does not raise the same error again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+
+
+def _drive(
+    generation: Any,
+    args: argparse.Namespace,
+    tok: Any,
+    prompt_ids: list[int],
+    params: Any,
+    stops: tuple[str, ...],
+    stop_ids: frozenset[int],
+    t0: float,
+) -> int:
+    """Consume the generation: stream or collect the text, then print the result."""
+    from triollm.model.tokenizer import IncrementalDetokenizer
+
+    out: TextIO = sys.stdout
+    stream = not args.json
+    detok = IncrementalDetokenizer(tok, prompt_ids)
+    matcher = StopStrings(stops)
+    tokens: list[SampledToken] = []
+    text: list[str] = []
+    t_first = t_last = t0
+    finish: FinishReason | None = None
+    with generation:
+        for token in generation:
+            t_last = time.perf_counter()
+            if not tokens:
+                t_first = t_last
+            tokens.append(token)
+            if token.token_id in stop_ids:
+                continue  # the sequence ends here; EOS is not part of the text
+            piece, matched = matcher.feed(detok.push(token.token_id))
+            _emit(piece, text, out if stream else None)
+            if matched:
+                finish = FinishReason.STOP
+                break
+        if finish is None:
+            finish = generation.finish_reason or FinishReason.STOP
+            piece, _ = matcher.feed(detok.flush())
+            _emit(piece + matcher.flush(), text, out if stream else None)
+
+    if stream:
+        out.write("\n")
+        out.flush()
+        return 0
+    n = len(tokens)
+    result: dict[str, Any] = {
+        "token_ids": [t.token_id for t in tokens],
+        "text": "".join(text),
+        "prompt_token_ids": list(prompt_ids),
+        "finish_reason": finish.value,
+        "timings": {
+            "time_to_first_token_s": round(t_first - t0, 6) if n else None,
+            "decode_tokens_per_s": (
+                round((n - 1) / (t_last - t_first), 3) if n > 1 and t_last > t_first else None
+            ),
+            "prompt_tokens": len(prompt_ids),
+            "completion_tokens": n,
+        },
+    }
+    if params.logprobs is not None:
+        result["logprobs"] = [
+            {"token_id": t.token_id, "logprob": t.logprob, "top_logprobs": t.top_logprobs}
+            for t in tokens
+        ]
+    json.dump(result, out, ensure_ascii=False)
+    out.write("\n")
+    out.flush()
+    return 0
+
+
+def _emit(piece: str, text: list[str], out: TextIO | None) -> None:
+    if not piece:
+        return
+    text.append(piece)
+    if out is not None:
+        out.write(piece)
+        out.flush()  # the point of streaming: the user sees each piece as it is made
+
+
+class StopStrings:
+    """Cut streamed text at the first stop string, never sending part of one.
+
+    Text that ends with a prefix of some stop string is held back (it may become the
+    stop string with the next piece); everything before it is safe to send.
+
+    Trap: a stop string can straddle two pieces, so matching each piece alone misses
+    it; matching only the final text would have already sent its first half.
+    """
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self.stops = tuple(stops)
+        self._held = ""
+
+    def feed(self, piece: str) -> tuple[str, bool]:
+        """(text safe to send, whether a stop string was found). After a match, stop feeding."""
+        if not self.stops:
+            return piece, False
+        text = self._held + piece
+        hits = [i for i in (text.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            self._held = ""
+            return text[: min(hits)], True
+        keep = 0
+        for s in self.stops:
+            for k in range(min(len(s) - 1, len(text)), keep, -1):
+                if text.endswith(s[:k]):
+                    keep = k
+                    break
+        self._held = text[len(text) - keep :] if keep else ""
+        return text[: len(text) - keep], False
+
+    def flush(self) -> str:
+        """The held-back tail at the end of the stream (it never became a stop string)."""
+        held, self._held = self._held, ""
+        return held
+
+
+def _model_dir(arg: str | None) -> Path:
+    if arg is not None:
+        return Path(arg)
+    # The demo package may not offer its model yet (or at all in a trimmed install):
+    # look the function up instead of importing it, so that is a message, not a crash.
+    demo = importlib.import_module("triollm.demo")
+    default_model_dir = getattr(demo, "default_model_dir", None)
+    if default_model_dir is None:
+        raise UserError(
+            "no MODEL_DIR given and the built-in demo model is not available in this "
+            "install; pass a Hugging Face model directory"
+        )
+    return Path(default_model_dir())
+
+
+def _sampling_params(args: argparse.Namespace) -> Any:
+    from triollm.model.sampling import SamplingParams
+
+    fields = {f.name for f in dataclasses.fields(SamplingParams)}
+    values = {name: getattr(args, name) for name in fields}
+    try:
+        return SamplingParams(**values)
+    except ValueError as exc:
+        message = str(exc)
+        name = message.split(" ", 1)[0]
+        flag = "--" + name.replace("_", "-")
+        raise UserError(f"{flag}: {message}") from None
+
+
+def _stop_strings(stops: Sequence[str]) -> tuple[str, ...]:
+    for s in stops:
+        if not s:
+            raise UserError("--stop: stop strings must not be empty")
+    return tuple(stops)
+
+
+def _prompt_ids(args: argparse.Namespace, tok: Any, vocab_size: int) -> list[int]:
+    if args.prompt_ids is not None:
+        if args.chat:
+            raise UserError("--chat needs --prompt text, not --prompt-ids")
+        try:
+            ids = [int(x) for x in args.prompt_ids.split(",") if x.strip()]
+        except ValueError:
+            raise UserError(
+                f"--prompt-ids must be comma-separated integers, got {args.prompt_ids!r}"
+            ) from None
+        bad = [i for i in ids if not 0 <= i < vocab_size]
+        if bad:
+            raise UserError(
+                f"--prompt-ids: ids must be in [0, {vocab_size - 1}] for this model, got {bad[:5]}"
+            )
+    elif args.chat:
+        ids = tok.encode_chat([{"role": "user", "content": args.prompt}])
+    else:
+        ids = tok.encode(args.prompt)
+    if not ids:
+        raise UserError("the prompt is empty: give at least one token of text")
+    return list(ids)
