@@ -35,10 +35,14 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 
 class _Stats(Protocol):
-    waiting: int
-    running: int
-    blocks_total: int
-    blocks_held: int
+    @property
+    def waiting(self) -> int: ...
+    @property
+    def running(self) -> int: ...
+    @property
+    def blocks_total(self) -> int: ...
+    @property
+    def blocks_held(self) -> int: ...
 
 
 class Metrics:

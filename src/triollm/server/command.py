@@ -1,0 +1,358 @@
+"""``triollm serve [MODEL_DIR]``: load a model, print the memory arithmetic, serve it.
+
+The task tree (one ``trio.run``)::
+
+    main nursery
+    |- signal watcher            SIGINT/SIGTERM -> graceful shutdown; a second one -> now
+    `- Service.run (its nursery)
+       |- admission driver       admission.py
+       |- batch loop             service.py
+       `- HTTP frontend          server/app.py: hypercorn.trio.serve + a shutdown watchdog
+
+Shutdown: the first signal closes the admission queue (waiters get 503), hypercorn
+stops accepting, and in-flight streams get ``--grace`` seconds to finish; then the
+remaining connections are aborted and the process exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import logging
+import math
+import re
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from triollm.errors import UserError
+from triollm.scheduler import Policy, Scheduler, SchedulerConfig
+from triollm.server.app import HttpConfig, ServedModel, create_app, serve_http
+from triollm.server.metrics import Metrics
+from triollm.service import MemoryReport, Service, ServiceConfig
+
+log = logging.getLogger("triollm.server")
+
+REFUSED_POLICIES = {
+    "static": "static runs a batch to completion before admitting anyone else "
+    "(head-of-line blocking); it is in the simulator for teaching only",
+    "free-slot": "free-slot admits on a free slot alone and deadlocks when the pool runs dry; "
+    "it is in the simulator for teaching only",
+}
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "model_dir",
+        nargs="?",
+        metavar="MODEL_DIR",
+        help="a Hugging Face model directory (default: the built-in demo model)",
+    )
+    parser.add_argument("--model", dest="model_opt", metavar="DIR", help="same as MODEL_DIR")
+    parser.add_argument("--model-name", help="the id clients send as 'model' (default: dir name)")
+    net = parser.add_argument_group("network")
+    net.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    net.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 = any free)")
+    net.add_argument(
+        "--public",
+        action="store_true",
+        help="allow a non-loopback --host (there is NO authentication)",
+    )
+    cap = parser.add_argument_group("capacity")
+    cap.add_argument("--slots", type=int, default=4, help="sequences running at once (4)")
+    mem = cap.add_mutually_exclusive_group()
+    mem.add_argument("--kv-blocks", type=int, help="KV pool size in blocks")
+    mem.add_argument(
+        "--kv-memory", help="KV pool budget, e.g. 256MiB or 2G (default: slots x context)"
+    )
+    cap.add_argument("--block-size", type=int, default=32, help="positions per KV block (32)")
+    cap.add_argument("--context", type=int, help="positions per sequence (default: the model's)")
+    cap.add_argument("--chunk", type=int, default=512, help="prefill tokens per sequence per step")
+    cap.add_argument("--step-rows", type=int, help="rows per forward pass (default: chunk + slots)")
+    cap.add_argument(
+        "--policy",
+        default="reserve",
+        help="admission policy: reserve (default; never deadlocks) or preempt",
+    )
+    q = parser.add_argument_group("queue and streams")
+    q.add_argument("--queue-depth-per-slot", type=int, default=8, help="waiters per slot (8)")
+    q.add_argument("--queue-wait", type=float, default=30.0, help="seconds a waiter may wait (30)")
+    q.add_argument(
+        "--stream-buffer",
+        type=int,
+        default=256,
+        help="steps a client may fall behind before it is cut off (256)",
+    )
+    q.add_argument("--max-tokens-default", type=int, help="max_tokens when a request gives none")
+    q.add_argument(
+        "--write-timeout",
+        type=float,
+        default=30.0,
+        help="abort a connection whose socket accepts nothing for this long (30 s; 0 = never)",
+    )
+    q.add_argument("--grace", type=float, default=30.0, help="shutdown grace period (30 s)")
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
+
+
+def parse_size(text: str) -> int:
+    """``"256MiB"``, ``"2G"``, ``"1048576"`` -> bytes (K/M/G/T are powers of 1024)."""
+    m = _SIZE.match(text)
+    if not m:
+        raise UserError(f"--kv-memory: cannot read {text!r}; write e.g. 256MiB or 2G")
+    power = " kmgt".index(m.group(2).lower() or " ")
+    return int(float(m.group(1)) * 1024**power)
+
+
+def _model_dir(args: argparse.Namespace) -> Path:
+    if args.model_dir and args.model_opt and args.model_dir != args.model_opt:
+        raise UserError("give the model once: MODEL_DIR or --model, not both")
+    chosen = args.model_dir or args.model_opt
+    if chosen:
+        return Path(chosen)
+    try:
+        from triollm.demo import default_model_dir  # type: ignore[attr-defined]
+    except ImportError:
+        raise UserError(
+            "no MODEL_DIR given and the built-in demo model is not available in this build; "
+            "pass a model directory: triollm serve PATH"
+        ) from None
+    path = Path(default_model_dir())
+    if not path.is_dir():
+        raise UserError(f"the built-in demo model is missing ({path}); pass a model directory")
+    return path
+
+
+@dataclass
+class Stack:
+    """Everything one server holds, built from a loaded model (tests build it too)."""
+
+    service: Service
+    app: Any
+    metrics: Metrics
+    served: ServedModel
+    report: MemoryReport
+    warm_prompt: list[int]
+
+
+def build_stack(
+    loaded: Any,
+    *,
+    slots: int = 4,
+    num_blocks: int | None = None,
+    kv_memory_bytes: int | None = None,
+    block_size: int = 32,
+    context_tokens: int | None = None,
+    chunk_tokens: int = 512,
+    step_rows: int | None = None,
+    policy: str = "reserve",
+    overtake_limit: int | None = None,
+    queue_depth_per_slot: int = 8,
+    queue_wait_s: float = 30.0,
+    stream_buffer_steps: int = 256,
+    max_tokens_default: int | None = None,
+    model_name: str | None = None,
+) -> Stack:
+    """Scheduler + Batch + Service + app for ``loaded``; validates every knob."""
+    from triollm.batch import Batch
+    from triollm.model.sampling import SamplingParams
+    from triollm.model.tokenizer import IncrementalDetokenizer
+
+    if policy in REFUSED_POLICIES:
+        raise UserError(f"--policy {policy} is refused here: {REFUSED_POLICIES[policy]}")
+    if policy not in ("reserve", "preempt"):
+        raise UserError(f"--policy must be reserve or preempt, got {policy!r}")
+    cfg = loaded.config
+    context = context_tokens or cfg.max_position_embeddings
+    if context > cfg.max_position_embeddings:
+        raise UserError(
+            f"--context {context} exceeds the model's max_position_embeddings "
+            f"({cfg.max_position_embeddings})"
+        )
+    per_position = cfg.kv_bytes_per_position()
+    if num_blocks is None:
+        if kv_memory_bytes is not None:
+            num_blocks = kv_memory_bytes // (per_position * block_size)
+            if num_blocks < 1:
+                raise UserError(
+                    f"--kv-memory {kv_memory_bytes} bytes holds no block: one block is "
+                    f"{block_size} positions x {per_position} bytes = {block_size * per_position}"
+                )
+        else:
+            num_blocks = math.ceil(slots * context / block_size)  # every slot can fill its context
+    rows = step_rows if step_rows is not None else chunk_tokens + slots
+    try:
+        sched_config = SchedulerConfig(
+            num_blocks=num_blocks,
+            block_size=block_size,
+            slots=slots,
+            chunk_tokens=chunk_tokens,
+            step_rows=rows,
+            context_tokens=context,
+            policy=Policy(policy),
+            overtake_limit=overtake_limit,
+        )
+        service_config = ServiceConfig(
+            queue_depth_per_slot=queue_depth_per_slot,
+            queue_wait_s=queue_wait_s,
+            stream_buffer_steps=stream_buffer_steps,
+            max_tokens_default=max_tokens_default,
+        )
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+    batch = Batch(loaded, num_blocks=num_blocks, block_size=block_size)
+    metrics = Metrics()
+    tokenizer = loaded.tokenizer
+    service = Service(
+        Scheduler(sched_config),
+        batch,
+        detokenizer=partial(IncrementalDetokenizer, tokenizer),
+        eos_token_ids=frozenset(tokenizer.eos_token_ids) | frozenset(cfg.eos_token_ids),
+        config=service_config,
+        observer=metrics,
+    )
+    metrics.bind(service.scheduler.statistics)
+    served = ServedModel(
+        id=model_name or Path(loaded.model_dir).name,
+        tokenizer=tokenizer,
+        context_tokens=context,
+        created=int(time.time()),
+        make_params=SamplingParams,
+    )
+    report = MemoryReport(
+        weight_bytes=loaded.weight_bytes,
+        kv_bytes_per_position=per_position,
+        num_blocks=num_blocks,
+        block_size=block_size,
+        slots=slots,
+        context_tokens=context,
+        lines=(
+            f"queue: {slots} slots x {queue_depth_per_slot} = {slots * queue_depth_per_slot} "
+            f"waiters, wait budget {queue_wait_s:g} s; stream buffer {stream_buffer_steps} steps",
+            f"step: up to {rows} rows; prefill chunk {chunk_tokens} tokens; policy {policy}",
+        ),
+    )
+    warm = list(tokenizer.encode("Hello")) or [0]
+    return Stack(service, create_app(service, served, metrics), metrics, served, report, warm)
+
+
+async def serve_stack(
+    stack: Stack,
+    http: HttpConfig,
+    shutdown: trio.Event,
+    *,
+    task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Run the service and its HTTP frontend until ``shutdown`` has drained them.
+
+    Reports the bound addresses once the service is warm and ready."""
+    from triollm.model.sampling import SamplingParams
+
+    async with trio.open_nursery() as nursery:
+        frontend = partial(serve_http, stack.service, stack.app, http, shutdown)
+        binds = await nursery.start(stack.service.run, frontend)
+        await stack.service.warm_up(stack.warm_prompt, SamplingParams(temperature=0.0))
+        stack.service.ready = True
+        task_status.started(binds)
+
+
+async def _main(stack: Stack, http: HttpConfig) -> None:
+    shutdown = trio.Event()
+    async with trio.open_nursery() as nursery:
+
+        async def signals() -> None:
+            with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as received:
+                async for signum in received:
+                    if not shutdown.is_set():
+                        print(
+                            f"triollm: {signal.Signals(signum).name}: not accepting new requests; "
+                            f"letting streams finish (up to {http.grace_s:g} s)",
+                            file=sys.stderr,
+                        )
+                        shutdown.set()
+                    else:
+                        print("triollm: second signal: stopping now", file=sys.stderr)
+                        nursery.cancel_scope.cancel()
+                        return
+
+        nursery.start_soon(signals)
+
+        async def server(*, task_status: trio.TaskStatus[list[str]]) -> None:
+            await serve_stack(stack, http, shutdown, task_status=task_status)
+            nursery.cancel_scope.cancel()  # drained: stop watching for signals
+
+        binds = await nursery.start(server)
+        for bind in binds:
+            print(f"triollm: serving {stack.served.id} on {bind} (ready)", file=sys.stderr)
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    if not _is_loopback(args.host) and not args.public:
+        raise UserError(
+            f"--host {args.host} is not a loopback address; add --public to serve it "
+            "(there is no authentication: anyone who can reach the port can use the model)"
+        )
+    if args.public:
+        print(
+            "triollm: WARNING: --public: no authentication; anyone who can reach "
+            f"{args.host}:{args.port} can use this server",
+            file=sys.stderr,
+        )
+    for name in ("slots", "block_size", "chunk", "queue_depth_per_slot", "stream_buffer"):
+        value = getattr(args, name)
+        if value < 1:
+            raise UserError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+    if not 0 <= args.port <= 65535:
+        raise UserError(f"--port must be 0-65535, got {args.port}")
+    from triollm.model.loader import load_model
+
+    model_dir = _model_dir(args)
+    started = time.monotonic()
+    loaded = load_model(model_dir)
+    stack = build_stack(
+        loaded,
+        slots=args.slots,
+        num_blocks=args.kv_blocks,
+        kv_memory_bytes=parse_size(args.kv_memory) if args.kv_memory else None,
+        block_size=args.block_size,
+        context_tokens=args.context,
+        chunk_tokens=args.chunk,
+        step_rows=args.step_rows,
+        policy=args.policy,
+        queue_depth_per_slot=args.queue_depth_per_slot,
+        queue_wait_s=args.queue_wait,
+        stream_buffer_steps=args.stream_buffer,
+        max_tokens_default=args.max_tokens_default,
+        model_name=args.model_name,
+    )
+    print(
+        f"triollm: loaded {model_dir} in {time.monotonic() - started:.1f} s\n"
+        + "\n".join(f"  {line}" for line in stack.report.describe().splitlines()),
+        file=sys.stderr,
+    )
+    http = HttpConfig(
+        host=args.host,
+        port=args.port,
+        grace_s=args.grace,
+        write_timeout_s=args.write_timeout or None,
+    )
+    trio.run(_main, stack, http)
+    print("triollm: shut down cleanly", file=sys.stderr)
+    return 0
