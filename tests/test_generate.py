@@ -1,0 +1,220 @@
+"""``triollm generate`` prints transformers' greedy continuation, streams the same text it
+reports in --json, honours stop strings, and answers every user mistake with one line and
+exit status 2."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import triollm.demo
+from triollm.cli import main
+from triollm.generate import StopStrings
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
+MODELS = sorted(p.stem for p in (FIXTURES / "reference").glob("*.json"))
+LLAMA = FIXTURES / "models" / "llama-gqa-f32"
+
+
+def reference(name: str) -> dict[str, Any]:
+    return dict(json.loads((FIXTURES / "reference" / f"{name}.json").read_text()))
+
+
+def cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "triollm.cli", "generate", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def run_json(capsys: pytest.CaptureFixture[str], *args: str) -> dict[str, Any]:
+    assert main(["generate", *args, "--json"]) == 0
+    return dict(json.loads(capsys.readouterr().out))
+
+
+def greedy_args(prompt: dict[str, Any]) -> list[str]:
+    ids = ",".join(map(str, prompt["prompt_ids"]))
+    n = str(len(prompt["greedy_ids"]))
+    return ["--prompt-ids", ids, "--temperature", "0", "--ignore-eos", "--max-tokens", n]
+
+
+def test_the_command_prints_transformers_greedy_ids_as_json() -> None:
+    prompt = reference("llama-gqa-f32")["prompts"][0]
+    proc = cli(str(LLAMA), *greedy_args(prompt), "--json")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["token_ids"] == prompt["greedy_ids"]
+    assert out["prompt_token_ids"] == prompt["prompt_ids"]
+    assert out["finish_reason"] == "length"
+    timings = out["timings"]
+    assert timings["prompt_tokens"] == len(prompt["prompt_ids"])
+    assert timings["completion_tokens"] == len(prompt["greedy_ids"])
+    assert timings["time_to_first_token_s"] >= 0 and timings["decode_tokens_per_s"] > 0
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_every_fixture_model_generates_its_reference(
+    name: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for prompt in reference(name)["prompts"][:2]:
+        out = run_json(capsys, str(FIXTURES / "models" / name), *greedy_args(prompt))
+        assert out["token_ids"] == prompt["greedy_ids"]
+
+
+def test_prompt_text_is_tokenized_like_transformers(capsys: pytest.CaptureFixture[str]) -> None:
+    prompt = reference("llama-gqa-f32")["prompts"][1]
+    out = run_json(capsys, str(LLAMA), "--prompt", prompt["text"], "--max-tokens", "2")
+    assert out["prompt_token_ids"] == prompt["prompt_ids"]
+
+
+def test_streamed_text_equals_the_json_text(capsys: pytest.CaptureFixture[str]) -> None:
+    args = [
+        str(LLAMA),
+        "--prompt",
+        "The river",
+        "--seed",
+        "5",
+        "--max-tokens",
+        "40",
+        "--ignore-eos",
+    ]
+    assert main(["generate", *args]) == 0
+    streamed = capsys.readouterr().out
+    out = run_json(capsys, *args)
+    assert streamed == out["text"] + "\n"
+    assert len(out["token_ids"]) == 40
+
+
+def test_chat_wraps_the_prompt_in_the_template(capsys: pytest.CaptureFixture[str]) -> None:
+    from triollm.model.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir(LLAMA)
+    out = run_json(capsys, str(LLAMA), "--prompt", "hello", "--chat", "--max-tokens", "1")
+    assert out["prompt_token_ids"] == tok.encode_chat([{"role": "user", "content": "hello"}])
+    assert tok.decode(out["prompt_token_ids"], skip_special_tokens=False).startswith(
+        "<s><|im_start|>user\nhello"
+    )
+
+
+def test_a_stop_string_cuts_the_text_and_reports_stop(capsys: pytest.CaptureFixture[str]) -> None:
+    prompt = reference("llama-gqa-f32")["prompts"][0]
+    full = run_json(capsys, str(LLAMA), *greedy_args(prompt))
+    text = full["text"]
+    stop = text[10:13]
+    cut = run_json(capsys, str(LLAMA), *greedy_args(prompt), "--stop", stop)
+    assert cut["text"] == text[: text.index(stop)]
+    assert cut["finish_reason"] == "stop"
+    assert len(cut["token_ids"]) < len(full["token_ids"])
+
+
+def test_logprobs_are_reported_per_token(capsys: pytest.CaptureFixture[str]) -> None:
+    out = run_json(
+        capsys, str(LLAMA), "--prompt", "The", "--temperature", "0", "--max-tokens", "3",
+        "--logprobs", "2",
+    )  # fmt: skip
+    assert [lp["token_id"] for lp in out["logprobs"]] == out["token_ids"]
+    assert all(len(lp["top_logprobs"]) == 2 for lp in out["logprobs"])
+
+
+def test_without_model_dir_the_demo_model_is_used(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(triollm.demo, "default_model_dir", lambda: LLAMA, raising=False)
+    prompt = reference("llama-gqa-f32")["prompts"][0]
+    out = run_json(capsys, *greedy_args(prompt))
+    assert out["token_ids"] == prompt["greedy_ids"]
+
+
+def test_without_model_dir_or_demo_model_the_message_says_so(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delattr(triollm.demo, "default_model_dir", raising=False)
+    assert main(["generate", "--prompt", "hi"]) == 2
+    assert "no MODEL_DIR given" in capsys.readouterr().err
+
+
+# -- user mistakes: one line, exit 2, no traceback --------------------------------------
+
+
+def assert_one_line_error(proc: subprocess.CompletedProcess[str], *needles: str) -> None:
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    for needle in needles:
+        assert needle in proc.stderr
+
+
+def test_a_missing_model_directory_is_one_line(tmp_path: Path) -> None:
+    assert_one_line_error(cli(str(tmp_path / "nope"), "--prompt", "hi"), "nope")
+
+
+def test_a_broken_config_names_the_file(tmp_path: Path) -> None:
+    model = tmp_path / "model"
+    shutil.copytree(LLAMA, model)
+    (model / "config.json").write_text('{"model_type": "llama", "hidden_size": ')
+    assert_one_line_error(cli(str(model), "--prompt", "hi"), "config.json")
+
+
+def test_a_broken_tokenizer_config_names_the_file(tmp_path: Path) -> None:
+    model = tmp_path / "model"
+    shutil.copytree(LLAMA, model)
+    (model / "tokenizer_config.json").write_text("{not json")
+    assert_one_line_error(cli(str(model), "--prompt", "hi"), "tokenizer_config.json")
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--prompt", "hi", "--temperature", "3"], "--temperature"),
+        (["--prompt", "hi", "--top-p", "0"], "--top-p"),
+        (["--prompt", "hi", "--top-k", "-2"], "--top-k"),
+        (["--prompt-ids", "1,x"], "--prompt-ids"),
+        (["--prompt-ids", "1,99999"], "--prompt-ids"),
+        (["--prompt-ids", "1,2", "--chat"], "--chat"),
+        (["--prompt", "hi", "--max-tokens", "100000"], "--max-tokens"),
+        (["--prompt", "hi", "--max-tokens", "0"], "--max-tokens"),
+        (["--prompt", "hi", "--stop", ""], "--stop"),
+    ],
+)
+def test_bad_flags_are_one_line_naming_the_flag(
+    args: list[str], needle: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["generate", str(LLAMA), *args]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and len(err.strip().splitlines()) == 1
+
+
+# -- stop strings ---------------------------------------------------------------------------
+
+
+def test_a_stop_string_split_across_pieces_is_caught_and_never_sent() -> None:
+    m = StopStrings(["END"])
+    assert m.feed("hello E") == ("hello ", False)
+    assert m.feed("N") == ("", False)
+    assert m.feed("D and more") == ("", True)
+
+
+def test_a_held_prefix_that_does_not_become_a_stop_is_sent_later() -> None:
+    m = StopStrings(["END"])
+    assert m.feed("abc EN") == ("abc ", False)
+    assert m.feed("X") == ("ENX", False)
+    assert m.feed("E") == ("", False)
+    assert m.flush() == "E"
+
+
+def test_the_earliest_stop_string_wins() -> None:
+    m = StopStrings(["world", "lo"])
+    assert m.feed("hello world") == ("hel", True)
+
+
+def test_without_stop_strings_text_passes_straight_through() -> None:
+    m = StopStrings([])
+    assert m.feed("EN") == ("EN", False) and m.flush() == ""
