@@ -182,6 +182,10 @@ def test_a_broken_tokenizer_config_names_the_file(tmp_path: Path) -> None:
         (["--prompt", "hi", "--max-tokens", "100000"], "--max-tokens"),
         (["--prompt", "hi", "--max-tokens", "0"], "--max-tokens"),
         (["--prompt", "hi", "--stop", ""], "--stop"),
+        (["--prompt", "hi", "--context", "1"], "--context"),
+        (["--prompt", "hi", "--context", "100000"], "--context"),
+        (["--prompt", "hi", "--context", "16", "--max-tokens", "20"], "--max-tokens"),
+        (["--prompt-ids", ",".join(["5"] * 600)], "prompt (600 tokens)"),
     ],
 )
 def test_bad_flags_are_one_line_naming_the_flag(

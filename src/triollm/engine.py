@@ -58,6 +58,10 @@ def engine_config(
     """
     limit = loaded.config.max_position_embeddings
     context = min(limit, DEFAULT_CONTEXT_CAP) if context_tokens is None else context_tokens
+    if context < 2:
+        raise ValueError(
+            f"context_tokens must be >= 2 (a prompt token and an answer), got {context}"
+        )
     if context > limit:
         raise ValueError(
             f"context_tokens ({context}) exceeds the model's max_position_embeddings ({limit})"

@@ -55,6 +55,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
         default=None,
         help=f"tokens to generate (default {DEFAULT_MAX_TOKENS}, capped by the context left)",
     )
+    parser.add_argument(
+        "--context",
+        type=int,
+        default=None,
+        metavar="N",
+        help="positions for prompt + answer (default: the model's limit, at most 4096)",
+    )
     parser.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (default 1)")
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=0, help="0 = off")
@@ -83,14 +90,19 @@ def run(args: argparse.Namespace) -> int:
     loaded = load_model(_model_dir(args.model_dir))
     tok = loaded.tokenizer
     prompt_ids = _prompt_ids(args, tok, loaded.config.vocab_size)
-    config = engine_config(loaded, slots=1)
-    left = config.context_tokens - len(prompt_ids)
-    max_tokens = args.max_tokens if args.max_tokens is not None else min(DEFAULT_MAX_TOKENS, left)
-    if max_tokens < 1:
-        raise UserError(
-            f"--max-tokens must be >= 1 (the prompt has {len(prompt_ids)} tokens and the "
-            f"context {config.context_tokens} positions), got {max_tokens}"
-        )
+    try:
+        config = engine_config(loaded, slots=1, context_tokens=args.context)
+    except ValueError as exc:
+        raise UserError(f"--context: {exc}") from None
+    if args.max_tokens is None:
+        # A prompt that leaves no room gets max_tokens 1 here, so the scheduler's own
+        # refusal (with the numbers) blames the prompt rather than a flag never given.
+        left = config.context_tokens - len(prompt_ids)
+        max_tokens = max(1, min(DEFAULT_MAX_TOKENS, left))
+    elif args.max_tokens < 1:
+        raise UserError(f"--max-tokens must be >= 1, got {args.max_tokens}")
+    else:
+        max_tokens = args.max_tokens
     stop_ids = frozenset() if args.ignore_eos else tok.eos_token_ids | loaded.config.eos_token_ids
 
     engine = Engine(loaded, config)

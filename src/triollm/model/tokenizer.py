@@ -183,13 +183,14 @@ class Tokenizer:
         self.vocab_size: int = hf.get_vocab_size(with_added_tokens=True)
         self.bos_token: str | None = bos_token
         self.bos_token_id: int | None = None if bos_token is None else hf.token_to_id(bos_token)
+        eos_strings = list(eos_tokens)  # iterated twice below: a generator would run dry
         eos_ids = set(eos_token_ids)
-        for tok in eos_tokens:
+        for tok in eos_strings:
             tid = hf.token_to_id(tok)
             if tid is not None:
                 eos_ids.add(tid)
         self.eos_token_ids: frozenset[int] = frozenset(eos_ids)
-        self.eos_token: str | None = next(iter(eos_tokens), None)
+        self.eos_token: str | None = eos_strings[0] if eos_strings else None
         self.add_bos: bool = bool(add_bos and self.bos_token_id is not None)
         self.chat_templates: dict[str, str] = dict(chat_templates)
         self._compiled: dict[str, jinja2.Template] = {}
