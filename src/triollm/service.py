@@ -342,7 +342,7 @@ class Service:
         # How a step runs: in a worker thread by default. Tests pass an in-loop runner
         # they can gate, because a worker thread is invisible to MockClock and
         # wait_all_tasks_blocked (the clock would autojump while the thread computes).
-        self._run_step = step_runner or self._run_in_thread
+        self.step_runner = step_runner or self.run_in_thread
         self.config = config or ServiceConfig()
         self._detokenizer = detokenizer
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -422,7 +422,7 @@ class Service:
         self.ready = False
         self.queue.close()
         self._work.set()
-        self._notify()
+        self.notify()
 
     # ------------------------------------------------------------------ requests
 
@@ -464,14 +464,14 @@ class Service:
             internal=internal,
         )
         self._live[seq_id] = live
-        self._notify()
+        self.notify()
         try:
             await self.queue.wait_admitted(seq_id)
         except BaseException:
             # Sync cleanup (we may be cancelled). The queue already cancelled the sequence.
             self._live.pop(seq_id, None)
             send.close()
-            self._notify()
+            self.notify()
             raise
         return RequestStream(self, live, recv)
 
@@ -487,14 +487,14 @@ class Service:
         if not live.internal:
             self.observer.admitted(len(live.prompt_ids), live.admitted_at - live.arrived)
         self._work.set()
-        self._notify()
+        self.notify()
 
     def _on_release(self, seq_id: int) -> None:
         """An admitted sequence whose client left before taking its slot (the race)."""
         live = self._live.pop(seq_id, None)
         if live is not None and live.in_batch:
             self._to_remove.append(seq_id)
-        self._notify()
+        self.notify()
 
     # ------------------------------------------------------------------ ending requests
 
@@ -521,7 +521,7 @@ class Service:
             elif outcome.code in ("too_slow", "client_closed", "shutdown"):
                 self.observer.rejected(outcome.code)
         self.queue.signal()
-        self._notify()
+        self.notify()
 
     def _failed(self, live: _Live, code: str, message: str) -> Failed:
         return Failed(code, message, len(live.prompt_ids), live.n_generated)
@@ -562,12 +562,12 @@ class Service:
             plan = self.scheduler.plan_step()
             if plan.is_empty:
                 self._work = trio.Event()
-                self._notify()
+                self.notify()
                 await self._work.wait()
                 continue
             self.running_step = True
             try:
-                result = await self._run_step(plan)
+                result = await self.step_runner(plan)
             except Exception as exc:
                 self.running_step = False
                 self.scheduler.discard_step()
@@ -587,10 +587,10 @@ class Service:
             self.observer.step(rec.rows, rec.width)
             self._dispatch(result.sampled, finished)
             self.queue.signal()  # a step may have freed a slot (and a signal is cheap)
-            self._notify()
+            self.notify()
             await trio.lowlevel.checkpoint()  # let handlers write before the next step
 
-    async def _run_in_thread(self, plan: StepPlan) -> StepResult:
+    async def run_in_thread(self, plan: StepPlan) -> StepResult:
         # Not abandon_on_cancel: the thread writes the KV pool; shutdown waits for the step.
         return await trio.to_thread.run_sync(self.executor.run, plan)
 
@@ -660,7 +660,8 @@ class Service:
 
     # ------------------------------------------------------------------ observation
 
-    def _notify(self) -> None:
+    def notify(self) -> None:
+        """Wake everything parked in :meth:`wait_until` (after any state change)."""
         self._changed.set()
         self._changed = trio.Event()
 

@@ -502,6 +502,11 @@ def _merge_logprobs(parts: list[dict[str, Any]], chat: bool) -> dict[str, Any] |
 # --------------------------------------------------------------------------- hypercorn
 
 
+def _aborted(metrics: Metrics, service: Service) -> None:
+    metrics.connections_aborted.inc()
+    service.notify()
+
+
 @dataclass(frozen=True)
 class HttpConfig:
     host: str = "127.0.0.1"
@@ -514,7 +519,7 @@ class HttpConfig:
 
 async def serve_http(
     service: Service,
-    app: Any,
+    app: Lifetime,
     config: HttpConfig,
     shutdown: trio.Event,
     *,
@@ -537,6 +542,7 @@ async def serve_http(
         hconfig,
         write_timeout_s=config.write_timeout_s,
         send_buffer_bytes=config.send_buffer_bytes,
+        on_abort=partial(_aborted, app.metrics, service),
     )
 
     async with trio.open_nursery() as nursery:

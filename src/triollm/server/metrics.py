@@ -114,6 +114,11 @@ class Metrics:
             ["finished_reason"],
             registry=r,
         )
+        self.connections_aborted = Counter(
+            "triollm:connections_aborted",
+            "Connections aborted: a write stalled (client not reading) or shutdown.",
+            registry=r,
+        )
         self.rejections = Counter(
             "triollm:request_rejections",
             "Requests that ended without finishing, by reason.",
@@ -169,6 +174,9 @@ class Metrics:
             "triollm:request_rejections_total", {"reason": reason}
         )
         return value or 0.0
+
+    def aborted_connections(self) -> float:
+        return self.registry.get_sample_value("triollm:connections_aborted_total") or 0.0
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

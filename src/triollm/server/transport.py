@@ -44,6 +44,7 @@ import importlib.metadata
 import logging
 import socket
 import struct
+from collections.abc import Callable
 from typing import Any
 
 import hypercorn.trio.run as hypercorn_run
@@ -59,6 +60,7 @@ PINNED_VERSIONS = frozenset({"0.18.0"})
 WRITE_TIMEOUT_ATTR = "triollm_write_timeout_s"
 SEND_BUFFER_ATTR = "triollm_send_buffer_bytes"
 CONNECTIONS_ATTR = "triollm_connections"
+ON_ABORT_ATTR = "triollm_on_abort"
 
 
 class GuardedTCPServer(TCPServer):
@@ -108,6 +110,9 @@ class GuardedTCPServer(TCPServer):
         if self.aborted:
             return
         self.aborted = True
+        on_abort = getattr(self.config, ON_ABORT_ATTR, None)
+        if on_abort is not None:
+            on_abort()
         sock = getattr(self.stream, "socket", None)
         if sock is not None:
             with contextlib.suppress(OSError):  # already closed by the peer: nothing to drop
@@ -148,9 +153,13 @@ def configure(
     *,
     write_timeout_s: float | None,
     send_buffer_bytes: int | None,
+    on_abort: Callable[[], None] | None = None,
 ) -> set[Any]:
-    """Put the guard's options on a hypercorn Config; returns its live-connection set."""
+    """Put the guard's options on a hypercorn Config; returns its live-connection set.
+
+    ``on_abort`` is called (sync) each time a connection is aborted."""
     connections: set[GuardedTCPServer] = set()
+    setattr(config, ON_ABORT_ATTR, on_abort)
     setattr(config, WRITE_TIMEOUT_ATTR, write_timeout_s)
     setattr(config, SEND_BUFFER_ATTR, send_buffer_bytes)
     setattr(config, CONNECTIONS_ATTR, connections)

@@ -1,0 +1,158 @@
+"""Helpers for the integration tests: a live server on 127.0.0.1 (a free port).
+
+The server runs in the test's own trio run (same process), so a test can look at
+the service's state directly -- the scheduler's block counts, the step recorder,
+the metrics -- and can wait on it with ``service.wait_until`` (event-driven, no
+sleeps). Clients that block (the official ``openai`` client, httpx) run in worker
+threads; clients that must misbehave (stop reading, hang up) are raw trio sockets.
+
+The model is the smallest fixture checkpoint (2 layers, hidden 64), loaded once per
+session: every test builds its own Batch and Service around it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from triollm.plan import StepPlan, StepResult
+from triollm.server.app import HttpConfig
+from triollm.server.command import Stack, build_stack, serve_stack
+
+MODEL_DIR = Path(__file__).resolve().parents[1] / "fixtures" / "models" / "llama-gqa-f32"
+MODEL_ID = MODEL_DIR.name
+
+
+@dataclass
+class Live:
+    stack: Stack
+    url: str
+    port: int
+
+    @property
+    def service(self) -> Any:
+        return self.stack.service
+
+    def pool_is_idle(self) -> bool:
+        s = self.service.scheduler.statistics()
+        return s.blocks_free == s.blocks_total and s.running == 0 and s.waiting == 0
+
+
+@asynccontextmanager
+async def live_server(
+    loaded: Any, *, http: dict[str, Any] | None = None, **stack_kwargs: Any
+) -> AsyncIterator[Live]:
+    """Start a server; on exit shut it down gracefully and check nothing leaked."""
+    stack_kwargs.setdefault("slots", 2)
+    stack_kwargs.setdefault("context_tokens", 256)
+    stack = build_stack(loaded, **stack_kwargs)
+    config = HttpConfig(host="127.0.0.1", port=0, **({"grace_s": 2.0} | (http or {})))
+    shutdown = trio.Event()
+    async with trio.open_nursery() as nursery:
+        binds = await nursery.start(serve_stack, stack, config, shutdown)
+        url = binds[0]
+        live = Live(stack, url, int(url.rsplit(":", 1)[1]))
+        try:
+            yield live
+        finally:
+            shutdown.set()
+    # The nursery only exits once hypercorn has drained and the service has stopped.
+
+
+class StepGate:
+    """Wraps the service's step runner: once closed, the next step waits for ``open``.
+
+    Lets a test hold generation still (a request stays "running") without a clock.
+    """
+
+    def __init__(self, service: Any) -> None:
+        self.service = service
+        self.inner: Callable[[StepPlan], Awaitable[StepResult]] = service.step_runner
+        self._open = trio.Event()
+        self._open.set()
+        self.parked = False
+        service.step_runner = self.run
+
+    def close(self) -> None:
+        if self._open.is_set():
+            self._open = trio.Event()
+
+    def open(self) -> None:
+        self._open.set()
+
+    async def run(self, plan: StepPlan) -> StepResult:
+        if not self._open.is_set():
+            self.parked = True
+            self.service.notify()
+            await self._open.wait()
+            self.parked = False
+        return await self.inner(plan)
+
+
+# ----------------------------------------------------------------------------- raw HTTP
+
+
+async def raw_post(
+    port: int, path: str, body: dict[str, Any], *, rcvbuf: int | None = None
+) -> trio.SocketStream:
+    """Open a socket, send one POST; the caller reads (or doesn't)."""
+    sock = trio.socket.socket()
+    if rcvbuf is not None:
+        import socket as pysocket
+
+        sock.setsockopt(pysocket.SOL_SOCKET, pysocket.SO_RCVBUF, rcvbuf)
+    await sock.connect(("127.0.0.1", port))
+    stream = trio.SocketStream(sock)
+    data = json.dumps(body).encode()
+    head = (
+        f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(data)}\r\n\r\n"
+    ).encode()
+    await stream.send_all(head + data)
+    return stream
+
+
+async def read_until(stream: trio.SocketStream, marker: bytes, buf: bytearray) -> bool:
+    """Read into ``buf`` until ``marker`` appears; False at EOF / reset."""
+    while marker not in buf:
+        try:
+            chunk = await stream.receive_some(65536)
+        except trio.BrokenResourceError:
+            return False
+        if not chunk:
+            return False
+        buf += chunk
+    return True
+
+
+def unchunk(raw: bytes) -> bytes:
+    """The body of an HTTP/1.1 chunked response (headers included in ``raw``)."""
+    _, _, rest = raw.partition(b"\r\n\r\n")
+    out = bytearray()
+    while rest:
+        size_line, _, rest = rest.partition(b"\r\n")
+        size = int(size_line, 16)
+        if size == 0:
+            break
+        out += rest[:size]
+        rest = rest[size + 2 :]
+    return bytes(out)
+
+
+def sse_payloads(body: bytes) -> list[Any]:
+    out: list[Any] = []
+    for block in body.decode(errors="replace").split("\n\n"):
+        if block.startswith("data: "):
+            payload = block[len("data: ") :]
+            out.append(payload if payload == "[DONE]" else json.loads(payload))
+    return out
+
+
+INF = math.inf
