@@ -1,93 +1,339 @@
 """Weight products: every ``x @ W.T`` of the forward pass goes through here.
 
-A checkpoint stores a linear layer as ``W`` of shape ``[out, in]``. ``prepare``
-turns it once, at load time, into a :class:`PreparedWeight` laid out for fast
-products; ``linear`` then computes ``x @ W.T`` in float32 for a batch of rows.
+A checkpoint stores a linear layer as ``W`` of shape ``[out, in]``. :func:`prepare`
+turns it once, at load time, into a :class:`PreparedWeight`; :func:`linear` then
+computes ``x @ W.T`` in float32 for a batch of rows.
 
-This first version is the plain-numpy reference: the weight is widened to
-float32 and stored transposed and contiguous (``[in, out]``), because BLAS runs
-1.2-1.8x faster on that layout than on the transposed view at 4+ rows.
+Theory of operation
+-------------------
+A decode step multiplies a handful of rows by every weight of the model, so it
+is bound by memory bandwidth, not arithmetic: the floor of one step is the
+weight bytes divided by the bandwidth (docs/performance.md does the sums).
+Two things follow.
+
+1. **Read each weight once per step, whatever the row count.** BLAS handles a
+   skinny product (4-32 rows) badly: on this machine OpenBLAS runs a 16-row
+   product at 80-100 GFLOP/s, so 16 rows cost several times one row. The numba
+   kernel below walks each weight row once and multiplies it into a tile of
+   four activation rows held in registers, so 16 rows cost little more than 1.
+2. **Read fewer bytes.** bfloat16 and float16 weights stay 16-bit in memory
+   and are widened to float32 in registers, inside the kernel: half the bytes
+   of float32, the same float32 arithmetic. (numpy has no bfloat16, and numba
+   cannot load float16, so both travel as 16-bit integers: ``uint16`` holds
+   bfloat16 bits, ``int16`` holds float16 bits; the integer type is the tag.)
+
+Large row counts (a long prefill chunk) are compute bound; there OpenBLAS's
+blocked GEMM beats the streaming kernel, so :func:`linear` hands products of
+``blas_min_rows`` rows or more to BLAS (a 16-bit weight is widened into a
+temporary float32 copy for that call: one extra pass over the weight, small
+beside the arithmetic of hundreds of rows).
+
+Hazards
+-------
+- The kernel is compiled ``nogil=True`` because the server runs the forward in
+  a worker thread; holding the GIL there would freeze the trio event loop.
+- Rows are computed in tiles of four; a short last tile repeats its last row
+  (its extra results are dropped) so every row of every batch goes through the
+  same instruction sequence: a sequence's logits do not depend on which other
+  rows share its step (batch invariance), for row counts below
+  ``blas_min_rows``. BLAS results differ from the kernel's in the last bits.
+- ``x`` must be float32: a float64 row would silently promote the residual
+  stream and make the step many times slower, so it is rejected.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
+import numba
 import numpy as np
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.extending import intrinsic, overload
+
+# Row count from which linear() uses BLAS instead of the streaming kernel.
+# Measured on the 2-core target machine (docs/performance.md): the kernel wins
+# up to about 32 rows, BLAS's cache-blocked GEMM from about 64.
+BLAS_MIN_ROWS = 64
+
+_STORAGE = {"float32": np.float32, "bfloat16": np.uint16, "float16": np.int16}
 
 
-def bf16_bits_to_f32(bits: np.ndarray) -> np.ndarray:
-    """Widen raw bfloat16 bits (uint16) to float32 exactly.
+# --- widening 16-bit weights inside the kernel -------------------------------
 
-    bfloat16 is the top half of a float32, so widening is a 16-bit shift.
-    Trap: pass the *bits* (dtype uint16), not an already-converted array.
+
+@intrinsic
+def _bf16_bits_to_f32(typingctx: Any, bits: Any) -> Any:
+    """bfloat16 is the top half of a float32: shift the bits up by 16."""
+    if bits != types.uint16:
+        return None
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        wide = builder.zext(args[0], ir.IntType(32))
+        shifted = builder.shl(wide, ir.Constant(ir.IntType(32), 16))
+        return builder.bitcast(shifted, ir.FloatType())
+
+    return types.float32(types.uint16), codegen
+
+
+@intrinsic
+def _f16_bits_to_f32(typingctx: Any, bits: Any) -> Any:
+    """float16 bits to float32 (one vcvtph2ps per 16 values with F16C)."""
+    if bits != types.int16:
+        return None
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
+
+    return types.float32(types.int16), codegen
+
+
+def _widen(v):  # type: ignore[no-untyped-def]  # numba matches the overload by parameter names
+    """One stored weight element as float32 (numba-only; typed by overload)."""
+    raise NotImplementedError("only callable from numba-compiled code")
+
+
+@overload(_widen, inline="always")
+def _widen_impl(v):  # type: ignore[no-untyped-def]  # names must match _widen exactly
+    if v == types.float32:
+        return lambda v: v
+    if v == types.uint16:
+        return lambda v: _bf16_bits_to_f32(v)
+    if v == types.int16:
+        return lambda v: _f16_bits_to_f32(v)
+    return None
+
+
+# --- the streaming kernel ----------------------------------------------------
+
+
+@njit(cache=True, nogil=True, parallel=True, fastmath=True)
+def _stream_matmul(x: Any, w: Any, out: Any, block: int) -> None:  # pragma: no cover - numba
+    # x (n, K) float32; w (N, K) float32 | uint16 bf16 bits | int16 f16 bits;
+    # out (n, N) float32. Threads split the output columns into blocks of
+    # `block` weight rows; each weight row is read from memory once (the
+    # block stays in L2 while the row tiles walk over it).
+    n, k_in = x.shape
+    n_out = w.shape[0]
+    last = n - 1
+    for blk in prange((n_out + block - 1) // block):
+        j0 = blk * block
+        j1 = min(j0 + block, n_out)
+        for r in range(0, n, 4):
+            # a short last tile repeats row n-1: same code path for every row
+            x0 = x[r]
+            x1 = x[min(r + 1, last)]
+            x2 = x[min(r + 2, last)]
+            x3 = x[min(r + 3, last)]
+            j = j0
+            # hot spot: 4 rows x 4 weight rows = 16 vectorised dot products
+            while j + 4 <= j1:
+                wa = w[j]
+                wb = w[j + 1]
+                wc = w[j + 2]
+                wd = w[j + 3]
+                a0 = a1 = a2 = a3 = np.float32(0.0)
+                b0 = b1 = b2 = b3 = np.float32(0.0)
+                c0 = c1 = c2 = c3 = np.float32(0.0)
+                d0 = d1 = d2 = d3 = np.float32(0.0)
+                for k in range(k_in):
+                    va = _widen(wa[k])
+                    vb = _widen(wb[k])
+                    vc = _widen(wc[k])
+                    vd = _widen(wd[k])
+                    u0 = x0[k]
+                    u1 = x1[k]
+                    u2 = x2[k]
+                    u3 = x3[k]
+                    a0 += u0 * va
+                    a1 += u1 * va
+                    a2 += u2 * va
+                    a3 += u3 * va
+                    b0 += u0 * vb
+                    b1 += u1 * vb
+                    b2 += u2 * vb
+                    b3 += u3 * vb
+                    c0 += u0 * vc
+                    c1 += u1 * vc
+                    c2 += u2 * vc
+                    c3 += u3 * vc
+                    d0 += u0 * vd
+                    d1 += u1 * vd
+                    d2 += u2 * vd
+                    d3 += u3 * vd
+                out[r, j] = a0
+                out[r, j + 1] = b0
+                out[r, j + 2] = c0
+                out[r, j + 3] = d0
+                if r + 1 <= last:
+                    out[r + 1, j] = a1
+                    out[r + 1, j + 1] = b1
+                    out[r + 1, j + 2] = c1
+                    out[r + 1, j + 3] = d1
+                if r + 2 <= last:
+                    out[r + 2, j] = a2
+                    out[r + 2, j + 1] = b2
+                    out[r + 2, j + 2] = c2
+                    out[r + 2, j + 3] = d2
+                if r + 3 <= last:
+                    out[r + 3, j] = a3
+                    out[r + 3, j + 1] = b3
+                    out[r + 3, j + 2] = c3
+                    out[r + 3, j + 3] = d3
+                j += 4
+            # fewer than 4 weight rows left in the block (only when N % 4 != 0)
+            while j < j1:
+                wa = w[j]
+                a0 = a1 = a2 = a3 = np.float32(0.0)
+                for k in range(k_in):
+                    va = _widen(wa[k])
+                    a0 += x0[k] * va
+                    a1 += x1[k] * va
+                    a2 += x2[k] * va
+                    a3 += x3[k] * va
+                out[r, j] = a0
+                if r + 1 <= last:
+                    out[r + 1, j] = a1
+                if r + 2 <= last:
+                    out[r + 2, j] = a2
+                if r + 3 <= last:
+                    out[r + 3, j] = a3
+                j += 1
+
+
+def _block_rows(n_out: int, n_threads: int) -> int:
+    """Weight rows per parallel block: a multiple of 4, about 8 blocks per thread.
+
+    Several blocks per thread let a thread that the OS delays (six processes
+    share two cores here) be covered by the other; blocks of at least 16 rows
+    keep the per-block overhead small.
     """
-    if bits.dtype != np.uint16:
-        raise TypeError(f"bf16 weights must be raw uint16 bits, got dtype {bits.dtype}")
-    return (bits.astype(np.uint32) << 16).view(np.float32)
+    target = max(16, -(-n_out // (8 * n_threads)))
+    return -(-target // 4) * 4
+
+
+# --- public API -------------------------------------------------------------
 
 
 @dataclass(frozen=True, eq=False)
 class PreparedWeight:
-    """A weight ready for :func:`linear`.
+    """A weight laid out for :func:`linear`: checkpoint layout ``[out, in]``, C-contiguous.
 
-    ``data`` is float32 ``[in, out]`` contiguous. ``nbytes`` is what one
-    product reads from memory (the quantity the bandwidth floor counts).
+    ``data`` holds float32 values, or 16-bit patterns tagged by integer type
+    (``uint16`` = bfloat16 bits, ``int16`` = float16 bits); ``storage`` names
+    the format. ``nbytes`` is what one product reads from memory, whatever
+    its row count: the quantity the bandwidth floor counts.
     """
 
-    data: np.ndarray  # (in_features, out_features) float32, C-contiguous
-    in_features: int
-    out_features: int
+    data: np.ndarray  # (out_features, in_features) float32 | uint16 | int16
+    storage: str  # "float32" | "bfloat16" | "float16"
+
+    @property
+    def in_features(self) -> int:
+        return int(self.data.shape[1])
+
+    @property
+    def out_features(self) -> int:
+        return int(self.data.shape[0])
 
     @property
     def dtype(self) -> np.dtype:
-        """Storage dtype of the weight as held in memory."""
+        """Storage dtype in memory (uint16/int16 for the 16-bit float formats)."""
         return self.data.dtype
 
     @property
     def nbytes(self) -> int:
-        """Bytes read from memory by one product, whatever the row count."""
         return int(self.data.nbytes)
+
+    def to_float32(self) -> np.ndarray:
+        """The weight widened to float32, ``[out, in]`` (a new array unless float32)."""
+        if self.storage == "float32":
+            return self.data
+        if self.storage == "bfloat16":
+            return (self.data.astype(np.uint32) << 16).view(np.float32)
+        return self.data.view(np.float16).astype(np.float32)
 
 
 def prepare(w: np.ndarray, *, bf16: bool = False) -> PreparedWeight:
-    """Lay out a checkpoint weight ``w`` (``[out, in]``) for :func:`linear`.
+    """Keep a checkpoint weight ``w`` (``[out, in]``) in the layout :func:`linear` streams.
 
     ``w`` is float32 or float16, or with ``bf16=True`` the raw uint16 bits of
-    a bfloat16 tensor. Trap: a bf16 tensor must come as bits with
-    ``bf16=True``; a uint16 array without the flag is rejected, never read as
-    integers.
+    a bfloat16 tensor. 16-bit weights stay 16-bit (half the bytes per step).
+    Trap: a bf16 tensor must come as its bits with ``bf16=True``; an integer
+    array without the flag is rejected, never read as numbers.
     """
     if w.ndim != 2:
         raise ValueError(f"weight must be 2-D [out, in], got shape {w.shape}")
     if bf16:
-        w32 = bf16_bits_to_f32(w)
-    elif w.dtype in (np.float32, np.float16):
-        w32 = w.astype(np.float32, copy=False)
-    else:
-        raise TypeError(
-            f"weight dtype must be float32 or float16 (or uint16 bits with bf16=True), "
-            f"got {w.dtype}"
-        )
-    out_features, in_features = w32.shape
-    return PreparedWeight(
-        data=np.ascontiguousarray(w32.T), in_features=in_features, out_features=out_features
+        if w.dtype != np.uint16:
+            raise TypeError(f"bf16=True needs the raw uint16 bits, got dtype {w.dtype}")
+        return PreparedWeight(np.ascontiguousarray(w), "bfloat16")
+    if w.dtype == np.float32:
+        return PreparedWeight(np.ascontiguousarray(w), "float32")
+    if w.dtype == np.float16:
+        return PreparedWeight(np.ascontiguousarray(w).view(np.int16), "float16")
+    raise TypeError(
+        f"weight dtype must be float32 or float16 (or uint16 bits with bf16=True), got {w.dtype}"
     )
 
 
-def linear(x: np.ndarray, w: PreparedWeight, out: np.ndarray | None = None) -> np.ndarray:
+def linear(
+    x: np.ndarray,
+    w: PreparedWeight,
+    out: np.ndarray | None = None,
+    *,
+    blas_min_rows: int = BLAS_MIN_ROWS,
+) -> np.ndarray:
     """Return ``x @ W.T`` as float32 ``(n, out_features)`` for ``x`` float32 ``(n, in)``.
 
     With ``out`` given (float32, C-contiguous, shape ``(n, out_features)``) the
-    result is written there and ``out`` is returned. Trap: ``x`` must be
-    float32; a float64 ``x`` is rejected rather than silently promoting the
-    residual stream.
+    result is written there and ``out`` is returned. Products of fewer than
+    ``blas_min_rows`` rows run the streaming numba kernel (releases the GIL);
+    larger ones run BLAS. Trap: ``x`` must be float32; a float64 ``x`` is
+    rejected rather than silently promoting the residual stream.
     """
     if x.ndim != 2 or x.shape[1] != w.in_features:
         raise ValueError(f"x must be (n, {w.in_features}), got shape {x.shape}")
     if x.dtype != np.float32:
         raise TypeError(f"x must be float32, got {x.dtype}")
+    n = x.shape[0]
     if out is None:
-        return x @ w.data
-    np.matmul(x, w.data, out=out)
+        out = np.empty((n, w.out_features), dtype=np.float32)
+    elif out.shape != (n, w.out_features) or out.dtype != np.float32:
+        raise ValueError(
+            f"out must be float32 ({n}, {w.out_features}), got {out.dtype} {out.shape}"
+        )
+    if n == 0:
+        return out
+    if n >= blas_min_rows:
+        # compute bound: BLAS's blocked GEMM; the transposed view costs nothing here
+        np.matmul(x, w.to_float32().T, out=out)
+        return out
+    if not out.flags.c_contiguous:
+        raise ValueError("out must be C-contiguous")
+    _stream_matmul(
+        np.ascontiguousarray(x),
+        w.data,
+        out,
+        _block_rows(w.out_features, numba.get_num_threads()),
+    )
     return out
+
+
+def warm_up() -> None:
+    """Compile (or load from numba's cache) the kernel for every storage format.
+
+    Call at model load so the first request does not pay for compilation.
+    """
+    x = np.zeros((1, 8), np.float32)
+    for dtype in _STORAGE.values():
+        w = np.zeros((4, 8), dtype)
+        _stream_matmul(x, w, np.empty((1, 4), np.float32), 4)
+
+
+def bf16_bits_to_f32(bits: np.ndarray) -> np.ndarray:
+    """Widen raw bfloat16 bits (uint16) to float32 exactly (a 16-bit shift)."""
+    if bits.dtype != np.uint16:
+        raise TypeError(f"bf16 weights must be raw uint16 bits, got dtype {bits.dtype}")
+    return (bits.astype(np.uint32) << 16).view(np.float32)
