@@ -28,6 +28,7 @@ from triollm.server.command import Stack, build_stack, serve_stack
 
 MODEL_DIR = Path(__file__).resolve().parents[1] / "fixtures" / "models" / "llama-gqa-f32"
 MODEL_ID = MODEL_DIR.name
+INF = math.inf
 
 
 @dataclass
@@ -67,32 +68,37 @@ async def live_server(
 
 
 class StepGate:
-    """Wraps the service's step runner: once closed, the next step waits for ``open``.
+    """Wraps the service's step runner so a test decides how many steps may run.
 
+    Starts with no credit: the first step parks until ``allow(n)`` or ``open()``.
     Lets a test hold generation still (a request stays "running") without a clock.
     """
 
     def __init__(self, service: Any) -> None:
         self.service = service
         self.inner: Callable[[StepPlan], Awaitable[StepResult]] = service.step_runner
-        self._open = trio.Event()
-        self._open.set()
+        self.credits: float = 0
+        self._more = trio.Event()
         self.parked = False
+        self.steps = 0
         service.step_runner = self.run
 
-    def close(self) -> None:
-        if self._open.is_set():
-            self._open = trio.Event()
+    def allow(self, n: int) -> None:
+        self.credits += n
+        self._more.set()
 
     def open(self) -> None:
-        self._open.set()
+        self.allow(INF)  # type: ignore[arg-type]
 
     async def run(self, plan: StepPlan) -> StepResult:
-        if not self._open.is_set():
+        while self.credits < 1:
+            self._more = trio.Event()
             self.parked = True
             self.service.notify()
-            await self._open.wait()
-            self.parked = False
+            await self._more.wait()
+        self.parked = False
+        self.credits -= 1
+        self.steps += 1
         return await self.inner(plan)
 
 
@@ -138,6 +144,8 @@ def unchunk(raw: bytes) -> bytes:
     out = bytearray()
     while rest:
         size_line, _, rest = rest.partition(b"\r\n")
+        if not size_line.strip():
+            break  # a truncated body: what arrived so far
         size = int(size_line, 16)
         if size == 0:
             break
@@ -153,6 +161,3 @@ def sse_payloads(body: bytes) -> list[Any]:
             payload = block[len("data: ") :]
             out.append(payload if payload == "[DONE]" else json.loads(payload))
     return out
-
-
-INF = math.inf

@@ -33,7 +33,13 @@ import trio
 
 from triollm.errors import UserError
 from triollm.scheduler import Policy, Scheduler, SchedulerConfig
-from triollm.server.app import HttpConfig, ServedModel, create_app, serve_http
+from triollm.server.app import (
+    DEFAULT_MAX_BODY_BYTES,
+    HttpConfig,
+    ServedModel,
+    create_app,
+    serve_http,
+)
 from triollm.server.metrics import Metrics
 from triollm.service import MemoryReport, Service, ServiceConfig
 
@@ -168,6 +174,7 @@ def build_stack(
     stream_buffer_steps: int = 256,
     max_tokens_default: int | None = None,
     model_name: str | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
 ) -> Stack:
     """Scheduler + Batch + Service + app for ``loaded``; validates every knob."""
     from triollm.batch import Batch
@@ -249,7 +256,8 @@ def build_stack(
         ),
     )
     warm = list(tokenizer.encode("Hello")) or [0]
-    return Stack(service, create_app(service, served, metrics), metrics, served, report, warm)
+    app = create_app(service, served, metrics, max_body_bytes=max_body_bytes)
+    return Stack(service, app, metrics, served, report, warm)
 
 
 async def serve_stack(
