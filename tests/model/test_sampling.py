@@ -119,6 +119,35 @@ def test_sampling_follows_the_softmax_distribution() -> None:
     assert chi2 < 16.27, counts
 
 
+class FixedUniforms:
+    """Stands in for a numpy Generator: hands out given uniform numbers in order."""
+
+    def __init__(self, values: list[float]) -> None:
+        self.values = list(values)
+
+    def random(self) -> float:
+        return self.values.pop(0)
+
+
+def test_the_blocked_draw_inverts_the_full_cumulative_distribution() -> None:
+    # 5000 tokens span several search blocks; for each uniform number the two-level
+    # search must land where a plain float64 running sum over everything lands.
+    x = logits(8, n=5000, scale=2.0)
+    x[1000:1100] = -np.inf  # a whole stretch of impossible tokens
+    probs = np.exp(x.astype(np.float64) - x.max())
+    cdf = np.cumsum(probs)
+    us = [*np.random.default_rng(1).random(2000).tolist(), 0.0, 1.0 - 1e-16]
+    s = SequenceSampler(SamplingParams())
+    s._rng = FixedUniforms(us)  # type: ignore[assignment]
+    got = [s._draw(x) for _ in us]
+    expected = [int(np.searchsorted(cdf, u * cdf[-1], side="right")) for u in us]
+    mismatches = [(g, e, u) for g, e, u in zip(got, expected, us, strict=True) if g != e]
+    # Only a number within rounding of a boundary between two tokens may go either way.
+    for g, e, u in mismatches:
+        assert abs(g - e) == 1 and abs(u * cdf[-1] - cdf[min(g, e)]) < 1e-9 * cdf[-1]
+    assert not any(1000 <= g < 1100 for g in got)
+
+
 def test_temperature_sharpens_the_distribution() -> None:
     x = np.array([2.0, 1.0, 0.0], dtype=np.float32)
     cold = SequenceSampler(SamplingParams(temperature=0.25, seed=1))
@@ -186,6 +215,18 @@ def test_top_p_keeps_the_smallest_set_reaching_p(seed: int, p: float) -> None:
             abs(sum(probs[i] for i in ref) - p) < 1e-6 or abs(sum(probs[i] for i in got) - p) < 1e-6
         )
     assert int(np.argmax(x)) in got
+
+
+@pytest.mark.parametrize(("scale", "p"), [(0.5, 0.9), (0.5, 0.3), (6.0, 0.95), (0.1, 0.999)])
+def test_top_p_on_a_large_vocabulary_grows_its_search_until_the_nucleus_is_found(
+    scale: float, p: float
+) -> None:
+    # Flat distributions need thousands of tokens to reach p: past the first partition.
+    x = logits(21, n=5000, scale=scale)
+    got = kept(truncate(x, 0, p, 0.0))
+    ref = ref_top_p(x, p)
+    assert got == ref
+    assert len(ref) > 256 or scale == 6.0
 
 
 @given(seed=st.integers(0, 10_000), m=st.floats(0.0, 1.0))

@@ -134,18 +134,17 @@ class SequenceSampler:
         """Choose the next token from ``logits`` (float32, shape ``(vocab,)``) and record it."""
         p = self.params
         x = self._penalised(logits)  # (vocab,) float32, a copy
-        logp_source: np.ndarray | None = None
-        if p.logprobs is not None:
-            logp_source = x if p.greedy else x / np.float32(p.temperature)
+        if not p.greedy and p.temperature != 1.0:
+            x /= np.float32(p.temperature)
         if p.greedy:
             token = int(np.argmax(x))
         else:
-            token = self._draw(truncate(x / np.float32(p.temperature), p.top_k, p.top_p, p.min_p))
+            idx, vals = candidates(x, p.top_k, p.top_p, p.min_p)
+            token = int(idx[self._draw(vals)])
         self.accept(token)
-        if logp_source is None:
+        if p.logprobs is None:
             return Sample(token)
-        assert p.logprobs is not None
-        return _with_logprobs(token, log_softmax(logp_source), p.logprobs)
+        return _with_logprobs(token, x, p.logprobs)
 
     # -- stages ----------------------------------------------------------------------------
 
@@ -171,42 +170,97 @@ class SequenceSampler:
             )
         return x
 
-    def _draw(self, x: np.ndarray) -> int:
-        """Inverse-CDF draw from softmax(x): exactly one uniform number per token."""
-        probs = np.exp(x.astype(np.float64) - np.max(x))  # -inf -> 0
-        cdf = np.cumsum(probs)
-        # side="right" never lands on a zero-probability token: its cdf equals its
-        # predecessor's, and u * total is strictly below the last value.
-        u = self._rng.random() * cdf[-1]
-        return int(min(np.searchsorted(cdf, u, side="right"), x.shape[0] - 1))
+    def _draw(self, vals: np.ndarray) -> int:
+        """Inverse-CDF draw from softmax(vals); returns a position in ``vals``.
+
+        Exactly one uniform number per token, whatever the vocabulary or the filters.
+        The search is two-level (which block of ``_DRAW_BLOCK`` tokens, then where in
+        it) because a float64 running sum over 150k entries costs milliseconds per
+        token and a float32 one drifts by up to n * 6e-8 of the total.
+        """
+        probs = np.exp(vals - vals.max())  # (n,) float32; -inf -> 0
+        n = probs.shape[0]
+        full = n - n % _DRAW_BLOCK
+        sums = probs[:full].reshape(-1, _DRAW_BLOCK).sum(axis=1).astype(np.float64)
+        if full < n:
+            sums = np.append(sums, probs[full:].sum(dtype=np.float64))
+        ends = np.cumsum(sums)  # (n_blocks,) float64: where each block's mass ends
+        u = self._rng.random() * ends[-1]
+        # side="right" never lands on a block (or token) of zero mass: its running sum
+        # equals its predecessor's, and u is strictly below the last value.
+        b = min(int(np.searchsorted(ends, u, side="right")), ends.shape[0] - 1)
+        block = probs[b * _DRAW_BLOCK : (b + 1) * _DRAW_BLOCK].astype(np.float64)
+        within = u - (ends[b - 1] if b > 0 else 0.0)
+        j = int(np.searchsorted(np.cumsum(block), within, side="right"))
+        # Rounding between the block's sum and its running sum may push j one past the
+        # end; clamp to the block's last token with any mass, never a zero one.
+        j = min(j, int(np.flatnonzero(block)[-1]))
+        return b * _DRAW_BLOCK + j
+
+
+_DRAW_BLOCK = 1024  # tokens per block of the two-level inverse-CDF search
+
+
+# Top-p looks at the most likely tokens first; this many are partitioned out at a time
+# (then 4x more) instead of sorting the whole vocabulary, which costs milliseconds per
+# token at 150k entries while the nucleus is usually a few dozen tokens.
+_TOP_P_FIRST = 256
+
+
+def candidates(
+    x: np.ndarray, top_k: int, top_p: float, min_p: float
+) -> tuple[np.ndarray, np.ndarray]:
+    """The ids that top-k, then top-p, then min-p keep, and their logits.
+
+    ``x`` (vocab,) float32 is already penalised and divided by the temperature. Each
+    filter sees the distribution the previous one left (renormalised), as in
+    transformers. At least one token always survives. With no filter on, every id is
+    a candidate (``idx`` is then ``arange(vocab)``, without a copy of ``x``).
+    """
+    vocab = x.shape[0]
+    if 0 < top_k < vocab:
+        kth = np.partition(x, vocab - top_k)[vocab - top_k]  # the k-th largest value
+        idx = np.flatnonzero(x >= kth)  # ties with the k-th are kept, as in HF
+        vals = x[idx]
+    else:
+        idx, vals = np.arange(vocab), x
+    if top_p < 1.0:
+        idx, vals = _nucleus(idx, vals, top_p)
+    if min_p > 0.0:
+        # The ratio to the best token's probability does not depend on the normaliser.
+        keep = np.exp(vals - vals.max()) >= np.float32(min_p)
+        idx, vals = idx[keep], vals[keep]
+    return idx, vals
+
+
+def _nucleus(idx: np.ndarray, vals: np.ndarray, top_p: float) -> tuple[np.ndarray, np.ndarray]:
+    """Keep the most likely tokens while the probability *before* each is below ``top_p``.
+
+    That is transformers' rule (drop the ascending tail whose sum is <= 1 - top_p)
+    read from the other end. Only the top ``m`` tokens are sorted, ``m`` growing until
+    they reach ``top_p``.
+    """
+    n = vals.shape[0]
+    top = vals.max()
+    total = np.exp(vals - top).sum(dtype=np.float64)  # the normaliser over every candidate
+    m = min(_TOP_P_FIRST, n)
+    while True:
+        part = np.argpartition(vals, n - m)[n - m :] if m < n else np.arange(n)
+        part = part[np.argsort(-vals[part], kind="stable")]  # (m,) most likely first
+        probs = np.exp(vals[part] - top) / total
+        before = np.cumsum(probs) - probs  # probability of the tokens ranked above each
+        if m == n or before[-1] + probs[-1] >= top_p:
+            keep = part[before < top_p]
+            return idx[keep], vals[keep]
+        m = min(4 * m, n)
 
 
 def truncate(x: np.ndarray, top_k: int, top_p: float, min_p: float) -> np.ndarray:
-    """Set to -inf every logit that top-k, then top-p, then min-p removes (a new array).
-
-    ``x`` is already divided by the temperature. At least one token always survives.
-    """
-    vocab = x.shape[0]
-    out = x.copy()
-    if 0 < top_k < vocab:
-        kth = np.partition(out, vocab - top_k)[vocab - top_k]  # the k-th largest value
-        out[out < kth] = -np.inf  # ties with the k-th are kept, as in HF
-    if top_p < 1.0:
-        order = np.argsort(out)  # ascending
-        probs = _softmax64(out[order])
-        # Remove the low tail whose total stays within 1 - top_p; the best token always stays.
-        remove = np.cumsum(probs) <= (1.0 - top_p)
-        remove[-1] = False
-        out[order[remove]] = -np.inf
-    if min_p > 0.0:
-        probs = _softmax64(out)
-        out[probs < min_p * probs.max()] = -np.inf
+    """``x`` with every logit the filters remove set to -inf (a new array; for tests/tools)."""
+    idx, vals = candidates(x, top_k, top_p, min_p)
+    out = np.full_like(x, -np.inf)
+    out[idx] = vals
     return out
-
-
-def _softmax64(x: np.ndarray) -> np.ndarray:
-    e = np.exp(x.astype(np.float64) - np.max(x))
-    return np.asarray(e / e.sum())
 
 
 def log_softmax(x: np.ndarray) -> np.ndarray:
@@ -216,11 +270,22 @@ def log_softmax(x: np.ndarray) -> np.ndarray:
     return np.asarray(shifted - np.log(np.exp(shifted).sum()))
 
 
-def _with_logprobs(token: int, logp: np.ndarray, top_n: int) -> Sample:
-    top: tuple[tuple[int, float], ...] = ()
+def _with_logprobs(token: int, x: np.ndarray, top_n: int) -> Sample:
+    """The chosen token's log-probability under softmax(x), and the top ``top_n``.
+
+    Only the normaliser needs the whole vocabulary; log-softmax is monotone, so the
+    top-n of the log-probabilities are the top-n of ``x``.
+    """
+    top = float(x.max())
+    log_total = float(np.log(np.exp(x - np.float32(top)).sum(dtype=np.float64)))
+
+    def logprob(i: int) -> float:
+        return float(x[i]) - top - log_total
+
+    best: tuple[tuple[int, float], ...] = ()
     if top_n > 0:
-        n = min(top_n, logp.shape[0])
-        idx = np.argpartition(logp, -n)[-n:]
-        idx = idx[np.argsort(-logp[idx], kind="stable")]
-        top = tuple((int(i), float(logp[i])) for i in idx)
-    return Sample(token, float(logp[token]), top)
+        n = min(top_n, x.shape[0])
+        idx = np.argpartition(x, -n)[-n:]
+        idx = idx[np.argsort(-x[idx], kind="stable")]
+        best = tuple((int(i), logprob(int(i))) for i in idx)
+    return Sample(token, logprob(token), best)
