@@ -112,6 +112,17 @@ def test_bos_falls_back_to_config_json_when_the_tokenizer_config_is_absent(
     assert tok.bos_token_id == 0 and not tok.add_bos and not tok.has_chat_template
 
 
+def test_template_variables_come_from_the_tokenizer_config_only(tmp_path: Path) -> None:
+    d = write_model(
+        tmp_path,
+        {"eos_token": "</s>", "chat_template": "[{{ bos_token }}|{{ eos_token }}]"},
+        model_config={"bos_token_id": 0},
+    )
+    tok = Tokenizer.from_dir(d)
+    assert tok.bos_token_id == 0  # known for encoding...
+    assert tok.apply_chat_template([]) == "[|</s>]"  # ...but not a template variable
+
+
 def test_missing_tokenizer_json_names_the_file(tmp_path: Path) -> None:
     with pytest.raises(ModelLoadError, match=r"tokenizer\.json: file not found"):
         Tokenizer.from_dir(tmp_path)

@@ -359,13 +359,15 @@ class Tokenizer:
                 "use a plain prompt instead of chat"
             )
         template = self._template("default")
+        # The token variables come from tokenizer_config.json only, as in transformers:
+        # a BOS known only from config.json's id is not something the template says.
         try:
             return template.render(
                 messages=messages,
                 add_generation_prompt=add_generation_prompt,
                 tools=None,
                 documents=None,
-                bos_token=self._special_strings.get("bos_token", self.bos_token or ""),
+                bos_token=self._special_strings.get("bos_token", ""),
                 eos_token=self._special_strings.get("eos_token", ""),
                 unk_token=self._special_strings.get("unk_token", ""),
                 pad_token=self._special_strings.get("pad_token", ""),
