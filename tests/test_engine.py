@@ -13,7 +13,7 @@ from triollm.engine import Engine, Request, engine_config
 from triollm.model.loader import LoadedModel, load_model
 from triollm.model.sampling import SamplingParams
 from triollm.plan import FinishReason
-from triollm.scheduler import Infeasible
+from triollm.scheduler import Infeasible, SchedulerConfig
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 MODELS = sorted(p.stem for p in (FIXTURES / "reference").glob("*.json"))
@@ -66,6 +66,24 @@ def test_a_seeded_request_samples_the_same_tokens_whatever_shares_its_batch(
     assert batched == alone
     other_seed = engine.generate(prompts[0], SamplingParams(top_p=0.9, seed=43), max_tokens=24)
     assert [t.token_id for t in other_seed] != alone
+
+
+@pytest.mark.parametrize("name", ["llama-gqa-f32", "qwen3-headdim-f16"])
+def test_small_chunks_and_a_tight_row_budget_still_give_the_reference(name: str) -> None:
+    # The long prompt is prefilled 7 tokens at a time while the short ones decode beside
+    # it, within 12 rows per step: every step is a ragged mix of chunks and decode rows.
+    loaded = load_model(FIXTURES / "models" / name)
+    config = SchedulerConfig(
+        num_blocks=3 * 16, block_size=32, slots=3, chunk_tokens=7, step_rows=12,
+        context_tokens=512,
+    )  # fmt: skip
+    engine = Engine(loaded, config)
+    ref = reference(name)["prompts"]
+    out = engine.generate_many(
+        [Request(tuple(p["prompt_ids"]), GREEDY, len(p["greedy_ids"])) for p in ref]
+    )
+    assert [c.token_ids for c in out] == [p["greedy_ids"] for p in ref]
+    assert max(len(p["prompt_ids"]) for p in ref) > 150
 
 
 def test_more_prompts_than_slots_all_complete_in_order(llama: LoadedModel, prompts: Any) -> None:
