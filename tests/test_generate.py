@@ -115,6 +115,16 @@ def test_a_stop_string_cuts_the_text_and_reports_stop(capsys: pytest.CaptureFixt
     assert len(cut["token_ids"]) < len(full["token_ids"])
 
 
+def test_several_stop_strings_may_come_before_the_model_dir(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    prompt = reference("llama-gqa-f32")["prompts"][0]
+    text = run_json(capsys, str(LLAMA), *greedy_args(prompt))["text"]
+    stops = [text[20:22], text[8:11]]
+    cut = run_json(capsys, "--stop", stops[0], "--stop", stops[1], str(LLAMA), *greedy_args(prompt))
+    assert cut["text"] == text[: min(text.index(s) for s in stops)]
+
+
 def test_logprobs_are_reported_per_token(capsys: pytest.CaptureFixture[str]) -> None:
     out = run_json(
         capsys, str(LLAMA), "--prompt", "The", "--temperature", "0", "--max-tokens", "3",

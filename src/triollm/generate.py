@@ -74,8 +74,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ignore-eos", action="store_true", help="do not stop at EOS")
     parser.add_argument("--chat", action="store_true", help="wrap the prompt as a user message")
     parser.add_argument("--json", action="store_true", help="print one JSON object at the end")
+    # One string per --stop (repeat the flag): nargs="+" would swallow a MODEL_DIR
+    # written after it.
     parser.add_argument(
-        "--stop", nargs="+", default=[], metavar="STR", help="stop before any of these strings"
+        "--stop",
+        action="append",
+        default=[],
+        metavar="STR",
+        help="stop before this string (repeat for several)",
     )
 
 
