@@ -228,7 +228,7 @@ class Tokenizer:
         tok_path = d / "tokenizer.json"
         tok_json = _read_json(tok_path, required=True) or {}
         try:
-            hf = _HFTokenizer.from_str(json.dumps(tok_json))
+            hf = _HFTokenizer.from_file(str(tok_path))
         except Exception as exc:  # the Rust side raises a bare Exception subclass
             raise ModelLoadError(
                 f"{tok_path}: not a tokenizer the tokenizers library reads: {exc}"
