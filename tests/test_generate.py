@@ -4,6 +4,7 @@ exit status 2."""
 
 from __future__ import annotations
 
+import io
 import json
 import shutil
 import subprocess
@@ -91,6 +92,33 @@ def test_streamed_text_equals_the_json_text(capsys: pytest.CaptureFixture[str]) 
     out = run_json(capsys, *args)
     assert streamed == out["text"] + "\n"
     assert len(out["token_ids"]) == 40
+
+
+class RecordingStdout(io.StringIO):
+    """Records what was written between flushes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.flushed: list[str] = []
+        self._mark = 0
+
+    def flush(self) -> None:
+        text = self.getvalue()
+        if len(text) > self._mark:
+            self.flushed.append(text[self._mark :])
+            self._mark = len(text)
+
+
+def test_text_is_flushed_piece_by_piece_as_it_is_generated(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    out = RecordingStdout()
+    monkeypatch.setattr(sys, "stdout", out)
+    prompt = reference("llama-gqa-f32")["prompts"][0]
+    assert main(["generate", str(LLAMA), *greedy_args(prompt)]) == 0
+    pieces = out.flushed
+    assert len(pieces) > 10  # one flush per piece, not one at the end
+    assert "".join(pieces) == out.getvalue() and out.getvalue().endswith("\n")
 
 
 def test_chat_wraps_the_prompt_in_the_template(capsys: pytest.CaptureFixture[str]) -> None:
