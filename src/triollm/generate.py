@@ -260,17 +260,14 @@ def _model_dir(arg: str | None) -> Path:
 
 
 def _sampling_params(args: argparse.Namespace) -> Any:
-    from triollm.model.sampling import SamplingParams
+    from triollm.model.sampling import SamplingParamError, SamplingParams
 
     fields = {f.name for f in dataclasses.fields(SamplingParams)}
     values = {name: getattr(args, name) for name in fields}
     try:
         return SamplingParams(**values)
-    except ValueError as exc:
-        message = str(exc)
-        name = message.split(" ", 1)[0]
-        flag = "--" + name.replace("_", "-")
-        raise UserError(f"{flag}: {message}") from None
+    except SamplingParamError as exc:
+        raise UserError(f"--{exc.field.replace('_', '-')}: {exc}") from None
 
 
 def _stop_strings(stops: Sequence[str]) -> tuple[str, ...]:

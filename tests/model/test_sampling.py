@@ -13,7 +13,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from triollm.model.sampling import SamplingParams, SequenceSampler, log_softmax, truncate
+from triollm.model.sampling import (
+    SamplingParamError,
+    SamplingParams,
+    SequenceSampler,
+    log_softmax,
+    truncate,
+)
 
 V = 64
 
@@ -52,8 +58,9 @@ def softmax(x: np.ndarray) -> np.ndarray:
 def test_bad_parameters_name_the_field_and_the_range(
     field: str, value: object, message: str
 ) -> None:
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(ValueError, match=message) as exc:
         SamplingParams(**{field: value})  # type: ignore[arg-type]
+    assert isinstance(exc.value, SamplingParamError) and exc.value.field == field
 
 
 def test_parameters_are_frozen() -> None:

@@ -39,13 +39,21 @@ _SEED_SPACE = 2**64  # numpy's generators take a non-negative seed; any int is f
 MAX_LOGPROBS = 20  # OpenAI's limit for top_logprobs
 
 
+class SamplingParamError(ValueError):
+    """A sampling parameter out of range. ``field`` names it (the HTTP layer's ``param``)."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
 def _check_number(name: str, value: object, lo: float, hi: float, *, lo_open: bool) -> None:
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise ValueError(f"{name} must be a finite number, got {value!r}")
+        raise SamplingParamError(name, f"{name} must be a finite number, got {value!r}")
     below = value <= lo if lo_open else value < lo
     if below or value > hi:
         bracket = "(" if lo_open else "["
-        raise ValueError(f"{name} must be in {bracket}{lo}, {hi}], got {value!r}")
+        raise SamplingParamError(name, f"{name} must be in {bracket}{lo}, {hi}], got {value!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,8 +61,8 @@ class SamplingParams:
     """How one request turns logits into tokens. Frozen and validated on construction.
 
     Every field's default leaves the model's distribution unchanged (plain sampling at
-    temperature 1). Bad values raise ``ValueError`` naming the field and its range,
-    which the HTTP layer turns into a 400 with that field as ``param``.
+    temperature 1). Bad values raise :class:`SamplingParamError` (a ``ValueError``)
+    naming the field and its range; its ``field`` attribute is the HTTP 400's ``param``.
 
     Trap: ``seed=None`` draws from OS entropy, so two identical requests differ; pass a
     seed to reproduce a run. ``temperature=0`` ignores every truncation setting.
@@ -78,18 +86,22 @@ class SamplingParams:
         _check_number("presence_penalty", self.presence_penalty, -2.0, 2.0, lo_open=False)
         _check_number("frequency_penalty", self.frequency_penalty, -2.0, 2.0, lo_open=False)
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
+            raise SamplingParamError(
+                "top_k", f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}"
+            )
         if self.seed is not None and (
             isinstance(self.seed, bool) or not isinstance(self.seed, int)
         ):
-            raise ValueError(f"seed must be an integer or null, got {self.seed!r}")
+            raise SamplingParamError("seed", f"seed must be an integer or null, got {self.seed!r}")
         if self.logprobs is not None and (
             isinstance(self.logprobs, bool)
             or not isinstance(self.logprobs, int)
             or not 0 <= self.logprobs <= MAX_LOGPROBS
         ):
-            raise ValueError(
-                f"logprobs must be an integer in [0, {MAX_LOGPROBS}] or null, got {self.logprobs!r}"
+            raise SamplingParamError(
+                "logprobs",
+                f"logprobs must be an integer in [0, {MAX_LOGPROBS}] or null, "
+                f"got {self.logprobs!r}",
             )
 
     @property
