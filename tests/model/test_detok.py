@@ -48,7 +48,9 @@ def make_byte_level(d: Path) -> Tokenizer:
     return Tokenizer.from_dir(d)
 
 
-def make_metaspace(d: Path) -> Tokenizer:
+def make_metaspace(d: Path, *, legacy_decoder: bool = True) -> Tokenizer:
+    """Llama-2 style by default; ``legacy_decoder=False`` uses the Metaspace decoder
+    (newer Mistral/T5-style tokenizer.json files), which drops the first space itself."""
     hf = HFTokenizer(models.BPE(unk_token="<unk>"))
     hf.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
     hf.train_from_iterator(
@@ -59,15 +61,19 @@ def make_metaspace(d: Path) -> Tokenizer:
     for b in range(256):
         vocab.setdefault(f"<0x{b:02X}>", len(vocab))
     data["model"]["byte_fallback"] = True
-    data["decoder"] = {
-        "type": "Sequence",
-        "decoders": [
+    if legacy_decoder:
+        steps = [
             {"type": "Replace", "pattern": {"String": "▁"}, "content": " "},
             {"type": "ByteFallback"},
             {"type": "Fuse"},
             {"type": "Strip", "content": " ", "start": 1, "stop": 0},
-        ],
-    }
+        ]
+    else:
+        steps = [
+            {"type": "ByteFallback"},
+            {"type": "Metaspace", "replacement": "▁", "prepend_scheme": "first", "split": True},
+        ]
+    data["decoder"] = {"type": "Sequence", "decoders": steps}
     d.mkdir(parents=True, exist_ok=True)
     (d / "tokenizer.json").write_text(json.dumps(data))
     config = {"bos_token": {"content": "<s>"}, "eos_token": "</s>", "add_bos_token": True}
@@ -83,6 +89,11 @@ def byte_level(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
 @pytest.fixture(scope="module")
 def metaspace(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
     return make_metaspace(tmp_path_factory.mktemp("metaspace"))
+
+
+@pytest.fixture(scope="module")
+def metaspace_decoder(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
+    return make_metaspace(tmp_path_factory.mktemp("metaspace2"), legacy_decoder=False)
 
 
 def stream(tok: Tokenizer, prompt: list[int], ids: list[int]) -> list[str]:
@@ -221,6 +232,27 @@ def test_metaspace_stream_equals_full_decode(
     assert metaspace.vocab_size == 462
     check_stream_against_full_decode(metaspace, [], ids)
     check_stream_against_full_decode(metaspace, prompt, ids)
+
+
+@fast
+@given(
+    ids=st.lists(st.integers(0, 461), max_size=16),
+    prompt=st.lists(st.integers(0, 461), max_size=4),
+)
+def test_metaspace_decoder_stream_equals_full_decode(
+    metaspace_decoder: Tokenizer, ids: list[int], prompt: list[int]
+) -> None:
+    check_stream_against_full_decode(metaspace_decoder, [], ids)
+    check_stream_against_full_decode(metaspace_decoder, prompt, ids)
+
+
+def test_the_metaspace_decoder_also_drops_a_lone_tokens_space(
+    metaspace_decoder: Tokenizer,
+) -> None:
+    (the,) = metaspace_decoder.encode("the", add_special_tokens=False)
+    assert metaspace_decoder.decode([the]) == "the"
+    prompt = metaspace_decoder.encode("Hello cat")
+    assert "".join(stream(metaspace_decoder, prompt, [the])) == " the"
 
 
 @fast
