@@ -23,7 +23,7 @@ kernel against a plain-numpy reference on random shapes).
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+from numba import njit
 
 
 @njit(cache=True, nogil=True, fastmath=True)
@@ -104,7 +104,7 @@ def write_kv(
                 v_cache[b, h, o, j] = v[i, h, j]
 
 
-@njit(cache=True, nogil=True, fastmath=True, parallel=True)
+@njit(cache=True, nogil=True, fastmath=True)
 def paged_attention(
     q: np.ndarray,
     k_cache: np.ndarray,
@@ -131,12 +131,16 @@ def paged_attention(
     a reservation's stale data). Work is split over (row, KV head) pairs; the
     query heads of one GQA group share each K/V vector they load (the hot spot:
     the K and V reads). Softmax is two-pass over a per-pair score buffer.
+
+    Serial on purpose: with ``parallel=True`` numba's OpenMP workers and
+    OpenBLAS's threads spin against each other on a 2-core machine, and a
+    batch-1 decode step measured 10x slower (see docs/engine.md).
     """
     n, n_heads, head_dim = q.shape
     n_kv = k_cache.shape[1]
     block_size = k_cache.shape[2]
     group = n_heads // n_kv
-    for item in prange(n * n_kv):
+    for item in range(n * n_kv):
         i = item // n_kv
         kvh = item % n_kv
         p = positions[i]

@@ -32,7 +32,7 @@ slower by turning the residual stream into float64; constants here are made
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -42,8 +42,8 @@ from triollm.model import kernels
 from triollm.model.config import ModelConfig
 from triollm.model.matmul import PreparedWeight, linear, prepare
 from triollm.model.weights import (
-    MappingSource,
     TensorSource,
+    as_source,
     bf16_bits_to_f32,
     expected_shapes,
 )
@@ -133,22 +133,24 @@ class _Scratch:
 class LlamaModel:
     """Llama / Mistral / Qwen2 / Qwen3 decoder weights plus a ragged forward pass.
 
-    ``weights`` is an in-memory ``{checkpoint key: array}`` mapping or a
-    :class:`~triollm.model.weights.TensorSource` (a :class:`Checkpoint`, read
-    lazily). Arrays are float32, float16, or uint16 holding bfloat16 bits. Each
-    tensor is taken once, checked against its expected shape, prepared, and
-    the raw array dropped, so a lazy source never has the model in memory twice.
+    ``weights`` is an in-memory ``{checkpoint key: array}`` mapping, a getter
+    ``key -> array``, or a :class:`~triollm.model.weights.TensorSource` (a
+    :class:`Checkpoint`, read lazily); :func:`expected_shapes` lists the keys.
+    Arrays are float32, float16, or uint16 holding bfloat16 bits. Each tensor
+    is taken once, checked against its expected shape, prepared, and the raw
+    array dropped, so a lazy source never has the model in memory twice.
 
     Trap: one model runs one forward at a time (it reuses its scratch buffers);
     ``forward`` takes a lock, so a second caller waits rather than corrupts.
     """
 
     def __init__(
-        self, config: ModelConfig, weights: Mapping[str, np.ndarray] | TensorSource
+        self,
+        config: ModelConfig,
+        weights: Mapping[str, np.ndarray] | Callable[[str], np.ndarray] | TensorSource,
     ) -> None:
         self.config = config
-        source: TensorSource = MappingSource(weights) if isinstance(weights, Mapping) else weights
-        self._source = source
+        self._source = as_source(weights)
         self._shapes = expected_shapes(config)
         c = config
         # model.embed_tokens.weight: (vocab, hidden), kept in the checkpoint dtype;

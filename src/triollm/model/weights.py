@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 import os
 import struct
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -86,6 +86,34 @@ class MappingSource:
 
     def where(self, key: str) -> str:
         return self.name
+
+
+class CallableSource:
+    """A :class:`TensorSource` over a getter ``key -> array`` (e.g. random weights made
+    on demand, so a benchmark never holds the raw and the prepared model at once)."""
+
+    def __init__(self, getter: Callable[[str], np.ndarray], name: str = "<weight getter>"):
+        self.getter = getter
+        self.name = name
+
+    def get_tensor(self, key: str) -> np.ndarray:
+        return self.getter(key)
+
+    def where(self, key: str) -> str:
+        return self.name
+
+
+def as_source(
+    weights: Mapping[str, np.ndarray] | Callable[[str], np.ndarray] | TensorSource,
+) -> TensorSource:
+    """Accept a mapping, a getter function, or a TensorSource (e.g. a Checkpoint)."""
+    if isinstance(weights, Mapping):
+        return MappingSource(weights)
+    if hasattr(weights, "get_tensor") and hasattr(weights, "where"):
+        return weights  # type: ignore[return-value]
+    if callable(weights):
+        return CallableSource(weights)
+    raise TypeError(f"weights must be a mapping, a getter or a TensorSource, got {weights!r}")
 
 
 class Checkpoint:
