@@ -438,6 +438,11 @@ class Scheduler:
         self._admit(seq)
         return True
 
+    def would_admit(self, seq_id: int) -> bool:
+        """Would the policy and the pool admit this waiting sequence now? Changes nothing."""
+        seq = self._seqs.get(seq_id)
+        return seq is not None and seq.state is SeqState.WAITING and self._can_admit(seq)
+
     def admit_waiting(self) -> tuple[int, ...]:
         """One FCFS pass with bounded overtaking (rule 3); returns the seq_ids admitted.
 
