@@ -115,3 +115,52 @@ def test_a_missing_key_and_an_unsupported_dtype_are_named(tmp_path: Path) -> Non
             ck.get_tensor("c")
         with pytest.raises(ModelLoadError, match=r"tensor 'b' has dtype I32; supported"):
             ck.get_tensor("b")
+
+
+def test_loading_holds_one_raw_tensor_at_a_time(tmp_path: Path) -> None:
+    """Peak traced memory while building the model stays near the prepared model's
+    size: each raw tensor is prepared and dropped before the next is read."""
+    import tracemalloc
+
+    from triollm.model.llama import LlamaModel
+
+    config = ModelConfig.from_dict(
+        {
+            "model_type": "llama",
+            "hidden_size": 256,
+            "intermediate_size": 512,
+            "num_hidden_layers": 8,
+            "num_attention_heads": 4,
+            "vocab_size": 512,
+            "max_position_embeddings": 64,
+        }
+    )
+    rng = np.random.default_rng(0)
+    shapes = expected_shapes(config)
+    tensors = {k: rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()}
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    total = sum(t.nbytes for t in tensors.values())
+    largest = max(t.nbytes for t in tensors.values())
+    del tensors
+
+    def peak_while_building(hold_everything: bool) -> tuple[int, int]:
+        tracemalloc.start()
+        try:
+            with Checkpoint(tmp_path) as ck:
+                if hold_everything:  # the mistake guarded against: read all, then prepare
+                    raw = {k: ck.get_tensor(k) for k in shapes}
+                    model = LlamaModel(config, lambda k: raw[k].copy())
+                else:
+                    model = LlamaModel(config, ck)
+                _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        return peak, model.weight_bytes
+
+    peak, weight_bytes = peak_while_building(hold_everything=False)
+    assert weight_bytes >= total
+    # the model itself plus the raw copy of about one tensor, not of the model
+    assert peak < weight_bytes + 2 * largest, (peak, weight_bytes, largest)
+    # and the bound is tight enough to catch a loader that reads everything first
+    wasteful_peak, _ = peak_while_building(hold_everything=True)
+    assert wasteful_peak > weight_bytes + 2 * largest
