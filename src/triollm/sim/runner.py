@@ -1,0 +1,235 @@
+"""Replay a scenario through the real Scheduler with a fake executor.
+
+The executor is the only fake: every step the Scheduler plans is "run" by handing
+back one token per sampling chunk. Requests end at their ``answer`` length (their
+max_tokens), so what differs between policies is only admission and composition,
+which is the point of the seed's figure.
+
+Time is counted in steps: at step ``t`` the requests arriving at ``t`` are added,
+the queue admits, the Scheduler plans, and the plan is committed. A request's time
+to first token is the number of steps from its arrival up to and including the
+step that sampled its first token; its completion time likewise to its last.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from triollm.plan import SampledToken, StepResult
+from triollm.scheduler import Infeasible, Policy, Scheduler
+from triollm.sim.scenario import Scenario
+
+# A run that has not ended after this many steps per requested token is a bug in
+# the scheduler (every policy here either finishes or reports its deadlock).
+_STEPS_PER_TOKEN_LIMIT = 50
+
+
+@dataclass(frozen=True, slots=True)
+class RowRecord:
+    """One request's rows in one step."""
+
+    request: str
+    kind: str  # "prefill" or "decode"
+    start: int  # position of the first row
+    rows: int
+    sample: bool  # did this chunk produce a token
+
+
+@dataclass(frozen=True, slots=True)
+class StepRecord:
+    """What one step did, and the state it ran in (after admission and planning)."""
+
+    t: int
+    rows: tuple[RowRecord, ...]  # empty: nothing ran this step
+    slots: tuple[str | None, ...]  # which request holds each slot (None: free)
+    blocks: tuple[str | None, ...]  # which request holds each block (None: free)
+    waiting: tuple[str, ...]  # queue, head first
+    events: tuple[str, ...]  # arrivals, admissions, first tokens, completions, preemptions
+    written: int  # positions whose K/V is written, over all running requests
+
+
+@dataclass(frozen=True, slots=True)
+class RequestOutcome:
+    name: str
+    arrival: int
+    prompt: int
+    answer: int
+    admitted: int | None = None  # first admission step
+    first_token: int | None = None  # step that sampled its first token
+    done: int | None = None  # step that sampled its last token
+    refused: str | None = None  # the door's reason, when it could never run
+    preemptions: int = 0
+
+    @property
+    def ttft(self) -> int | None:
+        """Steps from arrival to first token, inclusive."""
+        return None if self.first_token is None else self.first_token - self.arrival + 1
+
+    @property
+    def completion(self) -> int | None:
+        """Steps from arrival to the last token, inclusive."""
+        return None if self.done is None else self.done - self.arrival + 1
+
+
+@dataclass(frozen=True, slots=True)
+class Deadlock:
+    t: int  # the step at which nothing could run
+    description: str  # who holds what, by request name
+    holders: tuple[tuple[str, int, int], ...]  # (request, blocks held, blocks needed)
+
+
+@dataclass(frozen=True, slots=True)
+class Run:
+    policy: Policy
+    scenario: Scenario
+    steps: tuple[StepRecord, ...]
+    outcomes: tuple[RequestOutcome, ...]
+    deadlock: Deadlock | None
+    preemptions: int
+
+    @property
+    def total_steps(self) -> int:
+        """Steps until every request finished (or until the deadlock)."""
+        return len(self.steps)
+
+    @property
+    def utilisation(self) -> float:
+        """Mean fraction of the pool's blocks held, over the steps that ran."""
+        ran = [s for s in self.steps if s.rows]
+        if not ran:
+            return 0.0
+        return sum(sum(b is not None for b in s.blocks) for s in ran) / (
+            len(ran) * self.scenario.num_blocks
+        )
+
+    @property
+    def written_fraction(self) -> float:
+        """Of the positions held, the mean fraction actually written (the rest is reserve)."""
+        ran = [s for s in self.steps if s.rows]
+        held = sum(sum(b is not None for b in s.blocks) for s in ran) * self.scenario.block_size
+        return sum(s.written for s in ran) / held if held else 0.0
+
+
+def simulate(scenario: Scenario, policy: Policy) -> Run:
+    """Run every request of ``scenario`` under ``policy`` until all end or it deadlocks."""
+    s = Scheduler(scenario.config(policy))
+    outcomes = {
+        r.name: RequestOutcome(r.name, r.arrival, r.prompt, r.answer) for r in scenario.requests
+    }
+    name_of: dict[int, str] = {}
+    arrivals = sorted(scenario.requests, key=lambda r: r.arrival)  # stable: file order at a tie
+    limit = max(r.arrival for r in arrivals) + _STEPS_PER_TOKEN_LIMIT * sum(
+        r.prompt + r.answer for r in arrivals
+    )
+    steps: list[StepRecord] = []
+    deadlock: Deadlock | None = None
+    t = 0
+    while True:
+        events: list[str] = []
+        while arrivals and arrivals[0].arrival == t:
+            r = arrivals.pop(0)
+            try:
+                seq = s.add([1] * r.prompt, r.answer)
+            except Infeasible as exc:
+                outcomes[r.name] = _with(outcomes[r.name], refused=str(exc))
+                events.append(f"{r.name} refused")
+                continue
+            name_of[seq] = r.name
+            events.append(f"{r.name} arrives")
+        before = set(s.running_ids())
+        s.admit_waiting()
+        plan = s.plan_step()
+        running = s.running_ids()
+        for seq in running:
+            if seq not in before:
+                o = outcomes[name_of[seq]]
+                again = s.sequence(seq).preemptions > 0
+                events.append(f"{o.name} {'readmitted' if again else 'admitted'}")
+                if o.admitted is None:
+                    outcomes[o.name] = _with(o, admitted=t)
+        for seq in (*running, *s.waiting_ids()):
+            o = outcomes[name_of[seq]]
+            count = s.sequence(seq).preemptions
+            if count > o.preemptions:  # evicted by this plan (and perhaps readmitted since)
+                outcomes[o.name] = _with(o, preemptions=count)
+                events.append(f"{o.name} preempted")
+        slots: list[str | None] = [None] * scenario.slots
+        blocks: list[str | None] = [None] * scenario.num_blocks
+        written = 0
+        for seq in running:
+            info = s.sequence(seq)
+            assert info.slot is not None
+            slots[info.slot] = name_of[seq]
+            for b in info.blocks:
+                blocks[b] = name_of[seq]
+            written += info.n_computed
+        rows = tuple(
+            RowRecord(
+                name_of[c.seq_id], "prefill" if c.prefill else "decode", c.start, c.n_rows, c.sample
+            )
+            for c in plan.chunks
+        )
+        record = StepRecord(
+            t=t,
+            rows=rows,
+            slots=tuple(slots),
+            blocks=tuple(blocks),
+            waiting=tuple(name_of[q] for q in s.waiting_ids()),
+            events=tuple(events),
+            written=written,
+        )
+        if plan.is_empty:
+            report = s.deadlock_report()
+            if report is not None:
+                holders = tuple(
+                    (name_of[h.seq_id], len(h.blocks), h.blocks_needed) for h in report.holders
+                )
+                description = "; ".join(
+                    f"{n} holds {held} block(s) and needs {need} more" for n, held, need in holders
+                )
+                waiting = ", ".join(name_of[q] for q in report.waiting) or "none"
+                free = report.free_blocks
+                deadlock = Deadlock(
+                    t=t,
+                    description=f"{free} block(s) free; {description}; waiting: {waiting}",
+                    holders=holders,
+                )
+                steps.append(_with_events(record, (*events, "DEADLOCK")))
+                break
+            if not s.running_ids() and not s.waiting_ids() and not arrivals:
+                if events:
+                    steps.append(record)
+                break
+            steps.append(record)
+            t += 1
+            continue
+        sampled = tuple(SampledToken(c.seq_id, 1) for c in plan.chunks if c.sample)
+        finished = s.commit(StepResult(plan.step, sampled, plan.n_rows))
+        for c in plan.chunks:
+            o = outcomes[name_of[c.seq_id]]
+            if c.sample and o.first_token is None:
+                outcomes[o.name] = _with(o, first_token=t)
+                events.append(f"{o.name} first token")
+        for f in finished:
+            outcomes[name_of[f.seq_id]] = _with(outcomes[name_of[f.seq_id]], done=t)
+            events.append(f"{name_of[f.seq_id]} done")
+        steps.append(_with_events(record, tuple(events)))
+        t += 1
+        if t > limit:
+            raise RuntimeError(f"the {policy.value} run did not end within {limit} steps")
+    return Run(
+        policy=policy,
+        scenario=scenario,
+        steps=tuple(steps),
+        outcomes=tuple(outcomes[r.name] for r in scenario.requests),
+        deadlock=deadlock,
+        preemptions=s.statistics().preemptions_total,
+    )
+
+
+def _with(o: RequestOutcome, **changes: object) -> RequestOutcome:
+    return replace(o, **changes)  # type: ignore[arg-type]
+
+
+def _with_events(r: StepRecord, events: tuple[str, ...]) -> StepRecord:
+    return replace(r, events=events)

@@ -1,0 +1,120 @@
+"""A batching scenario: the shared constants and the requests, read from JSON or TOML.
+
+The seed's interactive figure (20.3.2) is the default, shipped as
+``seed_scenario.json`` beside this file. A scenario names no policy: the simulator
+replays the same arrivals under each one.
+
+File shape (JSON; TOML uses the same keys, with ``[[requests]]`` tables)::
+
+    {"slots": 4, "num_blocks": 16, "block_size": 4, "chunk_tokens": 8,
+     "step_rows": 12, "context_tokens": 64,
+     "requests": [{"name": "A", "arrival": 0, "prompt": 10, "answer": 12}, ...]}
+
+``answer`` is the number of tokens the request generates (its max_tokens; the
+simulated model never says EOS early), ``arrival`` the step at which it arrives.
+"""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from triollm.errors import UserError
+from triollm.scheduler import Policy, SchedulerConfig
+
+_INT_FIELDS = ("slots", "num_blocks", "block_size", "chunk_tokens", "step_rows", "context_tokens")
+
+
+@dataclass(frozen=True, slots=True)
+class SimRequest:
+    name: str
+    arrival: int  # the step it arrives at (0 = before the first step)
+    prompt: int  # prompt tokens
+    answer: int  # tokens it generates (its max_tokens)
+
+
+@dataclass(frozen=True, slots=True)
+class Scenario:
+    slots: int
+    num_blocks: int
+    block_size: int
+    chunk_tokens: int
+    step_rows: int
+    context_tokens: int
+    requests: tuple[SimRequest, ...]
+    source: str = "<built-in seed scenario>"
+
+    def config(self, policy: Policy) -> SchedulerConfig:
+        return SchedulerConfig(
+            num_blocks=self.num_blocks,
+            block_size=self.block_size,
+            slots=self.slots,
+            chunk_tokens=self.chunk_tokens,
+            step_rows=self.step_rows,
+            context_tokens=self.context_tokens,
+            policy=policy,
+        )
+
+
+def seed_scenario() -> Scenario:
+    """The default: 4 slots, blocks of 4, chunks of 8, 12 rows a step, 7 requests."""
+    text = resources.files("triollm.sim").joinpath("seed_scenario.json").read_text("utf-8")
+    return parse_scenario(json.loads(text), "<built-in seed scenario>")
+
+
+def load_scenario(path: str | Path) -> Scenario:
+    """Read a scenario file (``.json`` or ``.toml``); UserError names the file and field."""
+    p = Path(path)
+    try:
+        raw = p.read_bytes()
+    except OSError as exc:
+        raise UserError(f"{p}: cannot read the scenario ({exc.strerror})") from None
+    try:
+        data = tomllib.loads(raw.decode()) if p.suffix == ".toml" else json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:  # JSONDecodeError, TOMLDecodeError
+        kind = "TOML" if p.suffix == ".toml" else "JSON"
+        raise UserError(f"{p}: not valid {kind}: {exc}") from None
+    return parse_scenario(data, str(p))
+
+
+def parse_scenario(data: Any, source: str) -> Scenario:
+    if not isinstance(data, dict):
+        raise UserError(f"{source}: the scenario must be an object with the keys {_INT_FIELDS}")
+    values: dict[str, int] = {}
+    for key in _INT_FIELDS:
+        if key == "context_tokens" and key not in data:
+            values[key] = data.get("num_blocks", 0) * data.get("block_size", 0)
+            continue
+        value = data.get(key)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise UserError(f"{source}: field {key!r} must be an integer >= 1, got {value!r}")
+        values[key] = value
+    unknown = set(data) - {*_INT_FIELDS, "requests"}
+    if unknown:
+        raise UserError(f"{source}: unknown field(s) {sorted(unknown)}")
+    raw_requests = data.get("requests")
+    if not isinstance(raw_requests, list) or not raw_requests:
+        raise UserError(f"{source}: field 'requests' must be a non-empty list")
+    requests = []
+    for i, r in enumerate(raw_requests):
+        where = f"{source}: requests[{i}]"
+        if not isinstance(r, dict):
+            raise UserError(f"{where} must be an object with arrival, prompt and answer")
+        for key, least in (("arrival", 0), ("prompt", 1), ("answer", 1)):
+            v = r.get(key)
+            if not isinstance(v, int) or isinstance(v, bool) or v < least:
+                raise UserError(f"{where}.{key} must be an integer >= {least}, got {v!r}")
+        name = str(r.get("name", chr(ord("A") + i) if i < 26 else f"R{i}"))
+        requests.append(SimRequest(name, r["arrival"], r["prompt"], r["answer"]))
+    if len({r.name for r in requests}) != len(requests):
+        raise UserError(f"{source}: request names must be unique")
+    scenario = Scenario(requests=tuple(requests), source=source, **values)
+    try:
+        scenario.config(Policy.RESERVE)
+    except ValueError as exc:
+        raise UserError(f"{source}: {exc}") from None
+    return scenario
