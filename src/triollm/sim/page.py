@@ -1,0 +1,84 @@
+"""The ``--html`` page: one self-contained file that steps through every run.
+
+The template (``page.html`` beside this file) holds the CSS and the small script;
+this module only serialises the runs into it. Nothing on the page fetches anything:
+it works from a file:// URL with the network off.
+"""
+
+from __future__ import annotations
+
+import json
+from importlib import resources
+from typing import Any
+
+from triollm.sim.report import DESCRIPTIONS, max_ttft, mean_ttft
+from triollm.sim.runner import Run
+
+_MARK = "/*__DATA__*/null"
+
+
+def page_data(runs: list[Run]) -> dict[str, Any]:
+    """Everything the page script reads, as plain JSON-able values."""
+    sc = runs[0].scenario
+    return {
+        "scenario": {
+            "slots": sc.slots,
+            "num_blocks": sc.num_blocks,
+            "block_size": sc.block_size,
+            "chunk_tokens": sc.chunk_tokens,
+            "step_rows": sc.step_rows,
+            "source": sc.source,
+            "requests": [
+                {"name": r.name, "arrival": r.arrival, "prompt": r.prompt, "answer": r.answer}
+                for r in sc.requests
+            ],
+        },
+        "runs": [
+            {
+                "policy": run.policy.value,
+                "description": DESCRIPTIONS[run.policy],
+                "deadlock": None
+                if run.deadlock is None
+                else {"t": run.deadlock.t, "description": run.deadlock.description},
+                "mean_ttft": mean_ttft(run),
+                "max_ttft": max_ttft(run),
+                "utilisation": run.utilisation,
+                "preemptions": run.preemptions,
+                "outcomes": [
+                    {
+                        "name": o.name,
+                        "arrival": o.arrival,
+                        "prompt": o.prompt,
+                        "answer": o.answer,
+                        "first_token": o.first_token,
+                        "done": o.done,
+                        "refused": o.refused,
+                    }
+                    for o in run.outcomes
+                ],
+                "steps": [
+                    {
+                        "t": s.t,
+                        "rows": [[r.request, r.kind, r.start, r.rows] for r in s.rows],
+                        "slots": list(s.slots),
+                        "blocks": list(s.blocks),
+                        "waiting": list(s.waiting),
+                        "events": list(s.events),
+                    }
+                    for s in run.steps
+                ],
+            }
+            for run in runs
+        ],
+    }
+
+
+def render_page(runs: list[Run]) -> str:
+    """The whole page as a string, ready to write to a file."""
+    template = resources.files("triollm.sim").joinpath("page.html").read_text("utf-8")
+    if template.count(_MARK) != 1:
+        raise RuntimeError("page.html must contain the data marker exactly once")
+    # "</" inside a string would end the <script> element early (a request named
+    # "</script>" in a user's scenario): escape it the way JSON allows.
+    data = json.dumps(page_data(runs), separators=(",", ":")).replace("</", "<\\/")
+    return template.replace(_MARK, data)
