@@ -1,0 +1,143 @@
+"""`triollm simulate`: the seed's scenario under each policy, scenario files, the page."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from triollm.cli import main
+from triollm.errors import UserError
+from triollm.scheduler import Policy
+from triollm.sim.page import render_page
+from triollm.sim.runner import simulate
+from triollm.sim.scenario import Scenario, SimRequest, load_scenario, seed_scenario
+
+
+def test_the_seed_scenario_is_the_figures_constants() -> None:
+    sc = seed_scenario()
+    assert (sc.slots, sc.block_size, sc.chunk_tokens, sc.step_rows) == (4, 4, 8, 12)
+    assert len(sc.requests) == 7
+
+
+def test_in_the_seed_scenario_only_free_slot_deadlocks() -> None:
+    runs = {p: simulate(seed_scenario(), p) for p in Policy}
+    for policy in (Policy.STATIC, Policy.RESERVE, Policy.PREEMPT):
+        run = runs[policy]
+        assert run.deadlock is None
+        assert all(o.done is not None for o in run.outcomes), policy
+    dead = runs[Policy.FREE_SLOT].deadlock
+    assert dead is not None
+    # Every stuck request holds blocks and needs one more; the pool has none free.
+    assert dead.holders and all(held > 0 and need >= 1 for _, held, need in dead.holders)
+    assert dead.description.startswith("0 block(s) free")
+    stuck = {o.name for o in runs[Policy.FREE_SLOT].outcomes if o.done is None}
+    assert stuck == {name for name, _, _ in dead.holders}
+
+
+def test_continuous_batching_beats_request_level_batching_on_the_seed() -> None:
+    static = simulate(seed_scenario(), Policy.STATIC)
+    reserve = simulate(seed_scenario(), Policy.RESERVE)
+    assert reserve.total_steps < static.total_steps
+    assert sum(o.ttft or 0 for o in reserve.outcomes) < sum(o.ttft or 0 for o in static.outcomes)
+
+
+def test_every_request_takes_at_least_its_own_work() -> None:
+    sc = seed_scenario()
+    for policy in (Policy.STATIC, Policy.RESERVE, Policy.PREEMPT):
+        for o in simulate(sc, policy).outcomes:
+            assert o.ttft is not None and o.completion is not None
+            assert o.ttft >= -(-o.prompt // sc.chunk_tokens)  # one chunk per step at most
+            assert o.completion >= o.ttft + o.answer - 1  # one decode row per step at most
+
+
+def test_a_step_never_exceeds_the_rows_or_the_slots() -> None:
+    sc = seed_scenario()
+    for policy in Policy:
+        for step in simulate(sc, policy).steps:
+            assert sum(r.rows for r in step.rows) <= sc.step_rows
+            assert all(r.rows <= sc.chunk_tokens for r in step.rows)
+            assert len(step.slots) == sc.slots and len(step.blocks) == sc.num_blocks
+
+
+def test_a_request_that_can_never_fit_is_refused_not_queued() -> None:
+    sc = Scenario(2, 4, 4, 8, 12, 64, (SimRequest("A", 0, 10, 2), SimRequest("B", 0, 30, 5)))
+    run = simulate(sc, Policy.RESERVE)
+    b = run.outcomes[1]
+    assert b.refused is not None and "need 9 blocks of 4" in b.refused
+    assert run.outcomes[0].done is not None
+
+
+def test_a_scenario_file_can_be_json_or_toml(tmp_path: Path) -> None:
+    body = {
+        "slots": 2,
+        "num_blocks": 8,
+        "block_size": 4,
+        "chunk_tokens": 4,
+        "step_rows": 6,
+        "requests": [{"name": "x", "arrival": 0, "prompt": 5, "answer": 3}],
+    }
+    (tmp_path / "s.json").write_text(json.dumps(body))
+    (tmp_path / "s.toml").write_text(
+        "slots = 2\nnum_blocks = 8\nblock_size = 4\nchunk_tokens = 4\nstep_rows = 6\n"
+        '[[requests]]\nname = "x"\narrival = 0\nprompt = 5\nanswer = 3\n'
+    )
+    a, b = load_scenario(tmp_path / "s.json"), load_scenario(tmp_path / "s.toml")
+    assert a.requests == b.requests and a.context_tokens == 32  # defaults to the pool
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        ({"slots": 0}, "field 'slots' must be an integer >= 1"),
+        ({"requests": []}, "field 'requests' must be a non-empty list"),
+        ({"requests": [{"arrival": 0, "prompt": 0, "answer": 1}]}, "requests[0].prompt"),
+        ({"step_rows": 1}, "step_rows (1) must be >= slots (2)"),
+        ({"colour": "red"}, "unknown field(s) ['colour']"),
+    ],
+)
+def test_a_bad_scenario_names_the_field(
+    tmp_path: Path, body: dict[str, object], message: str
+) -> None:
+    good: dict[str, object] = {
+        "slots": 2,
+        "num_blocks": 8,
+        "block_size": 4,
+        "chunk_tokens": 4,
+        "step_rows": 6,
+        "requests": [{"arrival": 0, "prompt": 5, "answer": 3}],
+    }
+    good.update(body)
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(good))
+    with pytest.raises(UserError) as err:
+        load_scenario(path)
+    assert message in str(err.value) and str(path) in str(err.value)
+
+
+def test_simulate_prints_a_table_per_policy_and_the_deadlock(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    page = tmp_path / "sim.html"
+    assert main(["simulate", "--html", str(page)]) == 0
+    out = capsys.readouterr().out
+    for policy in Policy:
+        assert f"== {policy.value}:" in out
+    assert "DEADLOCK at step" in out and "never finish:" in out
+    html = page.read_text()
+    assert "http://" not in html and "https://" not in html  # self-contained
+    assert html.count('"policy":') == 4
+
+
+def test_simulate_reports_a_missing_scenario_as_a_user_error(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["simulate", "/nonexistent/scenario.json"]) == 2
+    assert "cannot read the scenario" in capsys.readouterr().err
+
+
+def test_the_page_cannot_be_broken_out_of_by_a_request_name() -> None:
+    sc = Scenario(1, 4, 4, 4, 4, 16, (SimRequest("</script><b>", 0, 2, 2),))
+    html = render_page([simulate(sc, Policy.RESERVE)])
+    assert html.count("</script>") == 1
