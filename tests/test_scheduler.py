@@ -74,6 +74,14 @@ def test_a_request_bigger_than_the_whole_pool_is_refused_at_the_door() -> None:
     assert err.value.field == "prompt"
 
 
+def test_an_unset_max_tokens_the_pool_cannot_hold_blames_max_tokens() -> None:
+    s = make(num_blocks=4, block_size=4, context_tokens=64)
+    with pytest.raises(Infeasible) as err:
+        s.add([1] * 5, None)  # reserves the rest of the context: 64 positions, 16 blocks
+    assert err.value.field == "max_tokens"
+    assert "max_tokens (59 (unset: the rest of the context))" in str(err.value)
+
+
 def test_an_empty_prompt_and_a_zero_max_tokens_are_refused() -> None:
     s = make()
     with pytest.raises(Infeasible) as err:

@@ -336,16 +336,15 @@ class Scheduler:
             )
         need = blocks_for(prompt_len + answer, cfg.block_size)
         if need > cfg.num_blocks:
-            blame = (
-                "max_tokens"
-                if max_tokens is not None and blocks_for(prompt_len, cfg.block_size) < need
-                else "prompt"
-            )
+            # Blame what the client can change: the answer budget, unless the prompt
+            # alone is already too big for the pool.
+            prompt_fits = blocks_for(prompt_len, cfg.block_size) < need
+            unset = " (unset: the rest of the context)" if max_tokens is None else ""
             return Infeasible(
-                blame,
-                f"prompt ({prompt_len} tokens) + answer ({answer}) = {prompt_len + answer} "
-                f"positions need {need} blocks of {cfg.block_size}, but the whole pool has "
-                f"{cfg.num_blocks}",
+                "max_tokens" if prompt_fits else "prompt",
+                f"prompt ({prompt_len} tokens) + max_tokens ({answer}{unset}) = "
+                f"{prompt_len + answer} positions need {need} blocks of {cfg.block_size}, "
+                f"but the whole pool has {cfg.num_blocks}",
             )
         return None
 
