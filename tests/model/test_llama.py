@@ -181,3 +181,20 @@ def test_bad_plans_are_refused_before_any_kernel_runs(chunk: ChunkPlan, message:
     kv = PagedKVCache(config, num_blocks=2, block_size=8)
     with pytest.raises(ValueError, match=message):
         model.forward([chunk], kv)
+
+
+@pytest.mark.parametrize("name", MODEL_NAMES)
+def test_weight_bytes_counts_every_buffer_held_once(name: str) -> None:
+    model = fixture_model(name)
+    buffers = [model.embed_tokens, model.norm, model.lm_head.data]
+    for layer in model.layers:
+        for value in vars(layer).values():
+            if isinstance(value, PreparedWeight):
+                buffers.append(value.data)
+            elif value is not None:
+                buffers.append(value)
+    unique: list[np.ndarray] = []
+    for b in buffers:
+        if not any(np.shares_memory(b, u) for u in unique):
+            unique.append(b)
+    assert model.weight_bytes == sum(b.nbytes for b in unique)

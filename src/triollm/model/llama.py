@@ -183,7 +183,8 @@ class LlamaModel:
             )
         self.norm = self._vector("model.norm.weight")  # (hidden,) float32
         if c.tie_word_embeddings:
-            # The head shares the embedding matrix; prepare() lays out its own copy.
+            # The head is the embedding matrix; prepare() may keep the same buffer
+            # or lay out its own (weight_bytes counts what is really held).
             self.lm_head = self._prepare("model.embed_tokens.weight", self.embed_tokens)
         else:
             self.lm_head = self._linear("lm_head.weight")
@@ -225,8 +226,9 @@ class LlamaModel:
     @property
     def weight_bytes(self) -> int:
         """Bytes of parameters held in memory (prepared weights, embedding, norms)."""
-        # A tied head is prepared into its own buffer, so it really is held twice.
-        total = self.embed_tokens.nbytes + self.norm.nbytes + self.lm_head.nbytes
+        total = self.embed_tokens.nbytes + self.norm.nbytes
+        if not np.shares_memory(self.lm_head.data, self.embed_tokens):
+            total += self.lm_head.nbytes  # untied, or a tied head prepared into its own buffer
         for layer in self.layers:
             for value in vars(layer).values():
                 if value is not None:
