@@ -92,9 +92,11 @@ class RequestLife:
 class Lifetime:
     """ASGI middleware: records disconnects and ends every request synchronously."""
 
-    def __init__(self, app: Any, metrics: Metrics) -> None:
+    def __init__(self, app: Any, metrics: Metrics, service: Service) -> None:
         self.app = app
         self.metrics = metrics
+        self.service = service
+        self.in_flight = 0  # HTTP requests whose handler task has not ended
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -116,9 +118,11 @@ class Lifetime:
                 life.response_done = True
             await send(message)
 
+        self.in_flight += 1
         try:
             await self.app(scope, watched_receive, watched_send)
         finally:
+            self.in_flight -= 1
             self._end(life)  # sync: we may be inside a cancelled scope
 
     def _end(self, life: RequestLife) -> None:
@@ -137,6 +141,7 @@ class Lifetime:
                 life.status,
                 time.monotonic() - life.started,
             )
+        self.service.notify()  # wake anything waiting on this request's end
 
 
 def _error_response(err: ApiError) -> Response:
@@ -278,7 +283,7 @@ def create_app(
         body, status = await writer.whole()
         return Response(sse_json(body), status=status, mimetype="application/json")
 
-    return Lifetime(app, metrics)
+    return Lifetime(app, metrics, service)
 
 
 # --------------------------------------------------------------------------- request -> model

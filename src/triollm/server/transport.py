@@ -19,6 +19,12 @@ bytes with a RST instead of retrying them for minutes). Closing the socket wakes
 hypercorn's reader task, which reports ``http.disconnect`` to the app, and
 quart-trio cancels the handler: the ordinary client-left path takes over.
 
+A second hazard, found while testing shutdown: with quart-trio, the keep-alive
+idle timer of a connection is started from inside the app's final ``send``, which
+quart-trio cancels moments later; the timer never starts, so an idle keep-alive
+connection is never closed -- and at shutdown it holds the server for the whole
+grace period. The guard shields that (brief) timer restart.
+
 It also lets a deployment shrink the kernel's send buffer (``SO_SNDBUF``) so a
 stalled reader backs up into our bounded per-request channel after kilobytes
 rather than megabytes, and keeps a set of live connections so shutdown can
@@ -50,7 +56,7 @@ from typing import Any
 import hypercorn.trio.run as hypercorn_run
 import trio
 from hypercorn.config import Config
-from hypercorn.events import Closed, Event, RawData
+from hypercorn.events import Closed, Event, RawData, Updated
 from hypercorn.trio.tcp_server import TCPServer
 
 log = logging.getLogger("triollm.server")
@@ -84,6 +90,16 @@ class GuardedTCPServer(TCPServer):
                 connections.discard(self)
 
     async def protocol_send(self, event: Event) -> None:
+        if isinstance(event, Updated):
+            # Hazard 2 (measured): with quart-trio, the Updated(idle=True) that starts the
+            # keep-alive timer is sent from inside the app's last send(); that same send
+            # reports http.disconnect to quart-trio, which cancels the app task -- and
+            # with it this restart, half done. The idle timer then never runs: the
+            # connection is never closed for idleness, and at shutdown it holds the
+            # server for the whole grace period. Restarting a timer is brief: shield it.
+            with trio.CancelScope(shield=True):
+                await super().protocol_send(event)
+            return
         timeout: float | None = getattr(self.config, WRITE_TIMEOUT_ATTR, None)
         if not isinstance(event, RawData) or timeout is None:
             await super().protocol_send(event)
@@ -105,13 +121,13 @@ class GuardedTCPServer(TCPServer):
             )
             await self.abort()
 
-    async def abort(self) -> None:
+    async def abort(self, *, count: bool = True) -> None:
         """Drop the connection now: RST, queued bytes discarded, reader woken."""
         if self.aborted:
             return
         self.aborted = True
         on_abort = getattr(self.config, ON_ABORT_ATTR, None)
-        if on_abort is not None:
+        if count and on_abort is not None:
             on_abort()
         sock = getattr(self.stream, "socket", None)
         if sock is not None:

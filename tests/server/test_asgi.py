@@ -1,0 +1,204 @@
+"""The ASGI app driven directly under a mock clock: Quart's RESPONSE_TIMEOUT, disconnects.
+
+No sockets and no model: a fake executor whose every step takes 30 s of *mock*
+time, so a three-minute stream runs in milliseconds and deterministically.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import trio
+import trio.testing
+
+from triollm.plan import SampledToken, StepPlan, StepResult
+from triollm.scheduler import Scheduler, SchedulerConfig
+from triollm.server.app import ServedModel, create_app
+from triollm.server.metrics import Metrics
+from triollm.service import Service, ServiceConfig
+
+STEP_SECONDS = 30.0
+
+
+class SlowFake:
+    def add(self, seq_id: int, prompt_ids: Sequence[int], params: Any) -> None:
+        pass
+
+    def remove(self, seq_id: int) -> None:
+        pass
+
+    def run(self, plan: StepPlan) -> StepResult:
+        sampled = tuple(SampledToken(c.seq_id, 7) for c in plan.chunks if c.sample)
+        return StepResult(plan.step, sampled, plan.n_rows)
+
+    async def run_step(self, plan: StepPlan) -> StepResult:
+        await trio.sleep(STEP_SECONDS)  # mock time: a slow model
+        return self.run(plan)
+
+
+class FakeTokenizer:
+    vocab_size = 100
+
+    def encode(self, text: str) -> list[int]:
+        return [3] * len(text)
+
+    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+        return [3, 4]
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return "x" * len(ids)
+
+
+class Detok:
+    def __init__(self, prompt: Sequence[int]) -> None:
+        pass
+
+    def push(self, token_id: int) -> str:
+        return "x"
+
+    def flush(self) -> str:
+        return ""
+
+
+def make_app() -> tuple[Any, Service, Metrics]:
+    fake = SlowFake()
+    metrics = Metrics()
+    service = Service(
+        Scheduler(SchedulerConfig(num_blocks=8, block_size=8, slots=1, context_tokens=64)),
+        fake,
+        detokenizer=Detok,
+        eos_token_ids=frozenset({1}),
+        config=ServiceConfig(queue_wait_s=1000.0),
+        step_runner=fake.run_step,
+        observer=metrics,
+    )
+    served = ServedModel("m", FakeTokenizer(), 64, 0, make_params=lambda **kw: kw)
+    return create_app(service, served, metrics), service, metrics
+
+
+def scope(path: str = "/v1/completions") -> dict[str, Any]:
+    return {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(b"host", b"test"), (b"content-type", b"application/json")],
+        "client": ("127.0.0.1", 1),
+        "server": ("127.0.0.1", 2),
+        "extensions": {},
+    }
+
+
+async def test_a_stream_longer_than_quart_response_timeout_is_not_cut(autojump_clock):
+    app, service, _ = make_app()
+    body = json.dumps({"model": "m", "prompt": "hi", "max_tokens": 6, "stream": True}).encode()
+    sent: list[dict[str, Any]] = []
+    disconnect = trio.Event()
+
+    async def receive() -> dict[str, Any]:
+        if not sent and not getattr(receive, "done", False):
+            receive.done = True  # type: ignore[attr-defined]
+            return {"type": "http.request", "body": body, "more_body": False}
+        await disconnect.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(service.run)
+        start = trio.current_time()
+        await app(scope(), receive, send)
+        elapsed = trio.current_time() - start
+        nursery.cancel_scope.cancel()
+    assert elapsed >= 6 * STEP_SECONDS > 60  # longer than Quart's default RESPONSE_TIMEOUT
+    assert sent[0]["status"] == 200
+    stream = b"".join(m.get("body", b"") for m in sent[1:])
+    assert stream.endswith(b"data: [DONE]\n\n")
+    assert sent[-1]["more_body"] is False
+    # One ASGI message per event, as it is made: 6 tokens -> 5 chunks + final + [DONE].
+    assert sum(1 for m in sent[1:] if m.get("body")) == 7
+
+
+async def test_a_disconnect_while_blocked_on_the_channel_cancels_at_once(autojump_clock):
+    app, service, metrics = make_app()
+    body = json.dumps({"model": "m", "prompt": "hi", "max_tokens": 50, "stream": True}).encode()
+    sent: list[dict[str, Any]] = []
+    disconnect = trio.Event()
+    first_body = trio.Event()
+
+    async def receive() -> dict[str, Any]:
+        if not getattr(receive, "done", False):
+            receive.done = True  # type: ignore[attr-defined]
+            return {"type": "http.request", "body": body, "more_body": False}
+        await disconnect.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+        if message.get("body"):
+            first_body.set()
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(service.run)
+        nursery.start_soon(app, scope(), receive, send)
+        await first_body.wait()
+        # The handler is now parked on its channel, waiting for the next 30 s step.
+        left_at = trio.current_time()
+        disconnect.set()
+        await service.wait_until(lambda: service.live_requests == 0)
+        assert trio.current_time() == left_at  # no step had to finish first
+        s = service.scheduler.statistics()
+        assert (s.blocks_free, s.running) == (s.blocks_total, 0)
+        assert metrics.rejection_count("client_closed") == 1
+        await trio.testing.wait_all_tasks_blocked()
+        nursery.cancel_scope.cancel()
+    assert sent[-1].get("more_body") is not False  # the response never completed
+
+
+async def test_a_disconnect_while_queued_is_499_not_429(autojump_clock):
+    app, service, metrics = make_app()
+
+    def request(max_tokens: int) -> tuple[Any, Any, trio.Event]:
+        body = json.dumps(
+            {"model": "m", "prompt": "hi", "max_tokens": max_tokens, "stream": True}
+        ).encode()
+        gone = trio.Event()
+        state = {"read": False}
+
+        async def receive() -> dict[str, Any]:
+            if not state["read"]:
+                state["read"] = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            await gone.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(message: dict[str, Any]) -> None:
+            pass
+
+        return receive, send, gone
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(service.run)
+        r1, s1, gone1 = request(40)
+        nursery.start_soon(app, scope(), r1, s1)
+        await service.wait_until(lambda: service.scheduler.statistics().running == 1)
+        r2, s2, gone2 = request(5)
+        nursery.start_soon(app, scope(), r2, s2)
+        await service.wait_until(lambda: service.queue.waiting == 1)
+        gone2.set()
+        await service.wait_until(lambda: metrics.rejection_count("client_closed") == 1)
+        assert service.queue.waiting == 0
+        assert metrics.rejection_count("queue_timeout") == 0
+        gone1.set()
+        await service.wait_until(lambda: service.live_requests == 0)
+        nursery.cancel_scope.cancel()
+    assert math.isfinite(trio.current_time())
