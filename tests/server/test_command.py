@@ -1,0 +1,101 @@
+"""``triollm serve``: flags refused with reasons, the memory arithmetic, SIGTERM exits 0."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import urllib.request
+
+import pytest
+from serverkit import MODEL_DIR, MODEL_ID
+
+from triollm import cli
+from triollm.errors import UserError
+from triollm.server.command import build_stack, parse_size
+
+
+def run_cli(*args: str) -> int:
+    return cli.main(["serve", *args])
+
+
+def test_a_non_loopback_bind_needs_public(capsys):
+    assert run_cli(str(MODEL_DIR), "--host", "0.0.0.0") == 2
+    err = capsys.readouterr().err
+    assert "--public" in err and "no authentication" in err
+
+
+@pytest.mark.parametrize("policy", ["static", "free-slot"])
+def test_teaching_policies_are_refused_with_the_reason(loaded, policy):
+    with pytest.raises(UserError, match="teaching only"):
+        build_stack(loaded, policy=policy)
+
+
+def test_an_unknown_policy_and_bad_numbers_are_refused(loaded):
+    with pytest.raises(UserError, match="reserve or preempt"):
+        build_stack(loaded, policy="fastest")
+    with pytest.raises(UserError, match="step_rows"):
+        build_stack(loaded, slots=8, step_rows=4)
+    with pytest.raises(UserError, match="max_position_embeddings"):
+        build_stack(loaded, context_tokens=10**6)
+    with pytest.raises(UserError, match="holds no block"):
+        build_stack(loaded, kv_memory_bytes=100)
+
+
+def test_sizes():
+    assert parse_size("256MiB") == 256 * 1024**2
+    assert parse_size("2G") == 2 * 1024**3
+    assert parse_size("1048576") == 1048576
+    with pytest.raises(UserError):
+        parse_size("lots")
+
+
+def test_the_startup_report_is_the_memory_arithmetic(loaded):
+    stack = build_stack(loaded, slots=2, block_size=16, context_tokens=128, kv_memory_bytes=2**20)
+    per_position = loaded.config.kv_bytes_per_position()
+    blocks = 2**20 // (per_position * 16)
+    text = stack.report.describe()
+    assert f"{per_position} bytes per position" in text
+    assert f"pool: {blocks} blocks x 16 positions = {blocks * 16} positions" in text
+    assert f"prompt + max_tokens <= {min(128, blocks * 16)} positions" in text
+    assert stack.service.scheduler.config.num_blocks == blocks
+
+
+def test_a_missing_model_directory_is_one_clear_line(capsys, tmp_path):
+    assert run_cli(str(tmp_path / "nope")) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("triollm:") and "nope" in err and "\n" not in err
+
+
+@pytest.mark.slow
+def test_sigterm_drains_and_exits_zero():
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "triollm.cli", "serve", str(MODEL_DIR), "--port", "0"],
+        stderr=subprocess.PIPE,
+        text=True,
+        env=os.environ | {"PYTHONUNBUFFERED": "1"},
+    )
+    try:
+        url = None
+        assert proc.stderr is not None
+        for line in proc.stderr:  # ends if the process dies: the assert below reports it
+            if "(ready)" in line:
+                url = line.split(" on ")[1].split(" ")[0]
+                break
+        assert url, "the server never said it was ready"
+        body = json.dumps({"model": MODEL_ID, "prompt": "Hi", "max_tokens": 3}).encode()
+        req = urllib.request.Request(
+            url + "/v1/completions", body, {"content-type": "application/json"}
+        )
+        with urllib.request.urlopen(req, timeout=60) as r:
+            assert json.load(r)["usage"]["completion_tokens"] == 3
+        proc.send_signal(signal.SIGTERM)
+        rest = proc.stderr.read()
+        assert proc.wait(timeout=60) == 0
+        assert "shut down cleanly" in rest
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -1,0 +1,99 @@
+"""HTTP-level refusals, health/readiness/metrics, and that a bad request disturbs nothing."""
+
+from __future__ import annotations
+
+import httpx
+import trio
+from serverkit import MODEL_ID, StepGate, live_server, raw_post, read_until
+
+
+async def get(url: str) -> httpx.Response:
+    return await trio.to_thread.run_sync(lambda: httpx.get(url, timeout=30))
+
+
+async def post(url: str, content: bytes) -> httpx.Response:
+    return await trio.to_thread.run_sync(
+        lambda: httpx.post(
+            url, content=content, headers={"content-type": "application/json"}, timeout=30
+        )
+    )
+
+
+async def test_refusals_are_openai_shaped_and_disturb_nothing_in_flight(loaded):
+    async with live_server(loaded, max_body_bytes=4096) as live:
+        service, metrics = live.service, live.stack.metrics
+        gate = StepGate(service)
+        body = {"model": MODEL_ID, "prompt": "Hi", "max_tokens": 6, "stream": True}
+        running = await raw_post(live.port, "/v1/completions", body)
+        await service.wait_until(lambda: gate.parked)
+
+        bad_json = await post(live.url + "/v1/completions", b"{not json")
+        assert bad_json.status_code == 400
+        assert bad_json.json()["error"]["code"] == "invalid_json"
+
+        wrong_type = await post(
+            live.url + "/v1/completions",
+            b'{"model": "%s", "prompt": "x", "temperature": "hot"}' % MODEL_ID.encode(),
+        )
+        assert wrong_type.status_code == 400
+        assert wrong_type.json()["error"]["param"] == "temperature"
+
+        too_big = await post(
+            live.url + "/v1/completions",
+            b'{"model": "%s", "prompt": "%s"}' % (MODEL_ID.encode(), b"x" * 10_000),
+        )
+        assert too_big.status_code == 413
+        assert too_big.json()["error"]["code"] == "request_too_large"
+
+        too_long = await post(
+            live.url + "/v1/completions",
+            b'{"model": "%s", "prompt": [%s]}' % (MODEL_ID.encode(), b",".join([b"5"] * 300)),
+        )
+        assert too_long.status_code == 400
+        assert too_long.json()["error"]["param"] == "prompt"
+        assert "300" in too_long.json()["error"]["message"]
+
+        out_of_vocab = await post(
+            live.url + "/v1/completions",
+            b'{"model": "%s", "prompt": [1, 99999]}' % MODEL_ID.encode(),
+        )
+        assert out_of_vocab.status_code == 400
+
+        missing = await get(live.url + "/v2/nothing")
+        assert missing.status_code == 404 and "error" in missing.json()
+
+        assert metrics.rejection_count("bad_request") == 5
+        # The stream that was running all along is untouched.
+        gate.open()
+        buf = bytearray()
+        assert await read_until(running, b"data: [DONE]", buf)
+        assert b'"finish_reason":"length"' in buf
+        await running.aclose()
+
+
+async def test_health_ready_models_and_metrics_move(loaded):
+    async with live_server(loaded) as live:
+        assert (await get(live.url + "/health")).json() == {"status": "ok"}
+        ready = await get(live.url + "/ready")
+        assert ready.status_code == 200 and ready.json()["model"] == MODEL_ID
+        before = (await get(live.url + "/metrics")).text
+        assert "triollm:kv_blocks_total" in before
+        assert 'triollm:request_rejections_total{reason="queue_full"} 0.0' in before
+        r = await post(
+            live.url + "/v1/completions",
+            b'{"model": "%s", "prompt": "Hi", "max_tokens": 4}' % MODEL_ID.encode(),
+        )
+        assert r.status_code == 200
+        after = (await get(live.url + "/metrics")).text
+        assert "triollm:generation_tokens_total 4.0" in after
+        assert 'triollm:request_success_total{finished_reason="length"} 1.0' in after
+        assert "triollm:time_to_first_token_seconds_count 1.0" in after
+        assert "triollm:num_requests_running 0.0" in after
+        live.service.begin_shutdown()
+        not_ready = await get(live.url + "/ready")
+        assert not_ready.status_code == 503
+        refused = await post(
+            live.url + "/v1/completions",
+            b'{"model": "%s", "prompt": "Hi", "max_tokens": 4}' % MODEL_ID.encode(),
+        )
+        assert refused.status_code == 503

@@ -1,0 +1,154 @@
+"""Request parsing and validation: every refusal names its field."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from triollm.server import sse
+from triollm.server.openai import ApiError, parse_chat, parse_completion
+
+
+def completion(**fields):
+    return parse_completion(json.dumps({"model": "m", "prompt": "hi"} | fields).encode())
+
+
+def chat(**fields):
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]} | fields
+    return parse_chat(json.dumps(body).encode())
+
+
+def refused(call, **fields) -> ApiError:
+    with pytest.raises(ApiError) as info:
+        call(**fields)
+    assert info.value.status == 400
+    return info.value
+
+
+def test_a_full_completion_request_parses_into_a_frozen_request():
+    req = completion(
+        max_tokens=7,
+        temperature=0.5,
+        top_p=0.9,
+        top_k=40,
+        min_p=0.05,
+        seed=3,
+        stop=["\n", "END"],
+        presence_penalty=0.1,
+        frequency_penalty=-0.2,
+        repetition_penalty=1.1,
+        logprobs=2,
+        stream=True,
+        stream_options={"include_usage": True},
+        n=1,
+        user="alice",
+    )
+    assert (req.kind, req.prompt_text, req.max_tokens, req.top_k, req.seed) == (
+        "completion",
+        "hi",
+        7,
+        40,
+        3,
+    )
+    assert req.stop == ("\n", "END") and req.logprobs == 2 and req.include_usage
+    with pytest.raises(AttributeError):
+        req.max_tokens = 8  # type: ignore[misc]
+
+
+def test_prompt_forms():
+    assert completion(prompt=[1, 2, 3]).prompt_ids == (1, 2, 3)
+    assert completion(prompt=["one"]).prompt_text == "one"
+    assert completion(prompt=[[4, 5]]).prompt_ids == (4, 5)
+    assert refused(completion, prompt=["a", "b"]).param == "prompt"
+    assert refused(completion, prompt="").param == "prompt"
+    assert refused(completion, prompt=[1, -2]).param == "prompt"
+    assert refused(completion, prompt=None).param == "prompt"
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("max_tokens", 0),
+        ("max_tokens", True),
+        ("max_tokens", "5"),
+        ("temperature", 2.5),
+        ("temperature", "hot"),
+        ("top_p", 1.5),
+        ("top_k", -3),
+        ("min_p", 2),
+        ("presence_penalty", 3),
+        ("frequency_penalty", -3),
+        ("repetition_penalty", 0),
+        ("logprobs", 6),
+        ("stream", "yes"),
+        ("n", 2),
+        ("best_of", 3),
+        ("echo", True),
+        ("suffix", "x"),
+        ("logit_bias", {"5": 1}),
+        ("stop", ["a", "b", "c", "d", "e"]),
+        ("stop", [""]),
+        ("stop", 5),
+        ("user", 7),
+    ],
+)
+def test_a_bad_field_is_refused_by_name(field, value):
+    assert refused(completion, **{field: value}).param == field
+
+
+def test_stream_options_need_stream():
+    assert refused(completion, stream_options={"include_usage": True}).param == "stream_options"
+
+
+def test_max_tokens_and_max_completion_tokens():
+    assert completion(max_completion_tokens=9).max_tokens == 9
+    assert completion(max_tokens=9, max_completion_tokens=9).max_tokens == 9
+    assert refused(completion, max_tokens=9, max_completion_tokens=8).param == (
+        "max_completion_tokens"
+    )
+
+
+def test_invalid_json_and_non_objects():
+    for raw in (b"{", b"[1]", b"\xff\xfe"):
+        with pytest.raises(ApiError) as info:
+            parse_completion(raw)
+        assert info.value.status == 400 and info.value.code == "invalid_json"
+    with pytest.raises(ApiError) as info:
+        parse_completion(b'{"prompt": "x"}')
+    assert info.value.param == "model"
+
+
+def test_chat_messages_and_logprobs():
+    req = chat(logprobs=True, top_logprobs=3)
+    assert req.messages[0].role == "user" and req.logprobs == 3
+    assert chat(logprobs=True).logprobs == 0
+    parts = chat(messages=[{"role": "user", "content": [{"type": "text", "text": "a"}]}])
+    assert parts.messages[0].content == "a"
+    assert refused(chat, top_logprobs=2).param == "top_logprobs"
+    assert refused(chat, messages=[]).param == "messages"
+    assert refused(chat, messages=[{"role": "robot", "content": "x"}]).param == ("messages[0].role")
+    image = [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]
+    assert refused(chat, messages=image).param == "messages[0].content"
+    assert refused(chat, tools=[{"type": "function"}]).param == "tools"
+
+
+def test_error_body_is_openai_shaped():
+    err = refused(completion, n=3)
+    body = err.body()
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+    assert body["error"]["type"] == "invalid_request_error"
+
+
+def test_sse_events_are_single_lines_and_round_trip():
+    ev = sse.event({"text": "line one\nline two", "emoji": "é"})
+    assert ev.startswith(b"data: ") and ev.endswith(b"\n\n")
+    assert ev.count(b"\n") == 2  # the newline inside the text is escaped
+    assert sse.parse_events(ev + sse.DONE) == [
+        json.dumps(
+            {"text": "line one\nline two", "emoji": "é"}, separators=(",", ":"), ensure_ascii=False
+        ),
+        "[DONE]",
+    ]
+    err = sse.error_event("boom", type="server_error", code="too_slow")
+    assert json.loads(err[len(b"data: ") :])["error"]["code"] == "too_slow"
