@@ -178,3 +178,36 @@ async def test_two_requests_share_forward_passes_and_greedy_output_is_unchanged(
         wide = [r for r in service.recorder.records if r.width >= 2]
         assert len(set(wide[0].seq_ids)) == 2
         assert live.pool_is_idle()
+
+
+async def test_preempt_policy_recomputes_and_output_is_unchanged(loaded):
+    # 6 blocks of 16 positions: two 60-token answers cannot both grow to the end,
+    # so the later one is preempted (its blocks freed) and recomputed.
+    async with live_server(
+        loaded, slots=2, policy="preempt", block_size=16, num_blocks=6, context_tokens=96
+    ) as live:
+        service = live.service
+        c = client(live.url)
+
+        def complete(prompt: str) -> str:
+            r = c.completions.create(
+                model=MODEL_ID,
+                prompt=prompt,
+                max_tokens=60,
+                temperature=0,
+                extra_body={"ignore_eos": True},
+            )
+            return r.choices[0].text
+
+        alone = [await trio.to_thread.run_sync(complete, p) for p in ("The cat", "A dog")]
+        together: dict[str, str] = {}
+
+        async def run(prompt: str) -> None:
+            together[prompt] = await trio.to_thread.run_sync(complete, prompt)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(run, "The cat")
+            nursery.start_soon(run, "A dog")
+        assert service.scheduler.statistics().preemptions_total >= 1
+        assert [together["The cat"], together["A dog"]] == alone
+        assert live.pool_is_idle()
