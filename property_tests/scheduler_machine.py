@@ -136,6 +136,10 @@ class SchedulerMachine(RuleBasedStateMachine):
         admitted = self.s.admit_waiting()
         note(f"admit: {list(admitted)} from queue {queue}")
         self._check_fcfs(queue, admitted)
+        if self.s.config.policy is not Policy.FREE_SLOT and not self.s.running_ids():
+            # Rule 1 makes every waiter fit an empty pool: an idle scheduler that keeps
+            # a queue would wait for a wake-up no step will ever send.
+            assert not self.s.waiting_ids(), "idle, yet the queue was not admitted"
         self._set_deadlines()
 
     @rule(data=st.data(), n=st.integers(1, 6))

@@ -376,6 +376,27 @@ def test_a_preempted_sequence_goes_before_newer_arrivals() -> None:
     del a
 
 
+def test_an_idle_scheduler_admits_even_right_after_a_preemption() -> None:
+    s = make(
+        policy=Policy.PREEMPT,
+        num_blocks=4,
+        block_size=4,
+        slots=2,
+        step_rows=16,
+        preempt_watermark_blocks=0,
+    )
+    a = s.add([1] * 7, 3)
+    b = s.add([2] * 7, 8)
+    s.admit_waiting()
+    run_step(s)
+    run_step(s)
+    _, finished = run_step(s)  # a needs a block, evicts b, and finishes in the same step
+    assert [f.seq_id for f in finished] == [a]
+    assert s.state(b) is SeqState.WAITING and not s.running_ids()
+    # "No admission after a preempting step" must not strand b: nothing else will run.
+    assert s.admit_waiting() == (b,)
+
+
 # -- the loop's contract ---------------------------------------------------------------
 
 

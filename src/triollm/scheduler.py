@@ -393,8 +393,12 @@ class Scheduler:
             return False
         if self.config.policy is Policy.STATIC and not self._batch_open:
             return False
-        if self.config.policy is Policy.PREEMPT and self._last_plan_preempted:
-            return False  # vLLM's rule: a step that had to evict admits nobody
+        if self.config.policy is Policy.PREEMPT and self._last_plan_preempted and self._running:
+            # vLLM's rule: a step that had to evict admits nobody. Hazard: only while
+            # something runs. If the survivor finished in that step, an idle scheduler
+            # that refused would wait for a step that never comes (the property test
+            # found exactly that).
+            return False
         take, keep_free = self._admission_blocks(seq)
         return take + keep_free <= self.pool.statistics().free
 
