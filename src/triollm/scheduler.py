@@ -66,15 +66,21 @@ from dataclasses import dataclass
 
 from triollm.kv import BlockPool, blocks_for
 from triollm.plan import ChunkPlan, Finished, FinishReason, StepPlan, StepResult
+from triollm.policies import Policy, admission_blocks
 
-
-class Policy(enum.Enum):
-    """How the Scheduler admits and grows sequences (rule 2 and rule 5)."""
-
-    STATIC = "static"  # request-level batching: a new batch only after the whole last one ends
-    RESERVE = "reserve"  # continuous batching, reserving prompt + answer at admission (default)
-    FREE_SLOT = "free-slot"  # admit on a free slot + the prompt's blocks; can deadlock
-    PREEMPT = "preempt"  # prompt + watermark; evict the latest arrival when the pool runs dry
+__all__ = [
+    "RUNNING_STATES",
+    "TERMINAL_STATES",
+    "DeadlockReport",
+    "Holder",
+    "Infeasible",
+    "Policy",
+    "Scheduler",
+    "SchedulerConfig",
+    "SchedulerStatistics",
+    "SeqState",
+    "SequenceInfo",
+]
 
 
 class SeqState(enum.Enum):
@@ -112,7 +118,7 @@ class SchedulerConfig:
     )
     step_rows: int = 544  # rows per forward pass: one full chunk plus room for ~32 decodes
     context_tokens: int = 2048  # positions one sequence may reach (prompt + answer)
-    policy: Policy = Policy.RESERVE  # the only policy that can neither deadlock nor thrash
+    policy: Policy = Policy.RESERVE  # never deadlocks, never recomputes, batches continuously
     overtake_limit: int | None = None  # K; None means K = slots; 0 = strict FIFO
     preempt_watermark_blocks: int = (
         1  # preempt: free blocks an admission must leave, against thrash
@@ -376,24 +382,21 @@ class Scheduler:
     def _admission_blocks(self, seq: _Seq) -> tuple[int, int]:
         """(blocks to take now, extra blocks that must stay free) for ``seq``."""
         cfg = self.config
-        whole = blocks_for(seq.prompt_len + seq.max_tokens, cfg.block_size)
-        if cfg.policy in (Policy.RESERVE, Policy.STATIC):
-            return whole, 0
-        # free-slot and preempt take what the prefill will write: the prompt, plus
-        # (after a preemption) the generated tokens it recomputes.
-        now = blocks_for(len(seq.token_ids), cfg.block_size)
-        if cfg.policy is Policy.FREE_SLOT:
-            return now, 0
-        # The watermark is capped at the whole need, so an empty pool always admits
-        # (rule 1 guarantees whole <= num_blocks): the oldest can never be locked out.
-        return now, min(cfg.preempt_watermark_blocks, whole - now)
+        return admission_blocks(
+            cfg.policy,
+            prompt_len=seq.prompt_len,
+            n_tokens=len(seq.token_ids),
+            max_tokens=seq.max_tokens,
+            block_size=cfg.block_size,
+            watermark_blocks=cfg.preempt_watermark_blocks,
+        )
 
     def _can_admit(self, seq: _Seq) -> bool:
         if len(self._running) >= self.config.slots:
             return False
-        if self.config.policy is Policy.STATIC and not self._batch_open:
+        if self.config.policy.batches_whole_requests and not self._batch_open:
             return False
-        if self.config.policy is Policy.PREEMPT and self._last_plan_preempted and self._running:
+        if self.config.policy.evicts and self._last_plan_preempted and self._running:
             # vLLM's rule: a step that had to evict admits nobody. Hazard: only while
             # something runs. If the survivor finished in that step, an idle scheduler
             # that refused would wait for a step that never comes (the property test
@@ -548,7 +551,7 @@ class Scheduler:
 
     def _empty_plan(self) -> StepPlan:
         if self._running:
-            if self.config.policy is not Policy.FREE_SLOT:
+            if not self.config.policy.can_deadlock:
                 raise RuntimeError(
                     f"no row could be planned for {len(self._running)} running sequence(s) "
                     f"under policy {self.config.policy.value}: a scheduler invariant is broken"
@@ -573,10 +576,11 @@ class Scheduler:
             need = blocks_for(seq.computed + 1, cfg.block_size) - len(seq.blocks)
             if need <= 0:
                 continue
-            if cfg.policy in (Policy.RESERVE, Policy.STATIC):
+            if not cfg.policy.grows:
                 raise RuntimeError(f"seq {seq.seq_id} outgrew its reservation")
             got = self.pool.allocate(need)
-            while got is None and cfg.policy is Policy.PREEMPT:
+            while got is None and cfg.policy.evicts:
+                # The youngest by arrival ticket: never the oldest while anyone younger runs.
                 victim = max((self._seqs[s] for s in self._running), key=lambda s: s.ticket)
                 self._preempt(victim)
                 if victim is seq:
