@@ -307,11 +307,12 @@ class RequestStream:
         """How the request ended; None while it runs."""
         return self._live.outcome
 
-    def close(self) -> bool:
+    def close(self, reason: str = "client_closed") -> bool:
         """End the request now if it is still running (sync: safe in a cancelled
-        ``finally``). Returns True if this cut it short (the client left)."""
+        ``finally``). Returns True if this cut it short; ``reason`` is recorded
+        (``client_closed``, or ``shutdown`` when the server cut it)."""
         self._recv.close()
-        return self._service._abandon(self._live)
+        return self._service._abandon(self._live, reason)
 
 
 # --------------------------------------------------------------------------- the service
@@ -526,14 +527,15 @@ class Service:
     def _failed(self, live: _Live, code: str, message: str) -> Failed:
         return Failed(code, message, len(live.prompt_ids), live.n_generated)
 
-    def _abandon(self, live: _Live) -> bool:
+    def _abandon(self, live: _Live, reason: str) -> bool:
         if live.outcome is not None or self._live.get(live.seq_id) is not live:
             return False
-        self._end(
-            live,
-            self._failed(live, "client_closed", "the client closed the connection"),
-            cancel=True,
+        message = (
+            "the server shut down before the request finished"
+            if reason == "shutdown"
+            else "the client closed the connection"
         )
+        self._end(live, self._failed(live, reason, message), cancel=True)
         return True
 
     def _end_all(self, code: str, message: str) -> None:

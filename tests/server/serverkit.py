@@ -36,6 +36,7 @@ class Live:
     stack: Stack
     url: str
     port: int
+    shutdown: trio.Event
 
     @property
     def service(self) -> Any:
@@ -59,7 +60,7 @@ async def live_server(
     async with trio.open_nursery() as nursery:
         binds = await nursery.start(serve_stack, stack, config, shutdown)
         url = binds[0]
-        live = Live(stack, url, int(url.rsplit(":", 1)[1]))
+        live = Live(stack, url, int(url.rsplit(":", 1)[1]), shutdown)
         try:
             yield live
         finally:

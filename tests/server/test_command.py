@@ -85,7 +85,9 @@ def test_sigterm_drains_and_exits_zero():
                 url = line.split(" on ")[1].split(" ")[0]
                 break
         assert url, "the server never said it was ready"
-        body = json.dumps({"model": MODEL_ID, "prompt": "Hi", "max_tokens": 3}).encode()
+        body = json.dumps(
+            {"model": MODEL_ID, "prompt": "Hi", "max_tokens": 3, "ignore_eos": True}
+        ).encode()
         req = urllib.request.Request(
             url + "/v1/completions", body, {"content-type": "application/json"}
         )

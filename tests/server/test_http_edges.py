@@ -24,6 +24,7 @@ async def test_refusals_are_openai_shaped_and_disturb_nothing_in_flight(loaded):
         service, metrics = live.service, live.stack.metrics
         gate = StepGate(service)
         body = {"model": MODEL_ID, "prompt": "Hi", "max_tokens": 6, "stream": True}
+        body["ignore_eos"] = True
         running = await raw_post(live.port, "/v1/completions", body)
         await service.wait_until(lambda: gate.parked)
 
@@ -81,7 +82,8 @@ async def test_health_ready_models_and_metrics_move(loaded):
         assert 'triollm:request_rejections_total{reason="queue_full"} 0.0' in before
         r = await post(
             live.url + "/v1/completions",
-            b'{"model": "%s", "prompt": "Hi", "max_tokens": 4}' % MODEL_ID.encode(),
+            b'{"model": "%s", "prompt": "Hi", "max_tokens": 4, "ignore_eos": true}'
+            % MODEL_ID.encode(),
         )
         assert r.status_code == 200
         after = (await get(live.url + "/metrics")).text
@@ -94,6 +96,38 @@ async def test_health_ready_models_and_metrics_move(loaded):
         assert not_ready.status_code == 503
         refused = await post(
             live.url + "/v1/completions",
-            b'{"model": "%s", "prompt": "Hi", "max_tokens": 4}' % MODEL_ID.encode(),
+            b'{"model": "%s", "prompt": "Hi", "max_tokens": 4, "ignore_eos": true}'
+            % MODEL_ID.encode(),
         )
         assert refused.status_code == 503
+
+
+async def test_shutdown_lets_a_stream_finish_within_the_grace_period(loaded):
+    async with live_server(loaded, http={"grace_s": 30.0}) as live:
+        gate = StepGate(live.service)
+        body = {"model": MODEL_ID, "prompt": "Hi", "max_tokens": 5, "stream": True}
+        body["ignore_eos"] = True
+        sock = await raw_post(live.port, "/v1/completions", body)
+        await live.service.wait_until(lambda: gate.parked)
+        live.shutdown.set()
+        await live.service.wait_until(lambda: live.service.closing)
+        gate.open()  # the stream goes on after the shutdown began, and completes
+        buf = bytearray()
+        assert await read_until(sock, b"data: [DONE]", buf)
+        assert b'"finish_reason":"length"' in buf
+        await sock.aclose()
+    assert live.stack.metrics.rejection_count("shutdown") == 0
+
+
+async def test_shutdown_cuts_what_is_still_running_after_the_grace_period(loaded):
+    with trio.fail_after(60):  # a hang guard, not a timing assertion
+        async with live_server(loaded, http={"grace_s": 0.2}) as live:
+            gate = StepGate(live.service)  # never opened: the stream cannot finish
+            body = {"model": MODEL_ID, "prompt": "Hi", "max_tokens": 5, "stream": True}
+            sock = await raw_post(live.port, "/v1/completions", body)
+            await live.service.wait_until(lambda: gate.parked)
+    metrics = live.stack.metrics
+    assert metrics.rejection_count("shutdown") == 1
+    assert metrics.rejection_count("client_closed") == 0
+    assert live.pool_is_idle()
+    await sock.aclose()

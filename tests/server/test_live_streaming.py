@@ -61,7 +61,11 @@ async def test_a_client_that_hangs_up_mid_stream_frees_its_blocks_and_the_next_i
         async def second() -> None:
             r = await trio.to_thread.run_sync(
                 lambda: c.completions.create(
-                    model=MODEL_ID, prompt="second", max_tokens=5, temperature=0
+                    model=MODEL_ID,
+                    prompt="second",
+                    max_tokens=5,
+                    temperature=0,
+                    extra_body={"ignore_eos": True},
                 )
             )
             results.append(r.choices[0].finish_reason)
@@ -105,7 +109,9 @@ async def test_a_client_that_hangs_up_while_queued_is_499_and_leaves_nothing(loa
         # The next request is admitted and served normally.
         c = client(live.url)
         r = await trio.to_thread.run_sync(
-            lambda: c.completions.create(model=MODEL_ID, prompt="next", max_tokens=3)
+            lambda: c.completions.create(
+                model=MODEL_ID, prompt="next", max_tokens=3, extra_body={"ignore_eos": True}
+            )
         )
         assert r.usage.completion_tokens == 3
         assert live.pool_is_idle()

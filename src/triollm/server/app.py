@@ -126,11 +126,16 @@ class Lifetime:
             self._end(life)  # sync: we may be inside a cancelled scope
 
     def _end(self, life: RequestLife) -> None:
-        cut = life.stream.close() if life.stream is not None else False
+        # Cut without a disconnect while shutting down: the grace period ran out.
+        by_shutdown = self.service.closing and not life.disconnected
+        reason = "shutdown" if by_shutdown else "client_closed"
+        cut = life.stream.close(reason) if life.stream is not None else False
         left_queued = life.stage == "queued" and life.disconnected
         if left_queued:
             self.metrics.rejected("client_closed")  # a stream counts itself in the service
-        if cut or left_queued:
+        if cut and by_shutdown:
+            log.info("%s %s cut short by the shutdown", life.method, life.path)
+        elif cut or left_queued:
             where = "while queued" if left_queued else f"while {life.stage}"
             log.info("%s %s 499 client closed the connection %s", life.method, life.path, where)
         elif life.status is not None:

@@ -126,6 +126,9 @@ def parse_size(text: str) -> int:
     return int(float(m.group(1)) * 1024**power)
 
 
+DEMO_MODEL_NAME = "triollm-demo"
+
+
 def _model_dir(args: argparse.Namespace) -> Path:
     if args.model_dir and args.model_opt and args.model_dir != args.model_opt:
         raise UserError("give the model once: MODEL_DIR or --model, not both")
@@ -348,7 +351,8 @@ def run(args: argparse.Namespace) -> int:
         queue_wait_s=args.queue_wait,
         stream_buffer_steps=args.stream_buffer,
         max_tokens_default=args.max_tokens_default,
-        model_name=args.model_name,
+        model_name=args.model_name
+        or (None if args.model_dir or args.model_opt else DEMO_MODEL_NAME),
     )
     print(
         f"triollm: loaded {model_dir} in {time.monotonic() - started:.1f} s\n"
