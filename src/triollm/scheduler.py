@@ -29,7 +29,8 @@ Rules (docs/scheduling.md teaches each one, with the test that proves it):
    when the pool is dry, ``free-slot`` leaves the sequence waiting for a block, and
    ``preempt`` evicts the running sequence with the *latest* ticket (recompute: its
    blocks are freed, it re-queues at its original ticket, and its next prefill
-   recomputes prompt + generated tokens). No admission follows a preempting plan.
+   recomputes prompt + generated tokens). No admission follows a preempting plan
+   while anything is still running. What each policy decides lives in policies.py.
 6. **Cancellation** at any state frees every block immediately (so certainly by
    the next ``plan_step``), and ``commit`` ignores results for sequences that are
    no longer running: a cancel may land while a step runs in a worker thread.
@@ -343,8 +344,8 @@ class Scheduler:
         need = blocks_for(prompt_len + answer, cfg.block_size)
         if need > cfg.num_blocks:
             # Blame what the client can change: the answer budget, unless the prompt
-            # alone is already too big for the pool.
-            prompt_fits = blocks_for(prompt_len, cfg.block_size) < need
+            # and a one-token answer are already too big for the pool.
+            prompt_fits = blocks_for(prompt_len + 1, cfg.block_size) <= cfg.num_blocks
             unset = " (unset: the rest of the context)" if max_tokens is None else ""
             return Infeasible(
                 "max_tokens" if prompt_fits else "prompt",
