@@ -79,11 +79,16 @@ def test_a_row_gets_the_same_bits_alone_and_in_a_batch(
     np.testing.assert_array_equal(linear(x[i : i + 1], pw)[0], batched[i])
 
 
-def test_default_switches_to_blas_at_blas_min_rows() -> None:
+@pytest.mark.parametrize("kind", ["f32", "bf16"])
+def test_long_prefill_crosses_row_chunks_and_stays_invariant(kind: str) -> None:
+    # 150 rows = two full chunks of 64 and a ragged 22 (a short last 4-row tile)
     rng = np.random.default_rng(1)
-    w = rng.standard_normal((48, 40)).astype(np.float32)
-    x = rng.standard_normal((matmul.BLAS_MIN_ROWS + 3, 40)).astype(np.float32)
-    assert_matches_reference(linear(x, prepare(w)), x, w.astype(np.float64))
+    pw, ref_w = stored(rng.standard_normal((53, 40)).astype(np.float32), kind)
+    x = rng.standard_normal((150, 40)).astype(np.float32)
+    got = linear(x, pw)
+    assert_matches_reference(got, x, ref_w)
+    for i in (0, 63, 64, 149):
+        np.testing.assert_array_equal(linear(x[i : i + 1], pw)[0], got[i])
 
 
 def test_smollm2_shapes_match_reference() -> None:

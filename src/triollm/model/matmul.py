@@ -22,29 +22,41 @@ Two things follow.
    cannot load float16, so both travel as 16-bit integers: ``uint16`` holds
    bfloat16 bits, ``int16`` holds float16 bits; the integer type is the tag.)
 
-Large row counts (a long prefill chunk) are compute bound; there OpenBLAS's
-blocked GEMM beats the streaming kernel, so :func:`linear` hands products of
-``blas_min_rows`` rows or more to BLAS (a 16-bit weight is widened into a
-temporary float32 copy for that call: one extra pass over the weight, small
-beside the arithmetic of hundreds of rows).
+Large row counts (a long prefill chunk) are compute bound. The same kernel
+handles them, in chunks of 64 rows that stay in L2 beside a block of weights.
+:func:`linear` can hand products of ``blas_min_rows`` rows or more to BLAS
+instead (a 16-bit weight is then widened into a temporary float32 copy for
+that call); by default it does not: see ``BLAS_MIN_ROWS``.
 
 Hazards
 -------
 - The kernel is compiled ``nogil=True`` because the server runs the forward in
   a worker thread; holding the GIL there would freeze the trio event loop.
 - Rows are computed in tiles of four; a short last tile repeats its last row
-  (its extra results are dropped) so every row of every batch goes through the
-  same instruction sequence: a sequence's logits do not depend on which other
-  rows share its step (batch invariance), for row counts below
-  ``blas_min_rows``. BLAS results differ from the kernel's in the last bits.
+  (the extra results are dropped), so every row of every batch runs the same
+  instructions: a sequence's logits do not depend on which other rows share
+  its step (batch invariance, bit for bit). With a BLAS threshold set, BLAS
+  results differ from the kernel's in the last bits, so a step that crosses
+  it breaks bit-equality (not the tolerance the conformance tests use).
 - ``x`` must be float32: a float64 row would silently promote the residual
   stream and make the step many times slower, so it is rejected.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
+
+# Hazard: numba's OpenMP workers (and so every parallel kernel of the engine)
+# spin-wait between parallel regions by default. A forward pass launches ~200
+# regions per step; when more threads want the CPU than there are cores (other
+# processes, the event loop, BLAS's own threads), spinning workers steal the
+# cores the working ones need and a step ran 10x slower on the 2-core target
+# (docs/performance.md). Passive waiting costs a futex wake-up per region
+# instead. It must be set before the OpenMP runtime starts (the first parallel
+# kernel call); a value the user set wins.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import numba
 import numpy as np
@@ -52,10 +64,20 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic, overload
 
-# Row count from which linear() uses BLAS instead of the streaming kernel.
-# Measured on the 2-core target machine (docs/performance.md): the kernel wins
-# up to about 32 rows, BLAS's cache-blocked GEMM from about 64.
-BLAS_MIN_ROWS = 64
+# Row count from which linear() hands a product to BLAS; None: never.
+# Measured on the 2-core target machine (docs/performance.md): the kernel beats
+# OpenBLAS at every row count there, up to a 512-row prefill, because OpenBLAS's
+# spinning threads collapse when the cores are shared; and one code path keeps
+# every step bit-for-bit batch invariant. A quiet machine with a fast BLAS may
+# prefer BLAS for long prefill chunks: `bench_engine.py --blas-min-rows` tells.
+BLAS_MIN_ROWS: int | None = None
+
+# Rows of x processed against one block of weights while both sit in L2
+# (64 rows x 1536 inputs x 4 bytes = 384 KiB); a decode step fits in one chunk.
+_ROW_CHUNK = 64
+# Bytes of one thread's block of weight rows: kept in L2 (1 MiB per core here)
+# beside the chunk of x, so a prefill's row chunks re-read it from L2, not DRAM.
+_BLOCK_BYTES = 256 * 1024
 
 _STORAGE = {"float32": np.float32, "bfloat16": np.uint16, "float16": np.int16}
 
@@ -111,106 +133,104 @@ def _widen_impl(v):  # type: ignore[no-untyped-def]  # names must match _widen e
 @njit(cache=True, nogil=True, parallel=True, fastmath=True)
 def _stream_matmul(x: Any, w: Any, out: Any, block: int) -> None:  # pragma: no cover - numba
     # x (n, K) float32; w (N, K) float32 | uint16 bf16 bits | int16 f16 bits;
-    # out (n, N) float32. Threads split the output columns into blocks of
-    # `block` weight rows; each weight row is read from memory once (the
-    # block stays in L2 while the row tiles walk over it).
+    # out (n, N) float32. Threads split the weight rows (output columns) into
+    # blocks (sized to stay in L2). Four weight rows at a time stay in L1 while
+    # every 4-row tile of a chunk of x (sized to stay in L2) passes over them.
+    # With n <= _ROW_CHUNK (every decode step) each weight byte comes from
+    # memory exactly once; a long prefill re-reads the block from L2 per chunk.
     n, k_in = x.shape
     n_out = w.shape[0]
     last = n - 1
     for blk in prange((n_out + block - 1) // block):
         j0 = blk * block
         j1 = min(j0 + block, n_out)
-        for r in range(0, n, 4):
-            # a short last tile repeats row n-1: same code path for every row
+        for r0 in range(0, n, _ROW_CHUNK):
+            r1 = min(r0 + _ROW_CHUNK, n)
+            _block_product(x, w, out, j0, j1, r0, r1, last, k_in)
+
+
+@njit(inline="always", fastmath=True)
+def _block_product(
+    x: Any, w: Any, out: Any, j0: int, j1: int, r0: int, r1: int, last: int, k_in: int
+) -> None:  # pragma: no cover - numba
+    # out[r0:r1, j0:j1] for one block of weight rows and one chunk of x rows
+    j = j0
+    while j < j1:
+        wa = w[j]
+        wb = w[min(j + 1, j1 - 1)]  # a short last group repeats its last row
+        wc = w[min(j + 2, j1 - 1)]
+        wd = w[min(j + 3, j1 - 1)]
+        for r in range(r0, r1, 4):
+            # a short last tile repeats row n-1: every row runs the same code
             x0 = x[r]
             x1 = x[min(r + 1, last)]
             x2 = x[min(r + 2, last)]
             x3 = x[min(r + 3, last)]
-            j = j0
+            a0 = a1 = a2 = a3 = np.float32(0.0)
+            b0 = b1 = b2 = b3 = np.float32(0.0)
+            c0 = c1 = c2 = c3 = np.float32(0.0)
+            d0 = d1 = d2 = d3 = np.float32(0.0)
             # hot spot: 4 rows x 4 weight rows = 16 vectorised dot products
-            while j + 4 <= j1:
-                wa = w[j]
-                wb = w[j + 1]
-                wc = w[j + 2]
-                wd = w[j + 3]
-                a0 = a1 = a2 = a3 = np.float32(0.0)
-                b0 = b1 = b2 = b3 = np.float32(0.0)
-                c0 = c1 = c2 = c3 = np.float32(0.0)
-                d0 = d1 = d2 = d3 = np.float32(0.0)
-                for k in range(k_in):
-                    va = _widen(wa[k])
-                    vb = _widen(wb[k])
-                    vc = _widen(wc[k])
-                    vd = _widen(wd[k])
-                    u0 = x0[k]
-                    u1 = x1[k]
-                    u2 = x2[k]
-                    u3 = x3[k]
-                    a0 += u0 * va
-                    a1 += u1 * va
-                    a2 += u2 * va
-                    a3 += u3 * va
-                    b0 += u0 * vb
-                    b1 += u1 * vb
-                    b2 += u2 * vb
-                    b3 += u3 * vb
-                    c0 += u0 * vc
-                    c1 += u1 * vc
-                    c2 += u2 * vc
-                    c3 += u3 * vc
-                    d0 += u0 * vd
-                    d1 += u1 * vd
-                    d2 += u2 * vd
-                    d3 += u3 * vd
-                out[r, j] = a0
-                out[r, j + 1] = b0
-                out[r, j + 2] = c0
-                out[r, j + 3] = d0
-                if r + 1 <= last:
-                    out[r + 1, j] = a1
-                    out[r + 1, j + 1] = b1
-                    out[r + 1, j + 2] = c1
-                    out[r + 1, j + 3] = d1
-                if r + 2 <= last:
-                    out[r + 2, j] = a2
-                    out[r + 2, j + 1] = b2
-                    out[r + 2, j + 2] = c2
-                    out[r + 2, j + 3] = d2
-                if r + 3 <= last:
-                    out[r + 3, j] = a3
-                    out[r + 3, j + 1] = b3
-                    out[r + 3, j + 2] = c3
-                    out[r + 3, j + 3] = d3
-                j += 4
-            # fewer than 4 weight rows left in the block (only when N % 4 != 0)
-            while j < j1:
-                wa = w[j]
-                a0 = a1 = a2 = a3 = np.float32(0.0)
-                for k in range(k_in):
-                    va = _widen(wa[k])
-                    a0 += x0[k] * va
-                    a1 += x1[k] * va
-                    a2 += x2[k] * va
-                    a3 += x3[k] * va
-                out[r, j] = a0
-                if r + 1 <= last:
-                    out[r + 1, j] = a1
-                if r + 2 <= last:
-                    out[r + 2, j] = a2
-                if r + 3 <= last:
-                    out[r + 3, j] = a3
-                j += 1
+            for k in range(k_in):
+                va = _widen(wa[k])
+                vb = _widen(wb[k])
+                vc = _widen(wc[k])
+                vd = _widen(wd[k])
+                u0 = x0[k]
+                u1 = x1[k]
+                u2 = x2[k]
+                u3 = x3[k]
+                a0 += u0 * va
+                a1 += u1 * va
+                a2 += u2 * va
+                a3 += u3 * va
+                b0 += u0 * vb
+                b1 += u1 * vb
+                b2 += u2 * vb
+                b3 += u3 * vb
+                c0 += u0 * vc
+                c1 += u1 * vc
+                c2 += u2 * vc
+                c3 += u3 * vc
+                d0 += u0 * vd
+                d1 += u1 * vd
+                d2 += u2 * vd
+                d3 += u3 * vd
+            _store4(out, r, last, j, a0, a1, a2, a3)
+            if j + 1 < j1:
+                _store4(out, r, last, j + 1, b0, b1, b2, b3)
+            if j + 2 < j1:
+                _store4(out, r, last, j + 2, c0, c1, c2, c3)
+            if j + 3 < j1:
+                _store4(out, r, last, j + 3, d0, d1, d2, d3)
+        j += 4
 
 
-def _block_rows(n_out: int, n_threads: int) -> int:
+@njit(inline="always")
+def _store4(
+    out: Any, r: int, last: int, j: int, v0: Any, v1: Any, v2: Any, v3: Any
+) -> None:  # pragma: no cover - numba
+    # column j of rows r..r+3, dropping the repeated rows past the last one
+    out[r, j] = v0
+    if r + 1 <= last:
+        out[r + 1, j] = v1
+    if r + 2 <= last:
+        out[r + 2, j] = v2
+    if r + 3 <= last:
+        out[r + 3, j] = v3
+
+
+def _block_rows(w: np.ndarray, n_threads: int) -> int:
     """Weight rows per parallel block: a multiple of 4, about 8 blocks per thread.
 
-    Several blocks per thread let a thread that the OS delays (six processes
-    share two cores here) be covered by the other; blocks of at least 16 rows
-    keep the per-block overhead small.
+    Several blocks per thread even out the threads' shares; blocks of at least
+    16 rows keep the per-block overhead small; at most ``_BLOCK_BYTES`` so a
+    block stays in L2 (the output head has 49152 rows: 12 MB per thread else).
     """
+    n_out, k_in = w.shape
     target = max(16, -(-n_out // (8 * n_threads)))
-    return -(-target // 4) * 4
+    cap = max(4, _BLOCK_BYTES // (k_in * w.itemsize))
+    return -(-min(target, cap) // 4) * 4
 
 
 # --- public API -------------------------------------------------------------
@@ -283,15 +303,16 @@ def linear(
     w: PreparedWeight,
     out: np.ndarray | None = None,
     *,
-    blas_min_rows: int = BLAS_MIN_ROWS,
+    blas_min_rows: int | None = None,
 ) -> np.ndarray:
     """Return ``x @ W.T`` as float32 ``(n, out_features)`` for ``x`` float32 ``(n, in)``.
 
     With ``out`` given (float32, C-contiguous, shape ``(n, out_features)``) the
     result is written there and ``out`` is returned. Products of fewer than
-    ``blas_min_rows`` rows run the streaming numba kernel (releases the GIL);
-    larger ones run BLAS. Trap: ``x`` must be float32; a float64 ``x`` is
-    rejected rather than silently promoting the residual stream.
+    ``blas_min_rows`` rows (``None``: the module's ``BLAS_MIN_ROWS``) run the
+    streaming numba kernel, which releases the GIL; larger ones run BLAS.
+    Trap: ``x`` must be float32; a float64 ``x`` is rejected rather than
+    silently promoting the residual stream.
     """
     if x.ndim != 2 or x.shape[1] != w.in_features:
         raise ValueError(f"x must be (n, {w.in_features}), got shape {x.shape}")
@@ -306,7 +327,8 @@ def linear(
         )
     if n == 0:
         return out
-    if n >= blas_min_rows:
+    threshold = BLAS_MIN_ROWS if blas_min_rows is None else blas_min_rows
+    if threshold is not None and n >= threshold:
         # compute bound: BLAS's blocked GEMM; the transposed view costs nothing here
         np.matmul(x, w.to_float32().T, out=out)
         return out
@@ -316,7 +338,7 @@ def linear(
         np.ascontiguousarray(x),
         w.data,
         out,
-        _block_rows(w.out_features, numba.get_num_threads()),
+        _block_rows(w.data, numba.get_num_threads()),
     )
     return out
 
