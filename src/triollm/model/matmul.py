@@ -45,7 +45,7 @@ Hazards
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 # Hazard: numba's OpenMP workers (and so every parallel kernel of the engine)
@@ -127,6 +127,49 @@ def _widen_impl(v):  # type: ignore[no-untyped-def]  # names must match _widen e
     return None
 
 
+@intrinsic
+def _bf16_pair_lo(typingctx: Any, pair: Any) -> Any:
+    """The first bfloat16 of a little-endian pair read as one uint32: low half up."""
+    if pair != types.uint32:
+        return None
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        shifted = builder.shl(args[0], ir.Constant(ir.IntType(32), 16))
+        return builder.bitcast(shifted, ir.FloatType())
+
+    return types.float32(types.uint32), codegen
+
+
+@intrinsic
+def _bf16_pair_hi(typingctx: Any, pair: Any) -> Any:
+    """The second bfloat16 of the pair: the high half is already in place."""
+    if pair != types.uint32:
+        return None
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        masked = builder.and_(args[0], ir.Constant(ir.IntType(32), 0xFFFF0000))
+        return builder.bitcast(masked, ir.FloatType())
+
+    return types.float32(types.uint32), codegen
+
+
+def _fma(acc, x, w, k):  # type: ignore[no-untyped-def]  # numba matches the overload by names
+    """``acc`` plus the product of x and w at stored column ``k`` (numba-only)."""
+    raise NotImplementedError("only callable from numba-compiled code")
+
+
+@overload(_fma, inline="always")
+def _fma_impl(acc, x, w, k):  # type: ignore[no-untyped-def]  # names must match _fma exactly
+    if w.dtype == types.uint32:
+        # bfloat16 read two at a time: a shift and a mask widen both, where
+        # one at a time needs a zero-extending shuffle per value (the shuffle
+        # port, not memory, limited the one-at-a-time bf16 kernel)
+        return lambda acc, x, w, k: (
+            acc + x[2 * k] * _bf16_pair_lo(w[k]) + x[2 * k + 1] * _bf16_pair_hi(w[k])
+        )
+    return lambda acc, x, w, k: acc + x[k] * _widen(w[k])
+
+
 # --- the streaming kernel ----------------------------------------------------
 
 
@@ -138,8 +181,8 @@ def _stream_matmul(x: Any, w: Any, out: Any, block: int) -> None:  # pragma: no 
     # every 4-row tile of a chunk of x (sized to stay in L2) passes over them.
     # With n <= _ROW_CHUNK (every decode step) each weight byte comes from
     # memory exactly once; a long prefill re-reads the block from L2 per chunk.
-    n, k_in = x.shape
-    n_out = w.shape[0]
+    n = x.shape[0]
+    n_out, k_in = w.shape  # k_in counts stored columns: in_features / 2 for bf16 pairs
     last = n - 1
     for blk in prange((n_out + block - 1) // block):
         j0 = blk * block
@@ -182,23 +225,22 @@ def _block_product_one_row(
         s0 = s1 = s2 = s3 = s4 = s5 = s6 = s7 = np.float32(0.0)
         s8 = s9 = s10 = s11 = s12 = s13 = s14 = s15 = np.float32(0.0)
         for k in range(k_in):
-            u = x0[k]
-            s0 += u * _widen(w0[k])
-            s1 += u * _widen(w1[k])
-            s2 += u * _widen(w2[k])
-            s3 += u * _widen(w3[k])
-            s4 += u * _widen(w4[k])
-            s5 += u * _widen(w5[k])
-            s6 += u * _widen(w6[k])
-            s7 += u * _widen(w7[k])
-            s8 += u * _widen(w8[k])
-            s9 += u * _widen(w9[k])
-            s10 += u * _widen(w10[k])
-            s11 += u * _widen(w11[k])
-            s12 += u * _widen(w12[k])
-            s13 += u * _widen(w13[k])
-            s14 += u * _widen(w14[k])
-            s15 += u * _widen(w15[k])
+            s0 = _fma(s0, x0, w0, k)
+            s1 = _fma(s1, x0, w1, k)
+            s2 = _fma(s2, x0, w2, k)
+            s3 = _fma(s3, x0, w3, k)
+            s4 = _fma(s4, x0, w4, k)
+            s5 = _fma(s5, x0, w5, k)
+            s6 = _fma(s6, x0, w6, k)
+            s7 = _fma(s7, x0, w7, k)
+            s8 = _fma(s8, x0, w8, k)
+            s9 = _fma(s9, x0, w9, k)
+            s10 = _fma(s10, x0, w10, k)
+            s11 = _fma(s11, x0, w11, k)
+            s12 = _fma(s12, x0, w12, k)
+            s13 = _fma(s13, x0, w13, k)
+            s14 = _fma(s14, x0, w14, k)
+            s15 = _fma(s15, x0, w15, k)
         sums = (s0, s1, s2, s3, s4, s5, s6, s7, s8, s9, s10, s11, s12, s13, s14, s15)
         for t in range(min(16, j1 - j)):
             out0[j + t] = sums[t]
@@ -228,30 +270,22 @@ def _block_product(
             d0 = d1 = d2 = d3 = np.float32(0.0)
             # hot spot: 4 rows x 4 weight rows = 16 vectorised dot products
             for k in range(k_in):
-                va = _widen(wa[k])
-                vb = _widen(wb[k])
-                vc = _widen(wc[k])
-                vd = _widen(wd[k])
-                u0 = x0[k]
-                u1 = x1[k]
-                u2 = x2[k]
-                u3 = x3[k]
-                a0 += u0 * va
-                a1 += u1 * va
-                a2 += u2 * va
-                a3 += u3 * va
-                b0 += u0 * vb
-                b1 += u1 * vb
-                b2 += u2 * vb
-                b3 += u3 * vb
-                c0 += u0 * vc
-                c1 += u1 * vc
-                c2 += u2 * vc
-                c3 += u3 * vc
-                d0 += u0 * vd
-                d1 += u1 * vd
-                d2 += u2 * vd
-                d3 += u3 * vd
+                a0 = _fma(a0, x0, wa, k)
+                a1 = _fma(a1, x1, wa, k)
+                a2 = _fma(a2, x2, wa, k)
+                a3 = _fma(a3, x3, wa, k)
+                b0 = _fma(b0, x0, wb, k)
+                b1 = _fma(b1, x1, wb, k)
+                b2 = _fma(b2, x2, wb, k)
+                b3 = _fma(b3, x3, wb, k)
+                c0 = _fma(c0, x0, wc, k)
+                c1 = _fma(c1, x1, wc, k)
+                c2 = _fma(c2, x2, wc, k)
+                c3 = _fma(c3, x3, wc, k)
+                d0 = _fma(d0, x0, wd, k)
+                d1 = _fma(d1, x1, wd, k)
+                d2 = _fma(d2, x2, wd, k)
+                d3 = _fma(d3, x3, wd, k)
             _store4(out, r, last, j, a0, a1, a2, a3)
             if j + 1 < j1:
                 _store4(out, r, last, j + 1, b0, b1, b2, b3)
@@ -305,6 +339,15 @@ class PreparedWeight:
 
     data: np.ndarray  # (out_features, in_features) float32 | uint16 | int16
     storage: str  # "float32" | "bfloat16" | "float16"
+    # What the kernel streams: `data`, or for bfloat16 with an even in_features
+    # the same memory as (out_features, in_features // 2) uint32 pairs.
+    kernel_data: np.ndarray = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        kd = self.data
+        if self.storage == "bfloat16" and kd.shape[1] % 2 == 0:
+            kd = kd.view(np.uint32)
+        object.__setattr__(self, "kernel_data", kd)
 
     @property
     def in_features(self) -> int:
@@ -393,7 +436,7 @@ def linear(
         raise ValueError("out must be C-contiguous")
     _stream_matmul(
         np.ascontiguousarray(x),
-        w.data,
+        w.kernel_data,
         out,
         _block_rows(w.data, numba.get_num_threads()),
     )
@@ -406,9 +449,10 @@ def warm_up() -> None:
     Call at model load so the first request does not pay for compilation.
     """
     x = np.zeros((1, 8), np.float32)
-    for dtype in _STORAGE.values():
-        w = np.zeros((4, 8), dtype)
-        _stream_matmul(x, w, np.empty((1, 4), np.float32), 4)
+    for bits in (np.zeros((4, 8), np.float32), np.zeros((4, 8), np.float16)):
+        linear(x, prepare(bits))
+    for width in (8, 7):  # bfloat16: pairs (even width) and one at a time (odd)
+        linear(x[:, :width], prepare(np.zeros((4, width), np.uint16), bf16=True))
 
 
 def bf16_bits_to_f32(bits: np.ndarray) -> np.ndarray:
