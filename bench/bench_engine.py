@@ -337,6 +337,20 @@ def run(args: argparse.Namespace) -> int:
         model = LlamaModel(config, random_weights(config, dtype))
         build_s = time.perf_counter() - t
         w_bytes = decode_weight_bytes(model)
+        head_params = model.lm_head.in_features * model.lm_head.out_features
+        layer_params = sum(
+            w.in_features * w.out_features
+            for layer in model.layers
+            for w in (
+                layer.q_proj,
+                layer.k_proj,
+                layer.v_proj,
+                layer.o_proj,
+                layer.gate_proj,
+                layer.up_proj,
+                layer.down_proj,
+            )
+        )
         print(
             f"{dtype}: model built in {build_s:.1f} s; a decode step reads "
             f"{w_bytes / 1e6:.0f} MB of weights -> batch-1 floor "
@@ -361,6 +375,8 @@ def run(args: argparse.Namespace) -> int:
             # floor: W once per step, plus each sequence's K/V read once
             ctx_bytes = sum(ch.start + ch.n_rows for ch in chunks) * kv_pos
             floor = (w_bytes + ctx_bytes) / best_bw
+            # weight-product arithmetic: every layer for every row, the head for sampled rows
+            flops = 2 * (layer_params * case.rows + head_params * len(chunks))
             if case.name == "decode" and case.batch == 1:
                 base_ms = med
             speedup = (
@@ -368,11 +384,12 @@ def run(args: argparse.Namespace) -> int:
                 if case.name == "decode" and base_ms
                 else ""
             )
+            is_decode = case.name == "decode"
             rows_md.append(
                 f"| {dtype} | {case.name} | {case.batch} | {case.rows} | {med * 1e3:.1f} | "
                 f"{min(times) * 1e3:.1f} | {cpu_med * 1e3:.1f} | "
-                f"{case.tokens_per_step / med:.1f} | {speedup} | "
-                f"{floor * 1e3:.1f} | {med / floor:.2f} |"
+                f"{case.tokens_per_step / med:.1f} | {speedup} | {flops / med / 1e9:.0f} | "
+                + (f"{floor * 1e3:.1f} | {med / floor:.2f} |" if is_decode else "— | — |")
             )
             print(
                 f"  {case.name:7s} batch {case.batch:3d} rows {case.rows:4d}: median "
@@ -390,9 +407,9 @@ def run(args: argparse.Namespace) -> int:
     print(f"\nload average at end: {load_average()}\n")
     print(
         "| weights | step | batch | rows | ms/step (median) | ms/step (best) | CPU ms/step | "
-        "tok/s | vs batch 1 | floor ms | median / floor |"
+        "tok/s | vs batch 1 | GFLOP/s | floor ms | median / floor |"
     )
-    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in rows_md:
         print(r)
     if profiles:
