@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 from hypothesis import HealthCheck, settings
 
 # Per state machine: max_examples runs of up to stateful_step_count rules each.
@@ -34,3 +35,11 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow],
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    # pyproject's 300 s per-test timeout guards CI against a hung test; a long
+    # search is slow on purpose, so each of its tests gets an hour.
+    if settings.get_current_profile_name() == "long":
+        for item in items:
+            item.add_marker(pytest.mark.timeout(3600))
