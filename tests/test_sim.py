@@ -141,3 +141,26 @@ def test_the_page_cannot_be_broken_out_of_by_a_request_name() -> None:
     sc = Scenario(1, 4, 4, 4, 4, 16, (SimRequest("</script><b>", 0, 2, 2),))
     html = render_page([simulate(sc, Policy.RESERVE)])
     assert html.count("</script>") == 1
+
+
+def test_a_preempted_request_is_recomputed_from_position_zero_when_readmitted() -> None:
+    run = simulate(seed_scenario(), Policy.PREEMPT)
+    evicted = [o for o in run.outcomes if o.preemptions]
+    assert evicted and all(o.done is not None for o in evicted)
+    for o in evicted:
+        readmitted = next(s for s in run.steps if f"{o.name} readmitted" in s.events)
+        (row,) = [r for r in readmitted.rows if r.request == o.name]
+        assert (row.kind, row.start) == ("prefill", 0)
+
+
+def test_the_page_steps_through_every_recorded_step_of_every_policy() -> None:
+    from triollm.sim.page import page_data
+
+    runs = [simulate(seed_scenario(), p) for p in Policy]
+    data = page_data(runs)
+    assert [r["policy"] for r in data["runs"]] == [p.value for p in Policy]
+    for run, shown in zip(runs, data["runs"], strict=True):
+        assert len(shown["steps"]) == run.total_steps
+    i = list(Policy).index(Policy.FREE_SLOT)
+    expected = runs[i].deadlock
+    assert expected is not None and data["runs"][i]["deadlock"]["t"] == expected.t
