@@ -424,6 +424,34 @@ def test_a_result_missing_a_sampled_token_is_refused_and_changes_nothing() -> No
     assert s.token_ids(a) == (1, 5)
 
 
+def test_statistics_are_a_frozen_snapshot() -> None:
+    import dataclasses
+
+    s = make(slots=2, num_blocks=16)
+    for _ in range(3):
+        s.add([1] * 5, 3)  # 2 blocks each
+    s.admit_waiting()
+    st = s.statistics()
+    assert (st.waiting, st.running, st.free_slots, st.prefilling) == (1, 2, 0, 2)
+    assert (st.blocks_total, st.blocks_held, st.blocks_free) == (16, 4, 12)
+    assert st.policy is Policy.RESERVE and not st.deadlocked and st.step == 0
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        st.waiting = 0  # type: ignore[misc]
+    run_step(s)
+    assert s.statistics().step == 1 and st.step == 0  # the old snapshot did not move
+
+
+def test_try_admit_says_whether_the_sequence_runs() -> None:
+    s = make(slots=1)
+    a = s.add([1], 2)
+    b = s.add([1], 2)
+    assert s.try_admit(a) is True
+    assert s.try_admit(a) is True  # already running
+    assert s.try_admit(b) is False  # no slot
+    s.cancel(b)
+    assert s.try_admit(b) is False  # ended
+
+
 def test_an_unknown_sequence_is_a_key_error() -> None:
     s = make()
     with pytest.raises(KeyError):
