@@ -113,7 +113,10 @@ def decode_weight_bytes(model: LlamaModel) -> int:
 # --- memory bandwidth --------------------------------------------------------
 
 
-@njit(cache=True, nogil=True, parallel=True, fastmath=True)
+# Not cached on disk: this file runs as __main__ and is imported by its smoke
+# test as bench_engine, and numba's cache entries name the module they were
+# compiled in. It compiles in about a second.
+@njit(nogil=True, parallel=True, fastmath=True)
 def _stream_sum(a: np.ndarray) -> float:  # pragma: no cover - numba
     # a (chunks, m) float32: each thread sums whole rows, so every byte is read once
     partial = np.zeros(a.shape[0], np.float32)
