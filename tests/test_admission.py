@@ -27,9 +27,7 @@ def make(slots: int = 1, waiters: int = 4, wait_s: float = 30.0, k: int | None =
         )
     )
     released: list[int] = []
-    queue = AdmissionQueue(
-        sched, max_waiters=waiters, wait_s=wait_s, on_release=released.append
-    )
+    queue = AdmissionQueue(sched, max_waiters=waiters, wait_s=wait_s, on_release=released.append)
     return sched, queue, released
 
 

@@ -75,7 +75,9 @@ class FakeExecutor:
             assert chunk.seq_id in self.members, f"seq {chunk.seq_id} planned but not added"
             if chunk.sample:
                 script = self.scripts.get(chunk.seq_id)
-                n = sum(1 for p in self.steps for c in p.chunks if c.seq_id == chunk.seq_id and c.sample)
+                n = sum(
+                    1 for p in self.steps for c in p.chunks if c.seq_id == chunk.seq_id and c.sample
+                )
                 token = script[n] if script else tok("abcdefghij"[n % 10])
                 sampled.append(SampledToken(chunk.seq_id, token))
         self.steps.append(plan)
@@ -244,7 +246,7 @@ async def test_ignore_eos_keeps_generating(autojump_clock):
 
 
 async def test_two_requests_share_forward_passes(autojump_clock):
-    service, ex, _ = make_service(slots=2)
+    service, _ex, _ = make_service(slots=2)
     async with trio.open_nursery() as nursery:
         await nursery.start(service.run)
         results: dict[int, str] = {}
@@ -253,9 +255,11 @@ async def test_two_requests_share_forward_passes(autojump_clock):
             stream = await service.submit(prompt, params=None, max_tokens=5)
             results[stream.seq_id] = await read_all(stream)
 
-        nursery.start_soon(client, [5, 6])
-        nursery.start_soon(client, [7, 8, 9])
-        await service.wait_until(lambda: len(results) == 2)
+        # Not service.wait_until: `results` is the clients' state, not the service's,
+        # and nothing in the service changes after their last read (a lost wake-up).
+        async with trio.open_nursery() as clients:
+            clients.start_soon(client, [5, 6])
+            clients.start_soon(client, [7, 8, 9])
         assert service.recorder.max_width == 2
         assert service.recorder.shared(0, 1)
         assert results == {0: "abcde", 1: "abcde"}
@@ -279,15 +283,17 @@ async def test_the_idle_loop_sleeps_on_an_event_not_a_timer(autojump_clock):
 
 
 async def test_a_slow_reader_is_cut_off_and_its_neighbour_completes(autojump_clock):
-    service, ex, counter = make_service(slots=2, buffer=2)
+    service, _ex, counter = make_service(slots=2, buffer=2)
     async with trio.open_nursery() as nursery:
         await nursery.start(service.run)
         slow = await service.submit([5], params=None, max_tokens=20)
         fast_text: list[str] = []
+        fast_done = trio.Event()
 
         async def fast() -> None:
             stream = await service.submit([6], params=None, max_tokens=12)
             fast_text.append(await read_all(stream))
+            fast_done.set()
 
         nursery.start_soon(fast)
         # The slow reader never reads: after 2 buffered steps the 3rd delta would block.
@@ -298,7 +304,7 @@ async def test_a_slow_reader_is_cut_off_and_its_neighbour_completes(autojump_clo
         assert service.scheduler.state(slow.seq_id) is SeqState.CANCELLED
         # What was buffered is still readable, then the stream ends.
         assert [d.text async for d in slow] == ["a", "b"]
-        await service.wait_until(lambda: bool(fast_text))
+        await fast_done.wait()
         assert fast_text == ["abcdefghij" + "ab"]
         assert pool_is_full(service)
         assert counter.rejections == {"too_slow": 1}
@@ -353,7 +359,7 @@ async def test_a_cancel_during_a_step_waits_for_the_safe_point_to_leave_the_batc
 
 
 async def test_a_client_leaving_while_queued_leaves_nothing_behind(autojump_clock):
-    service, ex, counter = make_service(slots=1, gated=True)
+    service, _ex, _counter = make_service(slots=1, gated=True)
     async with trio.open_nursery() as nursery:
         await nursery.start(service.run)
         holder = await service.submit([5], params=None, max_tokens=8)
@@ -367,7 +373,7 @@ async def test_a_client_leaving_while_queued_leaves_nothing_behind(autojump_cloc
 
 
 async def test_overload_refuses_the_excess_at_once(autojump_clock):
-    service, ex, _ = make_service(slots=1, depth=2, gated=True)
+    service, _ex, _ = make_service(slots=1, depth=2, gated=True)
     async with trio.open_nursery() as nursery:
         await nursery.start(service.run)
         await service.submit([5], params=None, max_tokens=2)
@@ -394,7 +400,7 @@ async def test_a_failed_step_fails_only_its_requests_and_the_loop_goes_on(autoju
 
 
 async def test_shutdown_refuses_new_work_and_lets_running_streams_finish(autojump_clock):
-    service, ex, _ = make_service(slots=1)
+    service, _ex, _ = make_service(slots=1)
     async with trio.open_nursery() as nursery:
         await nursery.start(service.run)
         running = await service.submit([5], params=None, max_tokens=3)

@@ -407,7 +407,10 @@ class Service:
 
     async def warm_up(self, prompt_ids: Sequence[int], params: Any) -> None:
         """Run one tiny request through the whole path (prefill and decode), so the
-        kernels are compiled before /ready says yes. Not counted in the metrics."""
+        kernels are compiled before /ready says yes. Not counted in the metrics.
+
+        Raises RuntimeError if it does not complete: a server whose first step
+        fails must not report itself ready."""
         stream = await self.submit(
             prompt_ids, params=params, max_tokens=2, ignore_eos=True, internal=True
         )
@@ -416,6 +419,9 @@ class Service:
                 pass
         finally:
             stream.close()
+        if not isinstance(stream.outcome, Completed):
+            detail = stream.outcome.message if stream.outcome else "no outcome"
+            raise RuntimeError(f"the warm-up request failed: {detail}")
 
     def begin_shutdown(self) -> None:
         """Stop admitting (waiters get 503); running streams continue."""

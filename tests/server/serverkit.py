@@ -29,6 +29,7 @@ from triollm.server.command import Stack, build_stack, serve_stack
 MODEL_DIR = Path(__file__).resolve().parents[1] / "fixtures" / "models" / "llama-gqa-f32"
 MODEL_ID = MODEL_DIR.name
 INF = math.inf
+HANG_GUARD_S = 120
 
 
 @dataclass
@@ -57,14 +58,17 @@ async def live_server(
     stack = build_stack(loaded, **stack_kwargs)
     config = HttpConfig(host="127.0.0.1", port=0, **({"grace_s": 2.0} | (http or {})))
     shutdown = trio.Event()
-    async with trio.open_nursery() as nursery:
-        binds = await nursery.start(serve_stack, stack, config, shutdown)
-        url = binds[0]
-        live = Live(stack, url, int(url.rsplit(":", 1)[1]), shutdown)
-        try:
-            yield live
-        finally:
-            shutdown.set()
+    # A hang guard, not a timing assertion: a broken engine or a lost wake-up must
+    # fail the test (TooSlowError) instead of hanging the suite.
+    with trio.fail_after(HANG_GUARD_S):
+        async with trio.open_nursery() as nursery:
+            binds = await nursery.start(serve_stack, stack, config, shutdown)
+            url = binds[0]
+            live = Live(stack, url, int(url.rsplit(":", 1)[1]), shutdown)
+            try:
+                yield live
+            finally:
+                shutdown.set()
     # The nursery only exits once hypercorn has drained and the service has stopped.
 
 

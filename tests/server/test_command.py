@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import signal
 import subprocess
 import sys
+import threading
+import time
 import urllib.request
 
 import pytest
@@ -80,11 +83,22 @@ def test_sigterm_drains_and_exits_zero():
     try:
         url = None
         assert proc.stderr is not None
-        for line in proc.stderr:  # ends if the process dies: the assert below reports it
+        lines: queue.Queue[str] = queue.Queue()
+        reader = threading.Thread(target=lambda: [lines.put(x) for x in proc.stderr], daemon=True)
+        reader.start()
+        seen: list[str] = []
+        deadline = time.monotonic() + 120  # a hang guard for a server that never starts
+        while url is None and time.monotonic() < deadline:
+            try:
+                line = lines.get(timeout=1)
+            except queue.Empty:
+                if not reader.is_alive():
+                    break  # the process died: the assert below shows what it said
+                continue
+            seen.append(line)
             if "(ready)" in line:
                 url = line.split(" on ")[1].split(" ")[0]
-                break
-        assert url, "the server never said it was ready"
+        assert url, "the server never said it was ready:\n" + "".join(seen)
         body = json.dumps(
             {"model": MODEL_ID, "prompt": "Hi", "max_tokens": 3, "ignore_eos": True}
         ).encode()
@@ -94,8 +108,9 @@ def test_sigterm_drains_and_exits_zero():
         with urllib.request.urlopen(req, timeout=60) as r:
             assert json.load(r)["usage"]["completion_tokens"] == 3
         proc.send_signal(signal.SIGTERM)
-        rest = proc.stderr.read()
         assert proc.wait(timeout=60) == 0
+        reader.join(timeout=10)
+        rest = "".join(seen) + "".join(lines.get() for _ in range(lines.qsize()))
         assert "shut down cleanly" in rest
     finally:
         if proc.poll() is None:
