@@ -368,7 +368,6 @@ class Service:
         self._frontend_done = trio.Event()
         self.closing = False
         self.ready = False
-        self.running_step = False
         self.outcomes: deque[tuple[int, str]] = deque(maxlen=1024)  # (seq_id, code) for tests
 
     # ------------------------------------------------------------------ the task tree
@@ -456,6 +455,9 @@ class Service:
                 room = self.scheduler.config.context_tokens - len(prompt_ids)
                 max_tokens = max(1, min(max_tokens, room))
         stop_ids = frozenset() if ignore_eos else self.eos_token_ids
+        # Everything that can fail is built before enqueue: after it, a sequence exists.
+        detok = self._detokenizer(prompt_ids)
+        matcher = StopMatcher(stop)
         seq_id = self.queue.enqueue(prompt_ids, max_tokens, stop_ids)
         send, recv = trio.open_memory_channel[Delta](self.config.stream_buffer_steps)
         live = _Live(
@@ -463,8 +465,8 @@ class Service:
             prompt_ids=tuple(prompt_ids),
             params=params,
             stop_ids=stop_ids,
-            detok=self._detokenizer(prompt_ids),
-            matcher=StopMatcher(stop),
+            detok=detok,
+            matcher=matcher,
             send=send,
             arrived=trio.current_time(),
             want_logprobs=want_logprobs,
@@ -573,11 +575,9 @@ class Service:
                 self.notify()
                 await self._work.wait()
                 continue
-            self.running_step = True
             try:
                 result = await self.step_runner(plan)
             except Exception as exc:
-                self.running_step = False
                 self.scheduler.discard_step()
                 log.exception("step %d failed", plan.step)
                 for chunk in plan.chunks:
@@ -589,7 +589,6 @@ class Service:
                             cancel=True,
                         )
                 continue
-            self.running_step = False
             finished = {f.seq_id: f for f in self.scheduler.commit(result)}
             rec = self.recorder.record(plan, result)
             self.observer.step(rec.rows, rec.width)
