@@ -131,3 +131,15 @@ async def test_shutdown_cuts_what_is_still_running_after_the_grace_period(loaded
     assert metrics.rejection_count("client_closed") == 0
     assert live.pool_is_idle()
     await sock.aclose()
+
+
+async def test_a_request_without_model_is_served_by_the_one_model_and_a_wrong_one_is_404(loaded):
+    async with live_server(loaded) as live:
+        plain = await post(live.url + "/v1/completions", b'{"prompt": "Hi", "max_tokens": 2}')
+        assert plain.status_code == 200
+        assert plain.json()["model"] == MODEL_ID
+        wrong = await post(
+            live.url + "/v1/completions", b'{"model": "gpt-9", "prompt": "Hi", "max_tokens": 2}'
+        )
+        assert wrong.status_code == 404
+        assert wrong.json()["error"]["param"] == "model"

@@ -115,8 +115,12 @@ def test_invalid_json_and_non_objects():
             parse_completion(raw)
         assert info.value.status == 400 and info.value.code == "invalid_json"
     with pytest.raises(ApiError) as info:
-        parse_completion(b'{"prompt": "x"}')
+        parse_completion(b'{"model": 7, "prompt": "x"}')
     assert info.value.param == "model"
+
+
+def test_a_missing_model_means_the_served_one():
+    assert parse_completion(b'{"prompt": "x"}').model is None
 
 
 def test_chat_messages_and_logprobs():

@@ -239,7 +239,7 @@ def create_app(
         life: RequestLife = request.scope[LIFE_KEY]  # type: ignore[literal-required]
         raw: bytes = await request.get_data(cache=False, as_text=False)  # type: ignore[assignment]
         req = parse(raw)
-        if req.model != model.id:
+        if req.model is not None and req.model != model.id:
             raise ApiError(
                 404,
                 f"the model '{req.model}' does not exist; this server serves '{model.id}'",

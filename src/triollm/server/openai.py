@@ -87,7 +87,7 @@ class GenerationRequest:
     """
 
     kind: Literal["completion", "chat"]
-    model: str
+    model: str | None  # None: the client left it out and means the served model
     prompt_text: str | None = None
     prompt_ids: tuple[int, ...] | None = None
     messages: tuple[ChatMessage, ...] | None = None
@@ -201,9 +201,12 @@ def _refuse_unsupported(body: dict[str, Any], kind: str) -> None:
 
 def _common(body: dict[str, Any], kind: Literal["completion", "chat"]) -> dict[str, Any]:
     _refuse_unsupported(body, kind)
+    # OpenAI requires 'model'; a one-model server can do without it, as vLLM and
+    # llama.cpp do, so `curl -d '{"prompt": "..."}'` just works. Absent means "the
+    # served model"; present but wrong is still a 404 (app.py).
     model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise bad_request("'model' is required and must be a string", "model")
+    if model is not None and (not isinstance(model, str) or not model):
+        raise bad_request("'model' must be a non-empty string (or left out)", "model")
     max_tokens = _integer(body, "max_tokens", 1)
     max_completion = _integer(body, "max_completion_tokens", 1)
     if max_tokens is not None and max_completion is not None and max_tokens != max_completion:
