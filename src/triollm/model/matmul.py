@@ -14,8 +14,11 @@ Two things follow.
 1. **Read each weight once per step, whatever the row count.** BLAS handles a
    skinny product (4-32 rows) badly: on this machine OpenBLAS runs a 16-row
    product at 80-100 GFLOP/s, so 16 rows cost several times one row. The numba
-   kernel below walks each weight row once and multiplies it into a tile of
-   four activation rows held in registers, so 16 rows cost little more than 1.
+   kernel below reads each weight row once and multiplies it into every row of
+   x, four rows (a tile in registers) at a time: 16 rows then cost 2-3x one
+   row, bound by arithmetic rather than memory. A single row (batch-1 decode)
+   takes sixteen weight rows per pass instead, to keep more memory streams in
+   flight; both paths prefetch the weight rows that come next.
 2. **Read fewer bytes.** bfloat16 and float16 weights stay 16-bit in memory
    and are widened to float32 in registers, inside the kernel: half the bytes
    of float32, the same float32 arithmetic. (numpy has no bfloat16, and numba
