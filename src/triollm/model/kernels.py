@@ -23,7 +23,7 @@ kernel against a plain-numpy reference on random shapes).
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+from numba import njit, prange
 
 
 @njit(cache=True, nogil=True, fastmath=True)
@@ -68,11 +68,17 @@ def rope(x: np.ndarray, positions: np.ndarray, cos: np.ndarray, sin: np.ndarray)
                 x[i, h, j + half] = x2 * c + x1 * s
 
 
-@njit(cache=True, nogil=True, fastmath=True)
+@njit(cache=True, nogil=True, fastmath=True, parallel=True)
 def silu_mul(gate: np.ndarray, up: np.ndarray, out: np.ndarray) -> None:
-    """SwiGLU's middle: ``out = gate * sigmoid(gate) * up``. All (n, f) float32."""
+    """SwiGLU's middle: ``out = gate * sigmoid(gate) * up``. All (n, f) float32.
+
+    ``gate`` and ``up`` may be column ranges of one array (the fused gate/up
+    product's output): numba compiles a strided version for them, which
+    ``warm_up`` compiles too. Rows run in parallel; each element is computed
+    alone, so the split cannot change a result.
+    """
     n, f = gate.shape
-    for i in range(n):
+    for i in prange(n):
         for j in range(f):
             g = gate[i, j]
             out[i, j] = g / (np.float32(1.0) + np.exp(-g)) * up[i, j]
@@ -104,7 +110,7 @@ def write_kv(
                 v_cache[b, h, o, j] = v[i, h, j]
 
 
-@njit(cache=True, nogil=True, fastmath=True)
+@njit(cache=True, nogil=True, fastmath=True, parallel=True)
 def paged_attention(
     q: np.ndarray,
     k_cache: np.ndarray,
@@ -132,16 +138,20 @@ def paged_attention(
     query heads of one GQA group share each K/V vector they load (the hot spot:
     the K and V reads). Softmax is two-pass over a per-pair score buffer.
 
-    Serial on purpose: on this 2-core machine, shared, a ``prange`` version
-    measured 19.9 ms per layer for 16 decode rows at context 512 against 1.3 ms
-    serial (the thread pool's wake-up and spinning cost more than the work),
-    and 73 vs 62 ms for a 512-row prefill (see docs/engine.md).
+    The pairs run in parallel (``prange``). Batch invariance holds because a
+    pair's arithmetic never depends on which thread runs it or what else is in
+    the batch: each (row, KV head) pair sums its own positions in the same
+    order, into its own buffer; threads only decide *when* a pair runs.
+    Hazard: this kernel was serial once because a ``prange`` version measured
+    15x slower when numba's OpenMP workers spin-waited on the shared 2-core
+    machine; ``matmul.py`` sets ``OMP_WAIT_POLICY=PASSIVE`` before the runtime
+    starts, and docs/performance.md has the re-measurement.
     """
     n, n_heads, head_dim = q.shape
     n_kv = k_cache.shape[1]
     block_size = k_cache.shape[2]
     group = n_heads // n_kv
-    for item in range(n * n_kv):
+    for item in prange(n * n_kv):
         i = item // n_kv
         kvh = item % n_kv
         p = positions[i]
@@ -207,6 +217,8 @@ def warm_up() -> float:
     x2 = x.reshape(2, 8)
     rms_norm(x2, np.ones(8, dtype=np.float32), np.float32(1e-6), x2)
     silu_mul(x2, x2, x2)
+    fused = np.ones((2, 16), dtype=np.float32)  # the forward's call: column ranges of gate_up
+    silu_mul(fused[:, :8], fused[:, 8:], x2)
     cache = np.zeros((1, 2, 4, 4), dtype=np.float32)
     write_kv(x, x, cache, cache, pos, pos)
     tables = np.zeros((1, 1), dtype=np.int64)
