@@ -97,15 +97,8 @@ def decode_weight_bytes(model: LlamaModel) -> int:
     """Bytes of weights one decode step reads: every projection plus the output head."""
     total = model.lm_head.nbytes
     for layer in model.layers:
-        for w in (
-            layer.q_proj,
-            layer.k_proj,
-            layer.v_proj,
-            layer.o_proj,
-            layer.gate_proj,
-            layer.up_proj,
-            layer.down_proj,
-        ):
+        # q/k/v and gate/up are fused into one prepared weight each (llama.py)
+        for w in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj):
             total += w.nbytes
     return total
 
@@ -344,15 +337,7 @@ def run(args: argparse.Namespace) -> int:
         layer_params = sum(
             w.in_features * w.out_features
             for layer in model.layers
-            for w in (
-                layer.q_proj,
-                layer.k_proj,
-                layer.v_proj,
-                layer.o_proj,
-                layer.gate_proj,
-                layer.up_proj,
-                layer.down_proj,
-            )
+            for w in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
         )
         print(
             f"{dtype}: model built in {build_s:.1f} s; a decode step reads "

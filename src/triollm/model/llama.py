@@ -91,12 +91,21 @@ class PagedKVCache:
 @dataclass(eq=False)
 class LlamaLayer:
     """One decoder block's parameters, named after their checkpoint keys
-    (``model.layers.{i}.<name>``) minus the ``self_attn.``/``mlp.`` prefix."""
+    (``model.layers.{i}.<name>``) minus the ``self_attn.``/``mlp.`` prefix.
+
+    Two pairs of names are fused: ``qkv_proj`` is the checkpoint's ``q_proj``,
+    ``k_proj`` and ``v_proj`` stacked along the output axis, ``gate_up_proj``
+    is ``gate_proj`` over ``up_proj``. They multiply the same input, so one
+    product reads the same weight bytes as three (or two) and launches the
+    parallel kernel once instead: ~210 launches per step became ~120 for
+    SmolLM2's 30 layers (docs/performance.md). Each output row is still the
+    dot product of one checkpoint row with the input, computed the same way,
+    so nothing else changes; the forward reads q, k, v (and gate, up) as
+    column ranges of the fused output.
+    """
 
     input_layernorm: np.ndarray  # (hidden,) float32
-    q_proj: PreparedWeight  # [n_heads * head_dim, hidden]
-    k_proj: PreparedWeight  # [n_kv_heads * head_dim, hidden]
-    v_proj: PreparedWeight  # [n_kv_heads * head_dim, hidden]
+    qkv_proj: PreparedWeight  # [q_proj; k_proj; v_proj]: [(n_heads + 2 n_kv) * head_dim, hidden]
     o_proj: PreparedWeight  # [hidden, n_heads * head_dim]
     q_proj_bias: np.ndarray | None  # (n_heads * head_dim,) float32, qwen2
     k_proj_bias: np.ndarray | None  # (n_kv_heads * head_dim,) float32
@@ -105,8 +114,7 @@ class LlamaLayer:
     q_norm: np.ndarray | None  # (head_dim,) float32, qwen3
     k_norm: np.ndarray | None  # (head_dim,) float32, qwen3
     post_attention_layernorm: np.ndarray  # (hidden,) float32
-    gate_proj: PreparedWeight  # [intermediate, hidden]
-    up_proj: PreparedWeight  # [intermediate, hidden]
+    gate_up_proj: PreparedWeight  # [gate_proj; up_proj]: [2 * intermediate, hidden]
     down_proj: PreparedWeight  # [hidden, intermediate]
 
 
@@ -126,8 +134,10 @@ class _Scratch:
         self.v = np.empty((rows, kv_dim), f32)
         self.att = np.empty((rows, q_dim), f32)  # attention output, heads concatenated
         self.proj = np.empty((rows, c.hidden_size), f32)  # o_proj / down_proj output
+        # fused products' outputs: [q | k | v] and [gate | up] side by side per row
+        self.qkv = np.empty((rows, q_dim + 2 * kv_dim), f32)
+        self.gate_up = np.empty((rows, 2 * c.intermediate_size), f32)
         self.gate = np.empty((rows, c.intermediate_size), f32)
-        self.up = np.empty((rows, c.intermediate_size), f32)
 
 
 class LlamaModel:
@@ -163,9 +173,11 @@ class LlamaModel:
             self.layers.append(
                 LlamaLayer(
                     input_layernorm=self._vector(p + "input_layernorm.weight"),
-                    q_proj=self._linear(p + "self_attn.q_proj.weight"),
-                    k_proj=self._linear(p + "self_attn.k_proj.weight"),
-                    v_proj=self._linear(p + "self_attn.v_proj.weight"),
+                    qkv_proj=self._fused(
+                        p + "self_attn.q_proj.weight",
+                        p + "self_attn.k_proj.weight",
+                        p + "self_attn.v_proj.weight",
+                    ),
                     o_proj=self._linear(p + "self_attn.o_proj.weight"),
                     q_proj_bias=self._vector(p + "self_attn.q_proj.bias") if bias else None,
                     k_proj_bias=self._vector(p + "self_attn.k_proj.bias") if bias else None,
@@ -176,8 +188,7 @@ class LlamaModel:
                     q_norm=self._vector(p + "self_attn.q_norm.weight") if c.qk_norm else None,
                     k_norm=self._vector(p + "self_attn.k_norm.weight") if c.qk_norm else None,
                     post_attention_layernorm=self._vector(p + "post_attention_layernorm.weight"),
-                    gate_proj=self._linear(p + "mlp.gate_proj.weight"),
-                    up_proj=self._linear(p + "mlp.up_proj.weight"),
+                    gate_up_proj=self._fused(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
                     down_proj=self._linear(p + "mlp.down_proj.weight"),
                 )
             )
@@ -223,6 +234,23 @@ class LlamaModel:
     def _linear(self, key: str) -> PreparedWeight:
         return self._prepare(key, self._take(key))
 
+    def _fused(self, *keys: str) -> PreparedWeight:
+        """Stack the weights named by ``keys`` along the output axis and prepare them.
+
+        Each tensor is checked by its own checkpoint key first, so a missing or
+        mis-shaped ``k_proj`` is still reported as ``k_proj``. Trap: the parts
+        must share one dtype (one checkpoint never mixes them; checked anyway).
+        """
+        parts = [self._take(key) for key in keys]
+        if len({a.dtype for a in parts}) != 1:
+            raise ModelLoadError(
+                f"{self._source.where(keys[0])}: tensors {', '.join(keys)} have different "
+                f"dtypes ({', '.join(str(a.dtype) for a in parts)}); they are multiplied as one"
+            )
+        fused = np.concatenate(parts, axis=0)
+        del parts  # peak memory: the fused copy plus these parts, briefly
+        return self._prepare(keys[0], fused)
+
     @property
     def weight_bytes(self) -> int:
         """Bytes of parameters held in memory (prepared weights, embedding, norms)."""
@@ -266,8 +294,10 @@ class LlamaModel:
         v = s.v[:n]  # (n, n_kv_heads * head_dim) float32
         att = s.att[:n]  # (n, n_heads * head_dim) float32
         proj = s.proj[:n]  # (n, hidden) float32
+        qkv = s.qkv[:n]  # (n, (n_heads + 2 n_kv_heads) * head_dim) float32
+        gate_up = s.gate_up[:n]  # (n, 2 * intermediate) float32
         gate = s.gate[:n]  # (n, intermediate) float32
-        up = s.up[:n]  # (n, intermediate) float32
+        q_dim, kv_dim, f = n_h * hd, n_kv * hd, c.intermediate_size
         q3 = q.reshape(n, n_h, hd)  # (n, n_heads, head_dim) view
         k3 = k.reshape(n, n_kv, hd)  # (n, n_kv_heads, head_dim) view
         v3 = v.reshape(n, n_kv, hd)  # (n, n_kv_heads, head_dim) view
@@ -279,10 +309,15 @@ class LlamaModel:
         for i, layer in enumerate(self.layers):
             # attention rmsnorm
             kernels.rms_norm(x, layer.input_layernorm, self.eps, xn)
-            # q, k, v projections (+ qwen2 / attention_bias biases)
-            linear(xn, layer.q_proj, out=q)
-            linear(xn, layer.k_proj, out=k)
-            linear(xn, layer.v_proj, out=v)
+            # q, k, v projections, one fused product (+ qwen2 / attention_bias biases).
+            # Copied out into contiguous q, k, v: the kernels below take C-contiguous
+            # arrays, and qwen3's per-head norm needs q as (n * n_heads, head_dim),
+            # which a column range of qkv cannot be viewed as (it would be a copy
+            # the in-place norm writes into and loses). The copy is < 1 % of a step.
+            linear(xn, layer.qkv_proj, out=qkv)
+            q[...] = qkv[:, :q_dim]
+            k[...] = qkv[:, q_dim : q_dim + kv_dim]
+            v[...] = qkv[:, q_dim + kv_dim :]
             qb, kb, vb = layer.q_proj_bias, layer.k_proj_bias, layer.v_proj_bias
             if qb is not None and kb is not None and vb is not None:
                 q += qb
@@ -318,9 +353,8 @@ class LlamaModel:
             # mlp rmsnorm
             kernels.rms_norm(x, layer.post_attention_layernorm, self.eps, xn)
             # SwiGLU: down(silu(gate(x)) * up(x)) + residual
-            linear(xn, layer.gate_proj, out=gate)
-            linear(xn, layer.up_proj, out=up)
-            kernels.silu_mul(gate, up, gate)
+            linear(xn, layer.gate_up_proj, out=gate_up)
+            kernels.silu_mul(gate_up[:, :f], gate_up[:, f:], gate)
             linear(gate, layer.down_proj, out=proj)
             x += proj
 
