@@ -7,9 +7,10 @@ JSON, an unsupported ``model_type``, a missing or mis-shaped tensor) is a
 :class:`~triollm.errors.ModelLoadError` naming the file and the field; the CLI
 prints it as one line.
 
-Trap: loading compiles the numba kernels (or loads them from numba's on-disk
-cache) so the first request does not pay for it; the first load on a fresh
-checkout therefore takes some seconds longer than later ones.
+Trap: loading compiles the numba kernels, the weight products' included (or
+loads them from numba's on-disk cache) so the first request does not pay for
+it; the first load on a fresh checkout therefore takes some seconds (tens, on
+a busy machine) longer than later ones.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from triollm.errors import ModelLoadError
-from triollm.model import kernels
+from triollm.model import kernels, matmul
 from triollm.model.config import ModelConfig
 from triollm.model.llama import LlamaModel
 from triollm.model.weights import Checkpoint
@@ -57,6 +58,9 @@ def load_model(model_dir: str | os.PathLike[str]) -> LoadedModel:
     tokenizer = Tokenizer.from_dir(path)
     with Checkpoint(path) as checkpoint:
         model = LlamaModel(config, checkpoint)
+    # Compile (or load from numba's disk cache) every kernel now, weight products
+    # included, so the first request's forward does not pay seconds for it.
+    matmul.warm_up()
     kernels.warm_up()
     return LoadedModel(
         config=config,
