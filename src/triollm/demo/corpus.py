@@ -166,15 +166,16 @@ def render_chat(messages: list[dict[str, str]], *, add_generation_prompt: bool =
     return text + (f"{IM_START}assistant\n" if add_generation_prompt else "")
 
 
-def document(rng: random.Random) -> str:
-    """One training document, ending with `<|endoftext|>`: a plain story or a chat."""
-    if rng.random() < 0.5:
+def document(rng: random.Random, chat_share: float = 0.5) -> str:
+    """One training document, ending with `<|endoftext|>`: a chat with probability `chat_share`,
+    else a plain story."""
+    if rng.random() < 1.0 - chat_share:
         return story(rng) + END_OF_TEXT
     return render_chat(chat(rng)) + END_OF_TEXT
 
 
-def documents(seed: int) -> Iterator[str]:
+def documents(seed: int, chat_share: float = 0.5) -> Iterator[str]:
     """The endless corpus for `seed`: the same seed always gives the same documents."""
     rng = random.Random(seed)
     while True:
-        yield document(rng)
+        yield document(rng, chat_share)
