@@ -16,6 +16,7 @@ import trio
 import trio.testing
 
 from triollm.admission import QueueFull
+from triollm.batch import BadChunks
 from triollm.plan import SampledToken, StepPlan, StepResult
 from triollm.scheduler import Scheduler, SchedulerConfig, SeqState
 from triollm.service import Completed, Failed, Service, ServiceConfig, StopMatcher
@@ -55,6 +56,7 @@ class FakeExecutor:
         self._gate_send, self._gate_recv = trio.open_memory_channel[None](math.inf)
         self.inflight: StepPlan | None = None
         self.fail_next = False
+        self.refuse: set[int] = set()  # seq_ids whose chunks this executor refuses by name
 
     def add(self, seq_id: int, prompt_ids: Sequence[int], params: Any) -> None:
         assert self.inflight is None, "membership changed while a step ran"
@@ -93,6 +95,9 @@ class FakeExecutor:
             if self.fail_next:
                 self.fail_next = False
                 raise RuntimeError("kernel exploded")
+            bad = {c.seq_id for c in plan.chunks} & self.refuse
+            if bad:
+                raise BadChunks(sorted(bad), f"cannot run: {sorted(bad)}")
             return self.run(plan)
         finally:
             self.inflight = None
@@ -396,6 +401,23 @@ async def test_a_failed_step_fails_only_its_requests_and_the_loop_goes_on(autoju
         assert pool_is_full(service)
         again = await service.submit([5], params=None, max_tokens=3)
         assert await read_all(again) == "abc"
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_refused_chunk_fails_only_its_sequence_and_its_neighbour_runs_on(autojump_clock):
+    service, ex, _ = make_service()
+    async with trio.open_nursery() as nursery:
+        await nursery.start(service.run)
+        good = await service.submit([5], params=None, max_tokens=6)
+        bad_id = good.seq_id + 1
+        ex.refuse.add(bad_id)
+        bad = await service.submit([6], params=None, max_tokens=6)
+        assert bad.seq_id == bad_id
+        assert await read_all(bad) == ""
+        assert isinstance(bad.outcome, Failed) and bad.outcome.code == "internal"
+        assert await read_all(good) == "abcdef"
+        assert isinstance(good.outcome, Completed) and good.outcome.finish_reason == "length"
+        await service.wait_until(lambda: pool_is_full(service))
         nursery.cancel_scope.cancel()
 
 

@@ -31,6 +31,20 @@ from triollm.model.sampling import SamplingParams, SequenceSampler
 from triollm.plan import SampledToken, StepPlan, StepResult
 
 
+class BadChunks(ValueError):
+    """Some chunks of a plan cannot run; nothing was computed (the KV pool is untouched).
+
+    ``seq_ids`` names the offending sequences, so the caller can fail those alone
+    and plan again for the others. Trap: catching a plain exception from
+    :meth:`Batch.run` and failing the whole step lets one bad request kill every
+    request that shared its forward pass.
+    """
+
+    def __init__(self, seq_ids: Sequence[int], message: str) -> None:
+        super().__init__(message)
+        self.seq_ids = frozenset(seq_ids)
+
+
 class Batch:
     """Runs StepPlans: a ragged forward pass plus per-sequence sampling.
 
@@ -76,15 +90,46 @@ class Batch:
     def __len__(self) -> int:
         return len(self._samplers)
 
+    def check(self, plan: StepPlan) -> None:
+        """Raise :class:`BadChunks` naming every chunk that cannot run.
+
+        A token id past the model's vocabulary would index past the embedding
+        table (an IndexError halfway through the forward pass, or a silent read
+        of another row in a compiled kernel); a block table too short for the
+        chunk's positions would write K/V into someone else's block. Both are
+        checked before anything is computed, so a refusal leaves the pool as it was.
+        """
+        vocab, size, nblocks = self.config.vocab_size, self.kv.block_size, self.kv.num_blocks
+        bad: dict[int, str] = {}
+        for chunk in plan.chunks:
+            ids = chunk.token_ids
+            if not ids:
+                bad[chunk.seq_id] = "an empty chunk"
+            elif min(ids) < 0 or max(ids) >= vocab:
+                wrong = next(t for t in ids if not 0 <= t < vocab)
+                bad[chunk.seq_id] = f"token id {wrong} is outside the model's vocabulary of {vocab}"
+            elif len(chunk.block_table) * size < chunk.start + len(ids):
+                bad[chunk.seq_id] = (
+                    f"its block table ({len(chunk.block_table)} blocks x {size}) does not cover "
+                    f"positions up to {chunk.start + len(ids)}"
+                )
+            elif chunk.block_table and not all(0 <= b < nblocks for b in chunk.block_table):
+                bad[chunk.seq_id] = f"its block table names a block outside the pool of {nblocks}"
+        if bad:
+            detail = "; ".join(f"sequence {s}: {why}" for s, why in bad.items())
+            raise BadChunks(tuple(bad), f"cannot run: {detail}")
+
     def run(self, plan: StepPlan) -> StepResult:
         """Compute ``plan``: forward every row, sample each chunk with ``sample=True``.
 
         Returns the tokens in chunk order, the row count and the wall time of
-        forward + sampling. An empty plan computes nothing.
+        forward + sampling. An empty plan computes nothing. Raises
+        :class:`BadChunks` (nothing computed) if a chunk cannot run.
         """
         t0 = time.perf_counter()
         if plan.is_empty:
             return StepResult(step=plan.step, sampled=(), n_rows=0, seconds=0.0)
+        self.check(plan)
         # Take the samplers now: a remove() from the event loop during the
         # forward pass must not turn into a KeyError halfway through sampling.
         samplers = []

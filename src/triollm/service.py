@@ -579,8 +579,18 @@ class Service:
                 result = await self.step_runner(plan)
             except Exception as exc:
                 self.scheduler.discard_step()
-                log.exception("step %d failed", plan.step)
+                # An executor that names the offending sequences (batch.BadChunks:
+                # checked before anything ran) costs only those; the others are
+                # planned again next turn. Failing the whole step instead would let
+                # one bad request kill every request sharing its forward pass.
+                culprits: frozenset[int] = getattr(exc, "seq_ids", frozenset())
+                if culprits:
+                    log.error("step %d refused sequences %s: %s", plan.step, sorted(culprits), exc)
+                else:
+                    log.exception("step %d failed", plan.step)
                 for chunk in plan.chunks:
+                    if culprits and chunk.seq_id not in culprits:
+                        continue
                     live = self._live.get(chunk.seq_id)
                     if live is not None:
                         self._end(
@@ -588,6 +598,8 @@ class Service:
                             self._failed(live, "internal", f"the step failed: {exc}"),
                             cancel=True,
                         )
+                    else:
+                        self.scheduler.cancel(chunk.seq_id)
                 continue
             finished = {f.seq_id: f for f in self.scheduler.commit(result)}
             rec = self.recorder.record(plan, result)

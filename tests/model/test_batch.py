@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from triollm.batch import Batch
+from triollm.batch import BadChunks, Batch
 from triollm.model.loader import LoadedModel, load_model
 from triollm.model.sampling import SamplingParams
 from triollm.plan import ChunkPlan, StepPlan
@@ -218,3 +218,27 @@ def test_a_prefill_chunk_without_sample_returns_no_token() -> None:
     (token,) = second.sampled
     assert token.seq_id == 1 and token.logprob is not None and len(token.top_logprobs) == 2
     assert token.top_logprobs[0][0] == token.token_id
+
+
+def test_a_bad_chunk_is_refused_by_name_before_anything_runs() -> None:
+    """A token id past the model's vocabulary, or a block table too short for the
+    chunk, is named with its sequence id (so the service fails that one alone) and
+    nothing is computed: the good neighbour's next step gives the same token."""
+    model = loaded("llama-gqa-f32")
+    batch = Batch(model, num_blocks=4, block_size=16)
+    for seq in (1, 2, 3):
+        batch.add(seq, [1, 2], GREEDY)
+    vocab = model.config.vocab_size
+    good = ChunkPlan(1, (1, 2), 0, (0,), True, True)
+    past_vocab = ChunkPlan(2, (5, vocab), 0, (1,), True, True)
+    short_table = ChunkPlan(3, tuple(range(5, 25)), 0, (2,), True, True)  # 20 rows, 16 positions
+    with pytest.raises(BadChunks, match=str(vocab)) as info:
+        batch.run(StepPlan(0, (good, past_vocab, short_table)))
+    assert info.value.seq_ids == {2, 3}
+    with pytest.raises(BadChunks) as info:
+        batch.run(StepPlan(1, (ChunkPlan(2, (-1,), 0, (1,), True, True),)))
+    assert info.value.seq_ids == {2}
+    alone = Batch(model, num_blocks=4, block_size=16)
+    alone.add(1, [1, 2], GREEDY)
+    expected = alone.run(StepPlan(0, (good,))).sampled[0].token_id
+    assert batch.run(StepPlan(2, (good,))).sampled[0].token_id == expected

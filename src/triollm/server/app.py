@@ -73,6 +73,16 @@ class ServedModel:
     context_tokens: int
     created: int
     make_params: Callable[..., Any]  # SamplingParams
+    # The model's embedding rows (config.vocab_size). A tokenizer may know more ids
+    # (added tokens past the checkpoint's vocabulary); such an id must be refused
+    # here, or the forward pass it reaches fails for every request in the step.
+    model_vocab_size: int | None = None
+
+    @property
+    def vocab_limit(self) -> int:
+        """Token ids must be below this: min(tokenizer vocabulary, model vocabulary)."""
+        tok = int(self.tokenizer.vocab_size)
+        return tok if self.model_vocab_size is None else min(tok, self.model_vocab_size)
 
 
 @dataclass
@@ -296,23 +306,31 @@ def create_app(
 
 def _prompt_ids(req: GenerationRequest, model: ServedModel) -> list[int]:
     tokenizer = model.tokenizer
+    limit = model.vocab_limit
     if req.prompt_ids is not None:
-        bad = [t for t in req.prompt_ids if t >= tokenizer.vocab_size]
-        if bad:
-            raise ApiError(
-                400,
-                f"'prompt' holds token id {bad[0]}, past the vocabulary of {tokenizer.vocab_size}",
-                param="prompt",
-            )
-        return list(req.prompt_ids)
-    if req.prompt_text is not None:
-        return list(tokenizer.encode(req.prompt_text))
-    assert req.messages is not None
-    messages = [{"role": m.role, "content": m.content} for m in req.messages]
-    try:
-        return list(tokenizer.encode_chat(messages))
-    except UserError as exc:
-        raise ApiError(400, str(exc), param="messages") from None
+        ids = list(req.prompt_ids)
+        what = "holds token id"
+    elif req.prompt_text is not None:
+        ids = list(tokenizer.encode(req.prompt_text))
+        what = "encodes to token id"
+    else:
+        assert req.messages is not None
+        messages = [{"role": m.role, "content": m.content} for m in req.messages]
+        try:
+            ids = list(tokenizer.encode_chat(messages))
+        except UserError as exc:
+            raise ApiError(400, str(exc), param="messages") from None
+        what = "encodes to token id"
+    bad = [t for t in ids if not 0 <= t < limit]
+    if bad:
+        param = "messages" if req.messages is not None else "prompt"
+        raise ApiError(
+            400,
+            f"'{param}' {what} {bad[0]}, past the model's vocabulary of {limit} "
+            f"(tokenizer {tokenizer.vocab_size}, model {model.model_vocab_size})",
+            param=param,
+        )
+    return ids
 
 
 def _sampling_params(req: GenerationRequest, model: ServedModel) -> Any:

@@ -244,6 +244,7 @@ def build_stack(
         context_tokens=context,
         created=int(time.time()),
         make_params=SamplingParams,
+        model_vocab_size=cfg.vocab_size,
     )
     report = MemoryReport(
         weight_bytes=loaded.weight_bytes,
