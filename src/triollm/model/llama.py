@@ -97,8 +97,9 @@ class LlamaLayer:
     ``k_proj`` and ``v_proj`` stacked along the output axis, ``gate_up_proj``
     is ``gate_proj`` over ``up_proj``. They multiply the same input, so one
     product reads the same weight bytes as three (or two) and launches the
-    parallel kernel once instead: ~210 launches per step became ~120 for
-    SmolLM2's 30 layers (docs/performance.md). Each output row is still the
+    parallel kernel once instead: 121 weight-product launches per step
+    instead of 211 for SmolLM2's 30 layers, ~5 ms less per batch-1 step on the
+    2-core target (docs/performance.md). Each output row is still the
     dot product of one checkpoint row with the input, computed the same way,
     so nothing else changes; the forward reads q, k, v (and gate, up) as
     column ranges of the fused output.
