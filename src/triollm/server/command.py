@@ -79,8 +79,25 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     cap.add_argument("--block-size", type=int, default=32, help="positions per KV block (32)")
     cap.add_argument("--context", type=int, help="positions per sequence (default: the model's)")
-    cap.add_argument("--chunk", type=int, default=512, help="prefill tokens per sequence per step")
-    cap.add_argument("--step-rows", type=int, help="rows per forward pass (default: chunk + slots)")
+    # The step budget (docs/serving.md, "Choosing the step budget";
+    # bench/bench_step_rows.py): a step carrying a prefill chunk stalls every
+    # decoding stream for as long as the chunk takes, and the stall grows with the
+    # chunk, while the long prompt's time to first token barely depends on it
+    # down to ~64-128 tokens (a prefill is compute bound; the per-step weight read
+    # is a few percent of a 128-row step). 128 keeps stalls ~4x shorter than 512
+    # at the same TTFT. step_rows = chunk + slots so a chunk never pushes a
+    # decoder out of its step (step_rows = chunk measured 1.5x longer stalls).
+    cap.add_argument(
+        "--chunk",
+        type=int,
+        default=128,
+        help="prefill tokens per sequence per step (128: short decode stalls, same TTFT)",
+    )
+    cap.add_argument(
+        "--step-rows",
+        type=int,
+        help="rows per forward pass (default: chunk + slots: a full chunk plus every decoder)",
+    )
     cap.add_argument(
         "--policy",
         default="reserve",
@@ -168,7 +185,7 @@ def build_stack(
     kv_memory_bytes: int | None = None,
     block_size: int = 32,
     context_tokens: int | None = None,
-    chunk_tokens: int = 512,
+    chunk_tokens: int = 128,
     step_rows: int | None = None,
     policy: str = "reserve",
     overtake_limit: int | None = None,
