@@ -530,7 +530,13 @@ def plot(log: dict, summary: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
-    ax.plot(log["step"], log["train_loss"], lw=0.8, alpha=0.6, label="training batch")
+    ax.plot(
+        log["step"],
+        log["train_loss"],
+        lw=0.8,
+        alpha=0.6,
+        label="training batch (phase 2: copy tokens weighted 10x)",
+    )
     boundary = log["phase_ends"][0]
     evals = list(zip(log["eval_step"], log["held_out_loss"], strict=True))
     for phase, picked, style in (
@@ -539,7 +545,8 @@ def plot(log: dict, summary: dict, path: Path) -> None:
     ):
         if picked:
             ax.plot(*zip(*picked, strict=True), style, ms=3, label=phase)
-    ax.axvline(boundary, color="gray", ls=":", lw=1)
+    for end in log["phase_ends"][:-1]:  # where a phase or a phase-2 round starts afresh
+        ax.axvline(end, color="gray", ls=":", lw=1)
     ax.set_yscale("log")
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("cross-entropy (nats/token, log scale)")
