@@ -143,3 +143,31 @@ async def test_a_request_without_model_is_served_by_the_one_model_and_a_wrong_on
         )
         assert wrong.status_code == 404
         assert wrong.json()["error"]["param"] == "model"
+
+
+async def test_a_413_closes_the_keep_alive_connection_instead_of_hanging(loaded):
+    """The body is refused before it is read, so the rest of it is still on the
+    wire: the server must say "Connection: close" and close, never wait."""
+    async with live_server(loaded, max_body_bytes=4096) as live:
+        sock = trio.socket.socket()
+        await sock.connect(("127.0.0.1", live.port))
+        stream = trio.SocketStream(sock)
+        declared = 1_000_000
+        await stream.send_all(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n" % declared + b"a" * 8192
+        )
+        buf = bytearray()
+        assert await read_until(stream, b"\r\n\r\n", buf)
+        head = bytes(buf).split(b"\r\n\r\n", 1)[0].lower()
+        assert head.startswith(b"http/1.1 413")
+        assert b"connection: close" in head
+        # The server closes: reads end in EOF (or a reset), not a hang.
+        while True:
+            try:
+                chunk = await stream.receive_some(65536)
+            except trio.BrokenResourceError:
+                break
+            if not chunk:
+                break
+        await stream.aclose()

@@ -97,6 +97,8 @@ class RequestLife:
     disconnected: bool = False
     status: int | None = None
     response_done: bool = False
+    body_pending: bool = False  # the request has a body we have not read to its end
+    closes_connection: bool = False  # we answered before the body ended: Connection: close
 
 
 class Lifetime:
@@ -107,25 +109,58 @@ class Lifetime:
         self.metrics = metrics
         self.service = service
         self.in_flight = 0  # HTTP requests whose handler task has not ended
+        # Where drainers of refused bodies run (serve_http sets it): they must outlive
+        # the request's own task.
+        self.drain_nursery: trio.Nursery | None = None
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         life = RequestLife(scope["method"], scope["path"], time.monotonic())
+        life.body_pending = _has_body(scope)
         scope[LIFE_KEY] = life  # quart's Request keeps this same dict as request.scope
 
         async def watched_receive() -> dict[str, Any]:
             message = await receive()
             if message["type"] == "http.disconnect" and not life.response_done:
                 life.disconnected = True
+            elif message["type"] == "http.request" and not message.get("more_body"):
+                life.body_pending = False
             return message
 
         async def watched_send(message: dict[str, Any]) -> None:
             if message["type"] == "http.response.start":
                 life.status = message["status"]
+                if life.body_pending:
+                    # An answer sent before the body was read (413, 404 on a POST...):
+                    # the unread rest of the body is still coming down this connection,
+                    # so it cannot carry another request. Without "Connection: close"
+                    # the server waits for a body it will never read and a keep-alive
+                    # client waits for the connection: both hang.
+                    headers = [
+                        h for h in message.get("headers", []) if h[0].lower() != b"connection"
+                    ]
+                    message = {**message, "headers": [*headers, (b"connection", b"close")]}
+                    life.closes_connection = True
+                    # hypercorn 0.18 trap: closing that connection first hands the app
+                    # an ``http.disconnect`` through a bounded queue that the unread
+                    # body has filled, and the app has stopped reading: the close
+                    # deadlocks. A drainer task keeps receiving until that disconnect.
+                    if self.drain_nursery is not None:
+                        self.drain_nursery.start_soon(_drain_until_disconnect, receive)
             elif message["type"] == "http.response.body" and not message.get("more_body"):
                 life.response_done = True
+                if life.closes_connection:
+                    # This send also closes the socket (hypercorn does it inside the
+                    # call), and it hands the app the disconnect that makes quart-trio
+                    # cancel this very task: unshielded, that cancel can land between
+                    # "response written" and "socket closed", leaving the client
+                    # waiting on an open connection. The socket write has its own
+                    # deadline (transport.py), so the shield cannot pin us.
+                    with trio.CancelScope(shield=True):
+                        await send(message)
+                    return
             await send(message)
 
         self.in_flight += 1
@@ -157,6 +192,26 @@ class Lifetime:
                 time.monotonic() - life.started,
             )
         self.service.notify()  # wake anything waiting on this request's end
+
+
+DRAIN_LIMIT_S = 30.0  # a drainer gives up after this (a resource bound, not a timing)
+
+
+async def _drain_until_disconnect(receive: Any) -> None:
+    """Discard the rest of a refused body until the connection closes (see Lifetime)."""
+    with trio.move_on_after(DRAIN_LIMIT_S):
+        while (await receive())["type"] != "http.disconnect":
+            pass
+
+
+def _has_body(scope: dict[str, Any]) -> bool:
+    for name, value in scope.get("headers", []):
+        name = name.lower()
+        if name == b"transfer-encoding":
+            return True
+        if name == b"content-length":
+            return value.strip() not in (b"0", b"")
+    return False
 
 
 def _error_response(err: ApiError) -> Response:
@@ -593,5 +648,6 @@ async def serve_http(
             nursery.cancel_scope.cancel()  # served and drained: stop the watchdog
 
         nursery.start_soon(watchdog)
+        app.drain_nursery = nursery
         binds = await nursery.start(partial(run_server))
         task_status.started(binds)
