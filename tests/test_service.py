@@ -421,6 +421,20 @@ async def test_a_refused_chunk_fails_only_its_sequence_and_its_neighbour_runs_on
         nursery.cancel_scope.cancel()
 
 
+async def test_unset_max_tokens_fits_a_pool_smaller_than_the_context(autojump_clock):
+    # context 32 positions, pool 6 blocks x 4 = 24: "the rest of the context" would
+    # never fit; the rest of the pool does.
+    service, _, _ = make_service(num_blocks=6)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(service.run)
+        stream = await service.submit([5, 5, 5], params=None)
+        await read_all(stream)
+        assert isinstance(stream.outcome, Completed)
+        assert stream.outcome.finish_reason == "length"
+        assert stream.outcome.completion_tokens == 24 - 3
+        nursery.cancel_scope.cancel()
+
+
 async def test_shutdown_refuses_new_work_and_lets_running_streams_finish(autojump_clock):
     service, _ex, _ = make_service(slots=1)
     async with trio.open_nursery() as nursery:

@@ -450,10 +450,15 @@ class Service:
         ``Cancelled`` with nothing left behind.
         """
         if max_tokens is None:
+            # "The rest of the context" must also fit the pool: with a pool smaller
+            # than slots x context, an unset max_tokens would reserve the whole
+            # context and every request without max_tokens (the openai chat
+            # default) would be refused. Room is counted against the largest
+            # request the pool can hold (MemoryReport.largest_request).
             max_tokens = self.config.max_tokens_default
-            if max_tokens is not None:
-                room = self.scheduler.config.context_tokens - len(prompt_ids)
-                max_tokens = max(1, min(max_tokens, room))
+            room = self.largest_request - len(prompt_ids)
+            if room >= 1:  # else: let the scheduler name the limit the prompt breaks
+                max_tokens = room if max_tokens is None else min(max_tokens, room)
         stop_ids = frozenset() if ignore_eos else self.eos_token_ids
         # Everything that can fail is built before enqueue: after it, a sequence exists.
         detok = self._detokenizer(prompt_ids)
@@ -689,6 +694,12 @@ class Service:
         tools; the predicate is re-checked after every state change."""
         while not predicate():
             await self._changed.wait()
+
+    @property
+    def largest_request(self) -> int:
+        """Positions (prompt + answer) of the largest request an empty pool admits."""
+        cfg = self.scheduler.config
+        return min(cfg.context_tokens, cfg.num_blocks * cfg.block_size)
 
     @property
     def live_requests(self) -> int:

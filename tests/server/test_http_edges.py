@@ -171,3 +171,16 @@ async def test_a_413_closes_the_keep_alive_connection_instead_of_hanging(loaded)
             if not chunk:
                 break
         await stream.aclose()
+
+
+async def test_a_pool_smaller_than_the_context_serves_requests_without_max_tokens(loaded):
+    # 2 slots x 256 positions of context, but a pool of 4 x 32 = 128 positions.
+    async with live_server(loaded, num_blocks=4, block_size=32) as live:
+        models = (await get(live.url + "/v1/models")).json()
+        assert models["data"][0]["max_model_len"] == 128
+        r = await post(live.url + "/v1/completions", b'{"prompt": "Hi", "ignore_eos": true}')
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["choices"][0]["finish_reason"] == "length"
+        usage = body["usage"]
+        assert usage["prompt_tokens"] + usage["completion_tokens"] == 128

@@ -258,7 +258,9 @@ def build_stack(
     served = ServedModel(
         id=model_name or Path(loaded.model_dir).name,
         tokenizer=tokenizer,
-        context_tokens=context,
+        # /v1/models' max_model_len: the largest request this server admits, which
+        # a pool smaller than slots x context makes less than the context.
+        context_tokens=min(context, num_blocks * block_size),
         created=int(time.time()),
         make_params=SamplingParams,
         model_vocab_size=cfg.vocab_size,
