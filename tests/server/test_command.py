@@ -116,3 +116,17 @@ def test_sigterm_drains_and_exits_zero():
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_a_long_context_model_gets_a_capped_default_and_a_pool_too_big_is_a_user_error(loaded):
+    from dataclasses import replace
+
+    from triollm.engine import DEFAULT_CONTEXT_CAP
+
+    long = replace(loaded, config=replace(loaded.config, max_position_embeddings=131072))
+    stack = build_stack(long, slots=2)
+    assert stack.report.context_tokens == DEFAULT_CONTEXT_CAP
+    assert stack.report.num_blocks * stack.report.block_size == 2 * DEFAULT_CONTEXT_CAP
+    with pytest.raises(UserError, match="--kv-memory") as info:
+        build_stack(loaded, num_blocks=10**12)
+    assert "GiB" in str(info.value) and "--context" in str(info.value)

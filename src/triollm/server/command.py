@@ -78,7 +78,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--kv-memory", help="KV pool budget, e.g. 256MiB or 2G (default: slots x context)"
     )
     cap.add_argument("--block-size", type=int, default=32, help="positions per KV block (32)")
-    cap.add_argument("--context", type=int, help="positions per sequence (default: the model's)")
+    cap.add_argument(
+        "--context", type=int, help="positions per sequence (default: the model's, at most 4096)"
+    )
     # The step budget (docs/serving.md, "Choosing the step budget";
     # bench/bench_step_rows.py): a step carrying a prefill chunk stalls every
     # decoding stream for as long as the chunk takes, and the stall grows with the
@@ -206,7 +208,12 @@ def build_stack(
     if policy not in ("reserve", "preempt"):
         raise UserError(f"--policy must be reserve or preempt, got {policy!r}")
     cfg = loaded.config
-    context = context_tokens or cfg.max_position_embeddings
+    from triollm.engine import DEFAULT_CONTEXT_CAP
+
+    # A long-context model's own limit (Llama-3.1: 131072 positions) would make the
+    # default pool slots x 131072 x 128 KiB = 64+ GiB: capped, as `generate` does;
+    # --context asks for more explicitly.
+    context = context_tokens or min(cfg.max_position_embeddings, DEFAULT_CONTEXT_CAP)
     if context > cfg.max_position_embeddings:
         raise UserError(
             f"--context {context} exceeds the model's max_position_embeddings "
@@ -243,7 +250,16 @@ def build_stack(
         )
     except ValueError as exc:
         raise UserError(str(exc)) from None
-    batch = Batch(loaded, num_blocks=num_blocks, block_size=block_size)
+    try:
+        batch = Batch(loaded, num_blocks=num_blocks, block_size=block_size)
+    except MemoryError:
+        need = num_blocks * block_size * per_position
+        raise UserError(
+            f"cannot allocate the KV pool: {num_blocks} blocks x {block_size} positions x "
+            f"{per_position} bytes = {need / 2**30:.1f} GiB ({slots} slots x {context} "
+            "positions of context); give it a budget with --kv-memory (e.g. 2G) or shorten "
+            "--context"
+        ) from None
     metrics = Metrics()
     tokenizer = loaded.tokenizer
     service = Service(
