@@ -156,3 +156,33 @@ def test_sse_events_are_single_lines_and_round_trip():
     ]
     err = sse.error_event("boom", type="server_error", code="too_slow")
     assert json.loads(err[len(b"data: ") :])["error"]["code"] == "too_slow"
+
+
+def test_lone_surrogates_are_refused_naming_the_field():
+    lone = '"\\ud800"'  # a JSON escape that decodes to an unencodable str
+    cases = [
+        (parse_completion, '{"prompt": LONE}', "prompt"),
+        (parse_completion, '{"prompt": "hi", "model": LONE}', "model"),
+        (parse_completion, '{"prompt": "hi", "stop": [LONE]}', "stop"),
+        (parse_chat, '{"messages": [{"role": "user", "content": LONE}]}', "messages[0].content"),
+    ]
+    for parse, body, param in cases:
+        with pytest.raises(ApiError) as info:
+            parse(body.replace("LONE", lone).encode())
+        assert info.value.status == 400 and info.value.param == param, body
+
+
+def test_a_deeply_nested_body_is_a_400_not_a_crash():
+    with pytest.raises(ApiError) as info:
+        parse_completion(b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}")
+    assert info.value.status == 400 and info.value.code == "invalid_json"
+
+
+def test_a_5xx_http_error_is_a_server_error_not_the_clients():
+    from werkzeug.exceptions import NotFound, ServiceUnavailable
+
+    from triollm.server.app import http_error
+
+    assert http_error(ServiceUnavailable()).type == "server_error"
+    assert http_error(ServiceUnavailable()).status == 503
+    assert http_error(NotFound()).type == "invalid_request_error"

@@ -214,6 +214,15 @@ def _has_body(scope: dict[str, Any]) -> bool:
     return False
 
 
+def http_error(err: HTTPException) -> ApiError:
+    """Werkzeug's HTTP errors in OpenAI's shape. A 5xx is the server's fault:
+    ``server_error``, never ``invalid_request_error`` (clients retry on the type)."""
+    status = err.code or 500
+    kind = "server_error" if status >= 500 else "invalid_request_error"
+    code = err.name.lower().replace(" ", "_")
+    return ApiError(status, err.description or err.name, type=kind, code=code)
+
+
 def _error_response(err: ApiError) -> Response:
     response = Response(
         sse_json(err.body()), status=err.status, mimetype="application/json", headers=err.headers
@@ -248,14 +257,11 @@ def create_app(
 
     @app.errorhandler(HTTPException)
     async def on_http_error(err: HTTPException) -> Response:
-        status = err.code or 500
         if isinstance(err, RequestEntityTooLarge):
             metrics.rejected("bad_request")
             message = f"the request body is larger than the limit of {max_body_bytes} bytes"
             return _error_response(ApiError(413, message, code="request_too_large"))
-        return _error_response(
-            ApiError(status, err.description or err.name, code=err.name.lower().replace(" ", "_"))
-        )
+        return _error_response(http_error(err))
 
     @app.errorhandler(Exception)
     async def on_bug(err: Exception) -> Response:

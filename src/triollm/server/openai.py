@@ -143,13 +143,27 @@ def _boolean(body: dict[str, Any], name: str, default: bool = False) -> bool:
     return value
 
 
+def _text(value: str, param: str) -> str:
+    """Refuse a string that is not valid Unicode text: JSON's ``"\\ud800"`` escape
+    decodes to a lone surrogate, which Python keeps in a ``str`` but which cannot
+    be encoded (tokenizer, logs, the 404 message echoing 'model'): a 500 later."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise bad_request(
+            f"'{param}' is not valid Unicode text: a lone surrogate at character {exc.start}",
+            param,
+        ) from None
+    return value
+
+
 def _string(body: dict[str, Any], name: str) -> str | None:
     value = body.get(name)
     if value is None:
         return None
     if not isinstance(value, str):
         raise bad_request(f"'{name}' must be a string, got {type(value).__name__}", name)
-    return value
+    return _text(value, name)
 
 
 def _stop(body: dict[str, Any]) -> tuple[str, ...]:
@@ -164,6 +178,7 @@ def _stop(body: dict[str, Any]) -> tuple[str, ...]:
             f"'stop' may hold at most {MAX_STOP_SEQUENCES} sequences, got {len(items)}", "stop"
         )
     for s in items:
+        _text(s, "stop")
         if not s:
             raise bad_request("'stop' sequences must not be empty", "stop")
         if len(s) > MAX_STOP_CHARS:
@@ -207,6 +222,8 @@ def _common(body: dict[str, Any], kind: Literal["completion", "chat"]) -> dict[s
     model = body.get("model")
     if model is not None and (not isinstance(model, str) or not model):
         raise bad_request("'model' must be a non-empty string (or left out)", "model")
+    if model is not None:
+        _text(model, "model")
     max_tokens = _integer(body, "max_tokens", 1)
     max_completion = _integer(body, "max_completion_tokens", 1)
     if max_tokens is not None and max_completion is not None and max_tokens != max_completion:
@@ -254,6 +271,10 @@ def _load_object(raw: bytes) -> dict[str, Any]:
         body = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise bad_request(f"the body is not valid JSON: {exc}", None, "invalid_json") from None
+    except RecursionError:
+        # json.loads recurses per nesting level: '[[[[...' a few thousand deep
+        # exhausts the interpreter's stack.
+        raise bad_request("the body is nested too deeply", None, "invalid_json") from None
     if not isinstance(body, dict):
         raise bad_request("the body must be a JSON object", None, "invalid_json")
     return body
@@ -275,7 +296,7 @@ def parse_completion(raw: bytes) -> GenerationRequest:
     if isinstance(prompt, str):
         if not prompt:
             raise bad_request("'prompt' must not be empty", "prompt")
-        prompt_text = prompt
+        prompt_text = _text(prompt, "prompt")
     elif isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
         if any(isinstance(t, bool) or t < 0 for t in prompt):
             raise bad_request("'prompt' token ids must be non-negative integers", "prompt")
@@ -323,7 +344,7 @@ def _message(index: int, item: Any) -> ChatMessage:
         content = "".join(parts)
     if not isinstance(content, str):
         raise bad_request(f"'{param}.content' must be a string or text parts", f"{param}.content")
-    return ChatMessage(role=role, content=content)
+    return ChatMessage(role=role, content=_text(content, f"{param}.content"))
 
 
 def parse_chat(raw: bytes) -> GenerationRequest:
