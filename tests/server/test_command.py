@@ -130,3 +130,16 @@ def test_a_long_context_model_gets_a_capped_default_and_a_pool_too_big_is_a_user
     with pytest.raises(UserError, match="--kv-memory") as info:
         build_stack(loaded, num_blocks=10**12)
     assert "GiB" in str(info.value) and "--context" in str(info.value)
+
+
+def test_a_port_in_use_is_one_line_and_a_nonzero_exit(capsys):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert run_cli(str(MODEL_DIR), "--port", str(port)) == 2
+    err = capsys.readouterr().err
+    assert f"cannot listen on 127.0.0.1:{port}" in err and "--port" in err
+    assert "Traceback" not in err and "ExceptionGroup" not in err

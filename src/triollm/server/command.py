@@ -17,6 +17,7 @@ remaining connections are aborted and the process exits 0.
 from __future__ import annotations
 
 import argparse
+import errno
 import ipaddress
 import logging
 import math
@@ -349,6 +350,21 @@ async def _main(stack: Stack, http: HttpConfig) -> None:
             print(f"triollm: serving {stack.served.id} on {bind} (ready)", file=sys.stderr)
 
 
+BIND_ERRNOS = frozenset({errno.EADDRINUSE, errno.EADDRNOTAVAIL, errno.EACCES})
+
+
+def _find_oserror(exc: BaseException) -> OSError | None:
+    """The OSError inside ``exc`` (possibly nested exception groups), if any."""
+    if isinstance(exc, OSError):
+        return exc
+    if isinstance(exc, BaseExceptionGroup):
+        for inner in exc.exceptions:
+            found = _find_oserror(inner)
+            if found is not None:
+                return found
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     if not _is_loopback(args.host) and not args.public:
@@ -401,6 +417,21 @@ def run(args: argparse.Namespace) -> int:
         grace_s=args.grace,
         write_timeout_s=args.write_timeout or None,
     )
-    trio.run(_main, stack, http)
+    try:
+        trio.run(_main, stack, http)
+    except (OSError, BaseExceptionGroup) as exc:
+        # A bind failure surfaces from inside hypercorn's nursery, wrapped in
+        # exception groups: show the one line that matters, not the traceback.
+        oserror = _find_oserror(exc)
+        if oserror is None or oserror.errno not in BIND_ERRNOS:
+            raise
+        raise UserError(
+            f"cannot listen on {args.host}:{args.port}: {oserror.strerror or oserror}"
+            + (
+                " (another server is using the port; pick another with --port, or 0 for any)"
+                if oserror.errno == errno.EADDRINUSE
+                else ""
+            )
+        ) from None
     print("triollm: shut down cleanly", file=sys.stderr)
     return 0
