@@ -143,3 +143,11 @@ def test_a_port_in_use_is_one_line_and_a_nonzero_exit(capsys):
     err = capsys.readouterr().err
     assert f"cannot listen on 127.0.0.1:{port}" in err and "--port" in err
     assert "Traceback" not in err and "ExceptionGroup" not in err
+
+
+@pytest.mark.parametrize("flag", ["--write-timeout", "--grace"])
+@pytest.mark.parametrize("value", ["-1", "nan"])
+def test_a_negative_timeout_or_grace_is_refused_naming_the_flag(capsys, flag, value):
+    assert run_cli(str(MODEL_DIR), flag, value) == 2
+    err = capsys.readouterr().err
+    assert flag in err and ">= 0" in err

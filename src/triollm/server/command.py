@@ -384,6 +384,12 @@ def run(args: argparse.Namespace) -> int:
             raise UserError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
     if not 0 <= args.port <= 65535:
         raise UserError(f"--port must be 0-65535, got {args.port}")
+    # A negative grace would end the drain before it began; a negative write
+    # timeout would put every socket write's deadline in the past (every stream
+    # aborted at its first byte). NaN compares false with everything: refused too.
+    for name, value in (("write-timeout", args.write_timeout), ("grace", args.grace)):
+        if not (value >= 0 and math.isfinite(value)):
+            raise UserError(f"--{name} must be a number of seconds >= 0, got {value}")
     from triollm.model.loader import load_model
 
     model_dir = _model_dir(args)
