@@ -15,7 +15,7 @@ import pytest
 import trio
 import trio.testing
 
-from triollm.admission import QueueFull
+from triollm.admission import QueueClosed, QueueFull
 from triollm.batch import BadChunks
 from triollm.plan import SampledToken, StepPlan, StepResult
 from triollm.scheduler import Scheduler, SchedulerConfig, SeqState
@@ -432,6 +432,34 @@ async def test_unset_max_tokens_fits_a_pool_smaller_than_the_context(autojump_cl
         assert isinstance(stream.outcome, Completed)
         assert stream.outcome.finish_reason == "length"
         assert stream.outcome.completion_tokens == 24 - 3
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_failure_outside_the_step_ends_every_stream_and_the_service_goes_unready(
+    autojump_clock,
+):
+    class Exploding(Counter):
+        def token(self, first: bool, seconds_since_previous: float) -> None:
+            super().token(first, seconds_since_previous)
+            if self.tokens == 3:
+                raise RuntimeError("observer bug")
+
+    service, _, _ = make_service()
+    service.observer = Exploding()
+    service.ready = True
+    async with trio.open_nursery() as nursery:
+        await nursery.start(service.run)
+        a = await service.submit([5], params=None, max_tokens=8)
+        b = await service.submit([6], params=None, max_tokens=8)
+        await read_all(a)
+        await read_all(b)
+        for stream in (a, b):
+            assert isinstance(stream.outcome, Failed) and stream.outcome.code == "internal"
+            assert "observer bug" in stream.outcome.message
+        assert pool_is_full(service)
+        assert not service.ready and service.failed is not None
+        with pytest.raises(QueueClosed, match="batch loop failed"):
+            await service.submit([5], params=None, max_tokens=2)
         nursery.cancel_scope.cancel()
 
 

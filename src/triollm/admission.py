@@ -148,6 +148,7 @@ class AdmissionQueue:
         self._tickets: dict[int, _Waiter] = {}
         self._wake_send, self._wake_recv = trio.open_memory_channel[None](1)
         self._closed = False
+        self._closed_reason = "the server is shutting down"
         self.passes = 0  # driver passes (for tests: proves coalescing)
 
     # ------------------------------------------------------------------ sync core
@@ -177,7 +178,7 @@ class AdmissionQueue:
         ``Infeasible`` (a request that could never run is refused before it queues).
         """
         if self._closed:
-            raise QueueClosed("the server is shutting down")
+            raise QueueClosed(self._closed_reason)
         if len(self._waiters) >= self.max_waiters:
             raise QueueFull(
                 f"the admission queue is full ({self.max_waiters} waiting); retry later",
@@ -206,9 +207,10 @@ class AdmissionQueue:
             waiter.resolved.set()
         return admitted
 
-    def close(self) -> None:
-        """Stop admitting: every waiter is woken with :class:`QueueClosed`."""
+    def close(self, reason: str = "the server is shutting down") -> None:
+        """Stop admitting: every waiter is woken with :class:`QueueClosed` (``reason``)."""
         self._closed = True
+        self._closed_reason = reason
         for waiter in self._waiters.values():
             waiter.state = WaiterState.CLOSED
             waiter.resolved.set()
@@ -245,7 +247,7 @@ class AdmissionQueue:
                 taken = True
                 return trio.current_time() - waiter.arrived
             if waiter.state is WaiterState.CLOSED:
-                raise QueueClosed("the server is shutting down")
+                raise QueueClosed(self._closed_reason)
             raise QueueTimeout(
                 f"waited {self.wait_s:g} s for a slot without being admitted; retry later",
                 retry_after(self.wait_s),

@@ -368,6 +368,7 @@ class Service:
         self._frontend_done = trio.Event()
         self.closing = False
         self.ready = False
+        self.failed: str | None = None  # why the batch loop stopped (then never ready again)
         self.outcomes: deque[tuple[int, str]] = deque(maxlen=1024)  # (seq_id, code) for tests
 
     # ------------------------------------------------------------------ the task tree
@@ -572,6 +573,44 @@ class Service:
             live.in_batch = True
 
     async def _batch_loop(self) -> None:
+        """Run steps forever; if anything beyond a step fails, fail safe and stop.
+
+        A step's own failure is handled inside (the step's requests fail, the loop
+        goes on). Anything else -- commit, dispatch, a detokenizer, an observer,
+        membership -- means the loop's state can no longer be trusted, so it is not
+        restarted: every admitted request ends now with an ``internal`` error event
+        and its blocks go back, the queue closes (waiters and newcomers get 503), and
+        ``/ready`` says ``failed`` so an orchestrator replaces the process. Without
+        this the exception would end the task silently (or take the server down)
+        and every open stream would hang with no outcome.
+        """
+        try:
+            await self._run_steps()
+        except Exception as exc:
+            log.exception("the batch loop failed; ending every request, refusing new ones")
+            self._fail_everything(f"the server's batch loop failed: {exc!r}")
+
+    def _fail_everything(self, message: str) -> None:
+        self.failed = message
+        self.ready = False
+        self.queue.close(message)
+        for live in list(self._live.values()):
+            if live.admitted_at is None:
+                continue  # still queued: close() woke it with QueueClosed
+            try:
+                self._end(live, self._failed(live, "internal", message), cancel=True)
+            except Exception:  # the failing part may be on this path too
+                log.exception("seq %d: ending it failed; closing its stream", live.seq_id)
+                self._live.pop(live.seq_id, None)
+                live.outcome = self._failed(live, "internal", message)
+                live.send.close()
+                try:
+                    self.scheduler.cancel(live.seq_id)
+                except Exception:
+                    log.exception("seq %d: its blocks could not be returned", live.seq_id)
+        self.notify()
+
+    async def _run_steps(self) -> None:
         while True:
             self._apply_membership()
             plan = self.scheduler.plan_step()

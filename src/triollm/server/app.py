@@ -274,6 +274,8 @@ def create_app(
 
     @app.get("/ready")
     async def ready() -> Any:
+        if service.failed is not None:
+            return {"status": "failed", "reason": service.failed}, 503
         if service.ready and not service.closing:
             return {"status": "ready", "model": model.id}
         state = "shutting down" if service.closing else "warming up"
@@ -344,9 +346,8 @@ def create_app(
             ) from None
         except QueueClosed as exc:
             life.stage = "refused"
-            raise ApiError(
-                503, str(exc), type="service_unavailable", code="shutting_down"
-            ) from None
+            code = "server_failed" if service.failed is not None else "shutting_down"
+            raise ApiError(503, str(exc), type="service_unavailable", code=code) from None
         life.stream = stream
         life.stage = "streaming"
         writer = _Writer(req, model, stream)
