@@ -39,8 +39,18 @@ def test_teaching_policies_are_refused_with_the_reason(loaded, policy):
 def test_an_unknown_policy_and_bad_numbers_are_refused(loaded):
     with pytest.raises(UserError, match="reserve or preempt"):
         build_stack(loaded, policy="fastest")
-    with pytest.raises(UserError, match="step_rows"):
+    with pytest.raises(UserError, match="--step-rows") as info:
         build_stack(loaded, slots=8, step_rows=4)
+    assert "step_rows" not in str(info.value) and "--slots" in str(info.value)
+    for field, flag, kwargs in (
+        ("queue_wait_s", "--queue-wait", {"queue_wait_s": -1.0}),
+        ("max_tokens_default", "--max-tokens-default", {"max_tokens_default": 0}),
+        ("num_blocks", "--kv-blocks", {"num_blocks": 0}),
+        ("stream_buffer_steps", "--stream-buffer", {"stream_buffer_steps": 0}),
+    ):
+        with pytest.raises(UserError, match=flag) as info:
+            build_stack(loaded, **kwargs)
+        assert field not in str(info.value)
     with pytest.raises(UserError, match="max_position_embeddings"):
         build_stack(loaded, context_tokens=10**6)
     with pytest.raises(UserError, match="holds no block"):

@@ -180,6 +180,28 @@ class Stack:
     warm_prompt: list[int]
 
 
+# The configs name their own fields; a user typed flags. Longest names first, so
+# "max_tokens_default" is not half-replaced as "max_tokens".
+FLAG_OF_FIELD = {
+    "queue_depth_per_slot": "--queue-depth-per-slot",
+    "stream_buffer_steps": "--stream-buffer",
+    "max_tokens_default": "--max-tokens-default",
+    "context_tokens": "--context",
+    "chunk_tokens": "--chunk",
+    "queue_wait_s": "--queue-wait",
+    "num_blocks": "--kv-blocks (or --kv-memory)",
+    "block_size": "--block-size",
+    "step_rows": "--step-rows",
+    "slots": "--slots",
+}
+
+
+def flag_names(message: str) -> str:
+    """``message`` with config field names replaced by the flags that set them."""
+    pattern = r"\b(" + "|".join(sorted(FLAG_OF_FIELD, key=len, reverse=True)) + r")\b"
+    return re.sub(pattern, lambda m: FLAG_OF_FIELD[m.group(1)], message)
+
+
 def build_stack(
     loaded: Any,
     *,
@@ -250,7 +272,7 @@ def build_stack(
             max_tokens_default=max_tokens_default,
         )
     except ValueError as exc:
-        raise UserError(str(exc)) from None
+        raise UserError(flag_names(str(exc))) from None
     try:
         batch = Batch(loaded, num_blocks=num_blocks, block_size=block_size)
     except MemoryError:
