@@ -186,3 +186,19 @@ def test_a_5xx_http_error_is_a_server_error_not_the_clients():
     assert http_error(ServiceUnavailable()).type == "server_error"
     assert http_error(ServiceUnavailable()).status == 503
     assert http_error(NotFound()).type == "invalid_request_error"
+
+
+def test_a_prompt_of_the_wrong_type_says_so_rather_than_required():
+    for prompt, word in ((5, "int"), ([1.0], "float"), ({"a": 1}, "dict")):
+        err = refused(completion, prompt=prompt)
+        assert err.param == "prompt" and word in err.message and "required" not in err.message
+    assert "required" in refused(lambda: parse_completion(b'{"model": "m"}')).message
+
+
+def test_top_p_zero_and_include_usage_errors_are_named_precisely():
+    err = refused(completion, top_p=0)
+    assert err.param == "top_p" and "must be > 0 and <= 1" in err.message
+    assert completion(top_p=1).top_p == 1.0
+    err = refused(completion, stream=True, stream_options={"include_usage": "yes"})
+    assert err.param == "stream_options.include_usage"
+    assert "'stream_options.include_usage'" in err.message

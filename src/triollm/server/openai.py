@@ -111,14 +111,25 @@ class GenerationRequest:
 # --------------------------------------------------------------------------- field readers
 
 
-def _number(body: dict[str, Any], name: str, default: float, lo: float, hi: float) -> float:
+def _number(
+    body: dict[str, Any],
+    name: str,
+    default: float,
+    lo: float,
+    hi: float,
+    *,
+    lo_open: bool = False,
+) -> float:
+    """A number in [lo, hi] (or (lo, hi] with ``lo_open``: top_p 0 would keep nothing)."""
     value = body.get(name)
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise bad_request(f"'{name}' must be a number, got {type(value).__name__}", name)
-    if not math.isfinite(value) or not lo <= value <= hi:
-        raise bad_request(f"'{name}' must be between {lo} and {hi}, got {value}", name)
+    above_lo = value > lo if lo_open else value >= lo
+    if not math.isfinite(value) or not (above_lo and value <= hi):
+        limit = f"> {lo:g} and <= {hi:g}" if lo_open else f"between {lo:g} and {hi:g}"
+        raise bad_request(f"'{name}' must be {limit}, got {value}", name)
     return float(value)
 
 
@@ -134,12 +145,16 @@ def _integer(body: dict[str, Any], name: str, lo: int, hi: int | None = None) ->
     return value
 
 
-def _boolean(body: dict[str, Any], name: str, default: bool = False) -> bool:
+def _boolean(
+    body: dict[str, Any], name: str, default: bool = False, *, param: str | None = None
+) -> bool:
+    """``param``: the field's full name when ``body`` is a nested object."""
     value = body.get(name)
     if value is None:
         return default
     if not isinstance(value, bool):
-        raise bad_request(f"'{name}' must be true or false, got {type(value).__name__}", name)
+        full = param or name
+        raise bad_request(f"'{full}' must be true or false, got {type(value).__name__}", full)
     return value
 
 
@@ -242,7 +257,7 @@ def _common(body: dict[str, Any], kind: Literal["completion", "chat"]) -> dict[s
             )
         if not isinstance(options, dict):
             raise bad_request("'stream_options' must be an object", "stream_options")
-        include_usage = _boolean(options, "include_usage")
+        include_usage = _boolean(options, "include_usage", param="stream_options.include_usage")
     top_k = _integer(body, "top_k", -1)
     seed = _integer(body, "seed", -(2**63), 2**64 - 1)
     user = _string(body, "user")
@@ -251,7 +266,7 @@ def _common(body: dict[str, Any], kind: Literal["completion", "chat"]) -> dict[s
         "model": model,
         "max_tokens": max_completion if max_completion is not None else max_tokens,
         "temperature": _number(body, "temperature", 1.0, 0.0, 2.0),
-        "top_p": _number(body, "top_p", 1.0, 0.0, 1.0),
+        "top_p": _number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
         "top_k": 0 if top_k is None or top_k == -1 else top_k,  # -1 is vLLM's "off"
         "min_p": _number(body, "min_p", 0.0, 0.0, 1.0),
         "seed": None if seed is None else seed % 2**64,
@@ -306,8 +321,21 @@ def parse_completion(raw: bytes) -> GenerationRequest:
             f"'prompt' must be one prompt (a string or a list of token ids); got {len(prompt)}",
             "prompt",
         )
-    else:
+    elif prompt is None:
         raise bad_request("'prompt' is required: a string or a list of token ids", "prompt")
+    elif isinstance(prompt, list) and not prompt:
+        raise bad_request("'prompt' must not be empty", "prompt")
+    elif isinstance(prompt, list):
+        kinds = sorted({type(t).__name__ for t in prompt if not isinstance(t, int)})
+        raise bad_request(
+            f"'prompt' as a list must hold token ids (integers); it holds {', '.join(kinds)}",
+            "prompt",
+        )
+    else:
+        raise bad_request(
+            "'prompt' must be a string or a list of token ids, got " + type(prompt).__name__,
+            "prompt",
+        )
     logprobs = _integer(body, "logprobs", 0, MAX_COMPLETION_LOGPROBS)
     return GenerationRequest(
         prompt_text=prompt_text, prompt_ids=prompt_ids, logprobs=logprobs, **fields
