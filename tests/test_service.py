@@ -391,13 +391,14 @@ async def test_overload_refuses_the_excess_at_once(autojump_clock):
 
 
 async def test_a_failed_step_fails_only_its_requests_and_the_loop_goes_on(autojump_clock):
-    service, ex, _ = make_service()
+    service, ex, counter = make_service()
     async with trio.open_nursery() as nursery:
         await nursery.start(service.run)
         ex.fail_next = True
         stream = await service.submit([5], params=None, max_tokens=3)
         assert await read_all(stream) == ""
         assert isinstance(stream.outcome, Failed) and stream.outcome.code == "internal"
+        assert counter.rejections == {"internal": 1}  # the server's fault is counted
         assert pool_is_full(service)
         again = await service.submit([5], params=None, max_tokens=3)
         assert await read_all(again) == "abc"

@@ -533,7 +533,7 @@ class Service:
         if not live.internal:
             if isinstance(outcome, Completed):
                 self.observer.finished(outcome.finish_reason, trio.current_time() - live.arrived)
-            elif outcome.code in ("too_slow", "client_closed", "shutdown"):
+            elif outcome.code in ("too_slow", "client_closed", "shutdown", "internal"):
                 self.observer.rejected(outcome.code)
         self.queue.signal()
         self.notify()
@@ -647,7 +647,8 @@ class Service:
                 continue
             finished = {f.seq_id: f for f in self.scheduler.commit(result)}
             rec = self.recorder.record(plan, result)
-            self.observer.step(rec.rows, rec.width)
+            if not self._only_internal(plan):  # the warm-up's steps stay out of the metrics
+                self.observer.step(rec.rows, rec.width)
             self._dispatch(result.sampled, finished)
             self.queue.signal()  # a step may have freed a slot (and a signal is cheap)
             self.notify()
@@ -733,6 +734,17 @@ class Service:
         tools; the predicate is re-checked after every state change."""
         while not predicate():
             await self._changed.wait()
+
+    def _only_internal(self, plan: StepPlan) -> bool:
+        lives = [self._live.get(c.seq_id) for c in plan.chunks]
+        return all(live is not None and live.internal for live in lives)
+
+    @property
+    def internal_running(self) -> int:
+        """Internal requests (the warm-up) holding a slot: hidden from the gauges."""
+        return sum(
+            1 for live in self._live.values() if live.internal and live.admitted_at is not None
+        )
 
     @property
     def largest_request(self) -> int:

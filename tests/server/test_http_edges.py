@@ -184,3 +184,23 @@ async def test_a_pool_smaller_than_the_context_serves_requests_without_max_token
         assert body["choices"][0]["finish_reason"] == "length"
         usage = body["usage"]
         assert usage["prompt_tokens"] + usage["completion_tokens"] == 128
+
+
+async def test_metrics_count_failures_5xx_and_preemptions_but_not_the_warm_up(loaded):
+    async with live_server(loaded) as live:
+        metrics = live.stack.metrics
+        page = (await get(live.url + "/metrics")).text
+        assert "triollm:step_rows_count 0.0" in page  # the warm-up's steps are not counted
+        assert "triollm:num_preemptions_total 0.0" in page
+        assert "triollm:num_requests_running 0.0" in page
+
+        async def broken(plan):
+            raise RuntimeError("kernel exploded")
+
+        live.service.step_runner = broken
+        r = await post(live.url + "/v1/completions", b'{"prompt": "Hi", "max_tokens": 2}')
+        assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
+        assert metrics.rejection_count("internal") == 1
+        assert metrics.server_error_count() == 1
+        page = (await get(live.url + "/metrics")).text
+        assert 'triollm:http_server_errors_total{status="500"} 1.0' in page

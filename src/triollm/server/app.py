@@ -132,6 +132,8 @@ class Lifetime:
         async def watched_send(message: dict[str, Any]) -> None:
             if message["type"] == "http.response.start":
                 life.status = message["status"]
+                if life.status >= 500:
+                    self.metrics.server_error(life.status)
                 if life.body_pending:
                     # An answer sent before the body was read (413, 404 on a POST...):
                     # the unread rest of the body is still coming down this connection,

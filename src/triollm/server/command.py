@@ -293,7 +293,7 @@ def build_stack(
         config=service_config,
         observer=metrics,
     )
-    metrics.bind(service.scheduler.statistics)
+    metrics.bind(service.scheduler.statistics, lambda: service.internal_running)
     served = ServedModel(
         id=model_name or Path(loaded.model_dir).name,
         tokenizer=tokenizer,

@@ -18,7 +18,9 @@ from collections.abc import Callable
 from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.registry import Collector
 
 # Seconds. From 1 ms (a decode step of a tiny model) to a minute (a long queue wait).
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -30,6 +32,7 @@ REJECTION_REASONS = (
     "too_slow",
     "bad_request",
     "shutdown",
+    "internal",  # the server's fault: a failed step, or the batch loop itself
 )
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
@@ -43,6 +46,22 @@ class _Stats(Protocol):
     def blocks_total(self) -> int: ...
     @property
     def blocks_held(self) -> int: ...
+    @property
+    def preemptions_total(self) -> int: ...
+
+
+class _SchedulerCounters(Collector):
+    """Counters the scheduler keeps itself, read at scrape time (never drift)."""
+
+    def __init__(self, statistics: Callable[[], _Stats]) -> None:
+        self.statistics = statistics
+
+    def collect(self):  # type: ignore[no-untyped-def]
+        yield CounterMetricFamily(
+            "triollm:num_preemptions",
+            "Sequences evicted to free KV blocks (policy preempt); each recomputes later.",
+            value=self.statistics().preemptions_total,
+        )
 
 
 class Metrics:
@@ -125,14 +144,26 @@ class Metrics:
             ["reason"],
             registry=r,
         )
+        self.server_errors = Counter(
+            "triollm:http_server_errors",
+            "HTTP responses with a 5xx status, by status.",
+            ["status"],
+            registry=r,
+        )
         for reason in REJECTION_REASONS:
             self.rejections.labels(reason=reason)  # export zeros, so rate() works from the start
         for reason in ("stop", "length"):
             self.success.labels(finished_reason=reason)
 
-    def bind(self, statistics: Callable[[], _Stats]) -> None:
-        """Compute the state gauges from ``statistics()`` at every scrape."""
-        self.running.set_function(lambda: statistics().running)
+    def bind(
+        self, statistics: Callable[[], _Stats], hidden_running: Callable[[], int] = lambda: 0
+    ) -> None:
+        """Compute the state gauges from ``statistics()`` at every scrape.
+
+        ``hidden_running``: sequences holding a slot that are not requests (the
+        warm-up), left out of the running gauge."""
+        self.running.set_function(lambda: statistics().running - hidden_running())
+        self.registry.register(_SchedulerCounters(statistics))
         self.waiting.set_function(lambda: statistics().waiting)
         self.kv_blocks_used.set_function(lambda: statistics().blocks_held)
         self.kv_blocks_total.set_function(lambda: statistics().blocks_total)
@@ -174,6 +205,17 @@ class Metrics:
             "triollm:request_rejections_total", {"reason": reason}
         )
         return value or 0.0
+
+    def server_error(self, status: int) -> None:
+        self.server_errors.labels(status=str(status)).inc()
+
+    def server_error_count(self) -> float:
+        return sum(
+            s.value
+            for m in self.server_errors.collect()
+            for s in m.samples
+            if s.name.endswith("_total")
+        )
 
     def aborted_connections(self) -> float:
         return self.registry.get_sample_value("triollm:connections_aborted_total") or 0.0
