@@ -260,3 +260,46 @@ def test_the_earliest_stop_string_wins() -> None:
 def test_without_stop_strings_text_passes_straight_through() -> None:
     m = StopStrings([])
     assert m.feed("EN") == ("EN", False) and m.flush() == ""
+
+
+def test_a_stop_string_completed_by_the_detokenizers_tail_finishes_with_stop(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The last text of a sequence comes from ``flush()`` (held-back bytes); a stop
+    string completed there cuts the text and makes the finish reason "stop", not
+    the generation's own "length"."""
+    import argparse
+
+    import triollm.model.tokenizer as tokenizer_module
+    from triollm.generate import _drive
+    from triollm.plan import FinishReason, SampledToken
+
+    class HoldingDetok:  # everything is held back until the end, like half a character
+        def __init__(self, tok: Any, prompt_ids: Any) -> None:
+            pass
+
+        def push(self, token_id: int) -> str:
+            return ""
+
+        def flush(self) -> str:
+            return "abcEND tail"
+
+    class Generation:
+        finish_reason = FinishReason.LENGTH
+
+        def __enter__(self) -> Generation:
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            pass
+
+        def __iter__(self) -> Any:
+            return iter([SampledToken(0, 7), SampledToken(0, 8)])
+
+    monkeypatch.setattr(tokenizer_module, "IncrementalDetokenizer", HoldingDetok)
+    args = argparse.Namespace(json=True)
+    params = argparse.Namespace(logprobs=None)
+    assert _drive(Generation(), args, None, [1], params, ("END",), frozenset(), 0.0) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["text"] == "abc"
+    assert out["finish_reason"] == "stop"

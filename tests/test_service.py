@@ -182,6 +182,15 @@ def test_stop_matcher_holds_back_a_possible_stop_and_never_emits_it():
     assert m.feed("Zdef") == ("", True)  # matched: nothing from the stop on
 
 
+def test_stop_matcher_finish_matches_in_the_flushed_tail():
+    m = StopMatcher(["END"])
+    assert m.feed("ab") == ("ab", False)
+    assert m.finish("cEND tail") == ("c", True)
+    m = StopMatcher(["END"])
+    assert m.feed("abEN") == ("ab", False)
+    assert m.finish("X") == ("ENX", False)  # no match: the held-back text comes out
+
+
 def test_stop_matcher_picks_the_earliest_stop_and_flushes_the_rest():
     m = StopMatcher(["cd", "b"])
     assert m.feed("abcd") == ("a", True)

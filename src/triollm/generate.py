@@ -35,6 +35,7 @@ from typing import Any, TextIO
 
 from triollm.errors import UserError
 from triollm.plan import FinishReason, SampledToken
+from triollm.stopstrings import StopMatcher
 
 DEFAULT_MAX_TOKENS = 128  # enough to see a model's voice; capped by the context left
 
@@ -144,7 +145,7 @@ def _drive(
     out: TextIO = sys.stdout
     stream = not args.json
     detok = IncrementalDetokenizer(tok, prompt_ids)
-    matcher = StopStrings(stops)
+    matcher = StopMatcher(stops)
     tokens: list[SampledToken] = []
     text: list[str] = []
     t_first = t_last = t0
@@ -164,8 +165,11 @@ def _drive(
                 break
         if finish is None:
             finish = generation.finish_reason or FinishReason.STOP
-            piece, _ = matcher.feed(detok.flush())
-            _emit(piece + matcher.flush(), text, out if stream else None)
+            # The detokenizer's held-back tail can complete a stop string too.
+            piece, matched = matcher.finish(detok.flush())
+            if matched:
+                finish = FinishReason.STOP
+            _emit(piece, text, out if stream else None)
 
     if stream:
         out.write("\n")
@@ -206,42 +210,8 @@ def _emit(piece: str, text: list[str], out: TextIO | None) -> None:
         out.flush()  # the point of streaming: the user sees each piece as it is made
 
 
-class StopStrings:
-    """Cut streamed text at the first stop string, never sending part of one.
-
-    Text that ends with a prefix of some stop string is held back (it may become the
-    stop string with the next piece); everything before it is safe to send.
-
-    Trap: a stop string can straddle two pieces, so matching each piece alone misses
-    it; matching only the final text would have already sent its first half.
-    """
-
-    def __init__(self, stops: Sequence[str]) -> None:
-        self.stops = tuple(stops)
-        self._held = ""
-
-    def feed(self, piece: str) -> tuple[str, bool]:
-        """(text safe to send, whether a stop string was found). After a match, stop feeding."""
-        if not self.stops:
-            return piece, False
-        text = self._held + piece
-        hits = [i for i in (text.find(s) for s in self.stops) if i >= 0]
-        if hits:
-            self._held = ""
-            return text[: min(hits)], True
-        keep = 0
-        for s in self.stops:
-            for k in range(min(len(s) - 1, len(text)), keep, -1):
-                if text.endswith(s[:k]):
-                    keep = k
-                    break
-        self._held = text[len(text) - keep :] if keep else ""
-        return text[: len(text) - keep], False
-
-    def flush(self) -> str:
-        """The held-back tail at the end of the stream (it never became a stop string)."""
-        held, self._held = self._held, ""
-        return held
+# One implementation for the server and the CLI (the old name kept for callers).
+StopStrings = StopMatcher
 
 
 def _model_dir(arg: str | None) -> Path:

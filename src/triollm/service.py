@@ -45,6 +45,7 @@ import trio
 from triollm.admission import AdmissionQueue
 from triollm.plan import Finished, FinishReason, SampledToken, StepPlan, StepResult
 from triollm.scheduler import Scheduler
+from triollm.stopstrings import StopMatcher
 
 log = logging.getLogger("triollm.service")
 
@@ -159,48 +160,6 @@ class Failed:
 
 
 Outcome = Completed | Failed
-
-
-# --------------------------------------------------------------------------- stop strings
-
-
-class StopMatcher:
-    """Holds back text that could still turn into a stop string; never emits one.
-
-    Text is released only once no stop string can match across it: the longest
-    suffix of the pending text that is a prefix of some stop string stays behind.
-    A match ends the text just before the stop string (OpenAI's rule: the stop
-    sequence itself is not returned).
-    """
-
-    def __init__(self, stops: Sequence[str]) -> None:
-        self.stops = tuple(s for s in stops if s)
-        self.pending = ""
-
-    def feed(self, text: str) -> tuple[str, bool]:
-        """Returns (text safe to emit, whether a stop string matched)."""
-        self.pending += text
-        if not self.stops:
-            out, self.pending = self.pending, ""
-            return out, False
-        hits = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
-        if hits:
-            out = self.pending[: min(hits)]
-            self.pending = ""
-            return out, True
-        hold = 0
-        for s in self.stops:
-            for k in range(min(len(s) - 1, len(self.pending)), hold, -1):
-                if self.pending.endswith(s[:k]):
-                    hold = k
-                    break
-        cut = len(self.pending) - hold
-        out, self.pending = self.pending[:cut], self.pending[cut:]
-        return out, False
-
-    def flush(self) -> str:
-        out, self.pending = self.pending, ""
-        return out
 
 
 # --------------------------------------------------------------------------- the step recorder
@@ -691,8 +650,8 @@ class Service:
             self._complete(live, FinishReason.STOP, Delta(text, info))
             return
         if fin is not None:
-            tail, matched = live.matcher.feed(live.detok.flush())
-            text += tail if matched else tail + live.matcher.flush()
+            tail, matched = live.matcher.finish(live.detok.flush())
+            text += tail
             reason = FinishReason.STOP if matched else fin.reason
             self._complete(live, reason, Delta(text, info))
             return
