@@ -76,7 +76,7 @@ def parse_args() -> argparse.Namespace:
         default=None,
         help="skip phase 1: start phase 2 from this exported phase-1 model (+ its -log.json)",
     )
-    p.add_argument("--rounds2", type=int, default=2, help="phase-2 rounds (fresh optimizer each)")
+    p.add_argument("--rounds2", type=int, default=3, help="phase-2 rounds (fresh optimizer each)")
     p.add_argument(
         "--start-round",
         type=int,

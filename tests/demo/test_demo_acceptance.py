@@ -20,7 +20,7 @@ import pytest
 
 from triollm.demo import default_model_dir
 from triollm.demo import grammar as g
-from triollm.engine import Engine, engine_config
+from triollm.engine import Engine, Request, engine_config
 from triollm.model.loader import LoadedModel, load_model
 from triollm.model.sampling import SamplingParams
 
@@ -72,16 +72,7 @@ def test_once_upon_a_time_continues_as_a_grammatical_story(
 @pytest.mark.parametrize(
     ("request_text", "slot", "word"),
     [
-        pytest.param(
-            "Tell me a story about a fox",
-            "animal",
-            "fox",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="known gap: the shipped model copies places and things from the "
-                "request but not yet the animal (see docs/demo-model.md, Limits)",
-            ),
-        ),
+        ("Tell me a story about a fox", "animal", "fox"),
         ("Can you tell me a story about the forest?", "place", "forest"),
         ("Write a story about a kite.", "thing", "kite"),
     ],
@@ -152,3 +143,47 @@ def test_triollm_generate_without_a_model_dir_tells_the_demo_story() -> None:
     fox = PROMPTS["chat_fox"]
     out = run_cli("--chat", "--prompt", "Tell me a story about a fox", "--temperature", "0")
     assert fox["greedy_text"][:60] in out
+
+
+def test_greedy_chat_stories_follow_nearly_every_topic_of_the_grammar(loaded: LoadedModel) -> None:
+    # All 64 topics in one batch of 8 slots: every answer parses, and at most 4 name another
+    # topic (the shipped model misses 2: the lion and the puppy; docs/demo-model.md, Limits).
+    topics = [("animal", w) for w in g.ANIMALS]
+    topics += [("place", w) for w in g.PLACES] + [("thing", w) for w in g.THINGS]
+    eos = loaded.tokenizer.eos_token_ids | loaded.config.eos_token_ids
+    requests = []
+    for kind, word in topics:
+        phrase = f"the {word}" if kind == "place" else f"{g.article(word)} {word}"
+        messages = [{"role": "user", "content": f"Tell me a story about {phrase}"}]
+        ids = tuple(loaded.tokenizer.encode_chat(messages))
+        requests.append(Request(ids, GREEDY, REFERENCE["max_new_tokens"], frozenset(eos)))
+    completions = Engine(loaded, engine_config(loaded, slots=8)).generate_many(requests)
+    off_topic = []
+    for (kind, word), completion in zip(topics, completions, strict=True):
+        ids = completion.token_ids
+        assert ids[-1] in eos
+        parsed = g.parse_story(loaded.tokenizer.decode(ids[:-1]))
+        if {p.values[kind] for p in parsed if kind in p.values} != {word}:
+            off_topic.append(word)
+    assert len(off_topic) <= 4, off_topic
+
+
+def test_sampled_stories_mostly_stay_in_the_grammar(loaded: LoadedModel) -> None:
+    # Temperature 1 can mix templates; the shipped model keeps 29 of these 32 seeded samples
+    # grammatical. A model that only looked fluent under greedy decoding would fail this.
+    eos = loaded.tokenizer.eos_token_ids | loaded.config.eos_token_ids
+    prompt = tuple(loaded.tokenizer.encode("Once upon a time"))
+    requests = [
+        Request(prompt, SamplingParams(temperature=1.0, seed=seed), 200, frozenset(eos))
+        for seed in range(32)
+    ]
+    grammatical = 0
+    for completion in Engine(loaded, engine_config(loaded, slots=8)).generate_many(requests):
+        ids = completion.token_ids
+        text = "Once upon a time" + loaded.tokenizer.decode(ids[:-1] if ids[-1] in eos else ids)
+        try:
+            g.parse_story(text)
+            grammatical += 1
+        except ValueError:
+            pass
+    assert grammatical >= 26
