@@ -434,8 +434,20 @@ class _Writer:
 
     # -- logprobs -------------------------------------------------------------------
 
-    def _token_text(self, token_id: int) -> str:
-        return str(self.model.tokenizer.decode([token_id], skip_special_tokens=False))
+    def _token(self, token_id: int) -> tuple[str, bytes]:
+        """(display string, the token's own bytes) for a logprobs entry.
+
+        A token that is part of a UTF-8 character decodes to U+FFFD on its own, so
+        every such byte token would show (and, as a ``top_logprobs`` key, collide)
+        as the same "\ufffd". Those are shown as ``bytes:\\xNN`` (OpenAI's
+        spelling) with their real bytes."""
+        text = str(self.model.tokenizer.decode([token_id], skip_special_tokens=False))
+        if "\ufffd" not in text:
+            return text, text.encode()
+        raw = _raw_token_bytes(self.model.tokenizer, token_id)
+        if raw is None:
+            return text, text.encode()
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw), raw
 
     def _logprobs(self, delta: Delta) -> dict[str, Any] | None:
         if self.req.logprobs is None:
@@ -443,31 +455,24 @@ class _Writer:
         if self.chat:
             content = []
             for t in delta.tokens:
-                s = self._token_text(t.token_id)
+                s, raw = self._token(t.token_id)
+                alts = []
+                for i, lp in t.top:
+                    alt, alt_raw = self._token(i)
+                    alts.append({"token": alt, "logprob": lp, "bytes": list(alt_raw)})
                 content.append(
-                    {
-                        "token": s,
-                        "logprob": t.logprob,
-                        "bytes": list(s.encode()),
-                        "top_logprobs": [
-                            {
-                                "token": (alt := self._token_text(i)),
-                                "logprob": lp,
-                                "bytes": list(alt.encode()),
-                            }
-                            for i, lp in t.top
-                        ],
-                    }
+                    {"token": s, "logprob": t.logprob, "bytes": list(raw), "top_logprobs": alts}
                 )
             return {"content": content}
         tokens, token_logprobs, top, offsets = [], [], [], []
         for t in delta.tokens:
-            s = self._token_text(t.token_id)
-            tokens.append(s)
+            tokens.append(self._token(t.token_id)[0])
             token_logprobs.append(t.logprob)
-            top.append({self._token_text(i): lp for i, lp in t.top})
+            top.append({self._token(i)[0]: lp for i, lp in t.top})
+            # Where this token's text starts in the returned text: the text is what
+            # the detokenizer and stop matcher released, not the tokens' own strings.
             offsets.append(self.text_offset)
-            self.text_offset += len(s)
+        self.text_offset += len(delta.text)
         return {
             "tokens": tokens,
             "token_logprobs": token_logprobs,
@@ -581,6 +586,38 @@ class _Writer:
             "usage": self._usage(outcome.prompt_tokens, outcome.completion_tokens),
         }
         return body, 200
+
+
+def _byte_level_decoder() -> dict[str, int]:
+    """Byte-level BPE spells each byte as one printable character: bytes that are
+    printable Latin-1 stand for themselves, the other 68 are shifted to 256 + n in
+    order. This is the inverse map (character -> byte)."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    chars = {b: chr(b) for b in keep}
+    shifted = 0
+    for b in range(256):
+        if b not in chars:
+            chars[b] = chr(256 + shifted)
+            shifted += 1
+    return {c: b for b, c in chars.items()}
+
+
+_BYTE_LEVEL = _byte_level_decoder()
+
+
+def _raw_token_bytes(tokenizer: Any, token_id: int) -> bytes | None:
+    """The bytes a token stands for (byte-fallback ``<0xNN>`` or byte-level BPE)."""
+    piece = tokenizer.token_text(token_id) if hasattr(tokenizer, "token_text") else None
+    if piece is None:
+        return None
+    if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+        try:
+            return bytes([int(piece[3:5], 16)])
+        except ValueError:
+            return None
+    if all(c in _BYTE_LEVEL for c in piece):
+        return bytes(_BYTE_LEVEL[c] for c in piece)
+    return None
 
 
 def _merge_logprobs(parts: list[dict[str, Any]], chat: bool) -> dict[str, Any] | None:

@@ -1,0 +1,48 @@
+"""Logprobs entries: byte tokens keep their own bytes and distinct names; text_offset
+indexes the returned text."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from triollm.server.app import ServedModel, _Writer
+from triollm.server.openai import GenerationRequest
+from triollm.service import Delta, TokenInfo
+
+
+def writer(loaded: Any, kind: str, logprobs: int) -> _Writer:
+    model = ServedModel("m", loaded.tokenizer, 256, 0, dict)
+    req = GenerationRequest(kind=kind, model=None, prompt_text="x", logprobs=logprobs)  # type: ignore[arg-type]
+    return _Writer(req, model, stream=None)  # type: ignore[arg-type]
+
+
+def test_byte_tokens_have_their_own_bytes_and_distinct_keys(loaded):
+    hf = loaded.tokenizer._hf
+    e2, c3 = hf.token_to_id("â"), hf.token_to_id("Ã")  # bytes 0xE2 and 0xC3, half characters
+    assert loaded.tokenizer.decode([e2]) == loaded.tokenizer.decode([c3]) == "\ufffd"
+    info = TokenInfo(e2, -0.5, ((e2, -0.5), (c3, -1.5)))
+
+    chat = writer(loaded, "chat", 2)._logprobs(Delta("", (info,)))
+    assert chat is not None
+    entry = chat["content"][0]
+    assert entry["bytes"] == [0xE2] and entry["token"] == "bytes:\\xe2"
+    assert [alt["bytes"] for alt in entry["top_logprobs"]] == [[0xE2], [0xC3]]
+
+    completion = writer(loaded, "completion", 2)._logprobs(Delta("", (info,)))
+    assert completion is not None
+    assert completion["top_logprobs"] == [{"bytes:\\xe2": -0.5, "bytes:\\xc3": -1.5}]
+
+
+def test_text_offset_indexes_the_returned_text(loaded):
+    w = writer(loaded, "completion", 0)
+    the = loaded.tokenizer._hf.token_to_id("Ġthe")
+    e2 = loaded.tokenizer._hf.token_to_id("â")
+    deltas = [
+        Delta("", (TokenInfo(e2, -1.0, ()),)),  # held back (half a character): no text yet
+        Delta("é the", (TokenInfo(the, -1.0, ()),)),
+        Delta(" end", (TokenInfo(the, -1.0, ()),)),
+    ]
+    offsets = [o for d in deltas for o in w._logprobs(d)["text_offset"]]  # type: ignore[index]
+    text = "".join(d.text for d in deltas)
+    assert offsets == [0, 0, len("é the")]
+    assert all(0 <= o <= len(text) for o in offsets)
