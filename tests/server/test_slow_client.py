@@ -10,6 +10,7 @@ batch loop cuts the request off without ever waiting for it.
 from __future__ import annotations
 
 import importlib.metadata
+import logging
 
 import openai
 import trio
@@ -45,7 +46,8 @@ def test_the_write_guard_is_installed_for_this_hypercorn():
     assert transport.installed()
 
 
-async def test_a_client_that_stops_reading_is_cut_off_with_the_error_event(loaded):
+async def test_a_client_that_stops_reading_is_cut_off_with_the_error_event(loaded, caplog):
+    caplog.set_level(logging.INFO, logger="triollm.server")
     async with live_server(
         loaded, stream_buffer_steps=4, http=SMALL_BUFFERS | {"write_timeout_s": 120}
     ) as live:
@@ -77,6 +79,9 @@ async def test_a_client_that_stops_reading_is_cut_off_with_the_error_event(loade
         await slow.aclose()
         assert live.pool_is_idle()
         assert service.live_requests == 0
+        await service.wait_until(lambda: live.stack.app.in_flight == 0)
+    # The access log says why the stream ended, not just "200".
+    assert any("ended early: too_slow" in r.getMessage() for r in caplog.records)
 
 
 async def test_a_client_that_never_reads_again_is_aborted_by_the_write_deadline(loaded):

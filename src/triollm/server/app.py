@@ -92,7 +92,7 @@ class RequestLife:
     method: str
     path: str
     started: float
-    stage: str = "reading"  # reading -> queued -> streaming | refused
+    stage: str = "reading"  # reading -> queued -> streaming | generating | refused
     stream: RequestStream | None = None
     disconnected: bool = False
     status: int | None = None
@@ -186,12 +186,17 @@ class Lifetime:
             where = "while queued" if left_queued else f"while {life.stage}"
             log.info("%s %s 499 client closed the connection %s", life.method, life.path, where)
         elif life.status is not None:
+            outcome = life.stream.outcome if life.stream is not None else None
+            # A stream the server ended (too_slow, internal) still has status 200:
+            # say why it ended, or the log shows a cut-off stream as a success.
+            why = f" ended early: {outcome.code}" if isinstance(outcome, Failed) else ""
             log.info(
-                "%s %s %d %.3fs",
+                "%s %s %d %.3fs%s",
                 life.method,
                 life.path,
                 life.status,
                 time.monotonic() - life.started,
+                why,
             )
         self.service.notify()  # wake anything waiting on this request's end
 
@@ -351,7 +356,8 @@ def create_app(
             code = "server_failed" if service.failed is not None else "shutting_down"
             raise ApiError(503, str(exc), type="service_unavailable", code=code) from None
         life.stream = stream
-        life.stage = "streaming"
+        # "generating" for a whole-body answer, so a cut one is not logged as a stream.
+        life.stage = "streaming" if req.stream else "generating"
         writer = _Writer(req, model, stream)
         if req.stream:
             response = Response(

@@ -445,6 +445,10 @@ def run(args: argparse.Namespace) -> int:
         grace_s=args.grace,
         write_timeout_s=args.write_timeout or None,
     )
+    print(
+        "triollm: compiling kernels and warming up (the first run can take ~30 s)...",
+        file=sys.stderr,
+    )
     try:
         trio.run(_main, stack, http)
     except (OSError, BaseExceptionGroup) as exc:
