@@ -66,3 +66,39 @@ async def test_an_added_token_past_the_models_vocab_is_refused_and_the_stream_ru
         assert await read_until(running, b"data: [DONE]", buf)
         assert b'"finish_reason":"length"' in buf
         await running.aclose()
+
+
+async def test_past_the_door_the_batch_refuses_only_the_poisoned_request(tmp_path):
+    """Second line of defence: with the door's check off, the id reaches Batch.run,
+    which refuses that sequence by name before the forward pass; the stream that
+    shares its steps completes."""
+    from triollm.model.loader import load_model
+
+    loaded = load_model(model_with_an_added_token(tmp_path))
+    vocab = loaded.config.vocab_size
+    async with live_server(loaded) as live:
+        live.stack.served.model_vocab_size = None  # the door trusts the tokenizer (401 ids)
+        gate = StepGate(live.service)
+        body = {"prompt": "Hi", "max_tokens": 8, "ignore_eos": True, "stream": True}
+        running = await raw_post(live.port, "/v1/completions", body)
+        await live.service.wait_until(lambda: gate.parked)
+        gate.allow(1)  # the stream is decoding when the poisoned request arrives
+
+        async def poisoned(out: list[httpx.Response]) -> None:
+            out.append(
+                await post(live.url + "/v1/completions", {"prompt": [5, vocab], "max_tokens": 3})
+            )
+
+        out: list[httpx.Response] = []
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(poisoned, out)
+            await live.service.wait_until(lambda: live.service.live_requests == 2)
+            gate.open()
+        assert out[0].status_code == 500
+        assert out[0].json()["error"]["code"] == "internal"
+        assert str(vocab) in out[0].json()["error"]["message"]
+        buf = bytearray()
+        assert await read_until(running, b"data: [DONE]", buf)
+        assert b'"finish_reason":"length"' in buf and b'"error"' not in buf
+        await running.aclose()
+        assert live.stack.metrics.rejection_count("internal") == 1
