@@ -36,6 +36,6 @@ simulate *ARGS:
 fixtures:
     python tools/make_fixtures.py
 
-# retrain the built-in demo model from scratch (needs the `fixtures` extra; ~30 min on 2 cores)
+# retrain the built-in demo model from scratch (needs the `fixtures` extra; see docs/demo-model.md for the time)
 train-demo:
     python tools/train_demo.py
