@@ -1,6 +1,6 @@
 """Measure how long the event loop stalls while the batch computes (a benchmark, not a test).
 
-``python -m triollm.server.looplag`` builds a SmolLM2-135M-shaped model with random
+``python bench/bench_looplag.py`` builds a SmolLM2-135M-shaped model with random
 weights (no download), runs ``--streams`` concurrent greedy requests through a real
 :class:`~triollm.service.Service`, and meanwhile a probe task asks the loop to
 wake it every 5 ms and records how late each wake-up is. It does this twice:
@@ -21,26 +21,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
 import trio
-
-SHAPE: dict[str, Any] = {  # SmolLM2-135M's shape (fewer layers with --layers)
-    "model_type": "llama",
-    "hidden_size": 576,
-    "intermediate_size": 1536,
-    "num_hidden_layers": 30,
-    "num_attention_heads": 9,
-    "num_key_value_heads": 3,
-    "head_dim": 64,
-    "vocab_size": 49152,
-    "max_position_embeddings": 2048,
-    "rms_norm_eps": 1e-5,
-    "rope_theta": 100000.0,
-    "tie_word_embeddings": True,
-    "bos_token_id": 1,
-    "eos_token_id": 2,
-    "torch_dtype": "float32",
-}
+from bench_engine import SMOLLM2_135M, random_weights
 
 
 class _Detok:
@@ -55,24 +37,13 @@ class _Detok:
 
 
 def build_model(layers: int) -> Any:
+    from triollm.model import kernels
     from triollm.model.config import ModelConfig
     from triollm.model.llama import LlamaModel
-    from triollm.model.weights import expected_shapes
 
-    config = ModelConfig.from_dict(SHAPE | {"num_hidden_layers": layers}, "looplag")
-    shapes = expected_shapes(config)
-    rng = np.random.default_rng(0)
-
-    def get(key: str) -> np.ndarray:
-        shape = shapes[key]
-        if len(shape) == 1:
-            return np.ones(shape, np.float32)
-        return (rng.standard_normal(shape, dtype=np.float32) * np.float32(0.02)).astype(np.float32)
-
-    from triollm.model import kernels
-
+    config = ModelConfig.from_dict(SMOLLM2_135M | {"num_hidden_layers": layers}, "looplag")
     kernels.warm_up()  # compile (or load) the kernels before anything is timed
-    return LlamaModel(config, get)
+    return LlamaModel(config, random_weights(config, "f32"))
 
 
 async def measure(model: Any, mode: str, streams: int, tokens: int) -> dict[str, float]:
@@ -138,7 +109,7 @@ async def measure(model: Any, mode: str, streams: int, tokens: int) -> dict[str,
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m triollm.server.looplag")
+    parser = argparse.ArgumentParser(prog="bench_looplag.py")
     parser.add_argument("--layers", type=int, default=30, help="model depth (30 = SmolLM2-135M)")
     parser.add_argument("--streams", type=int, default=4)
     parser.add_argument("--tokens", type=int, default=48)
