@@ -24,13 +24,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib
 import json
 import os
 import sys
 import time
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any, TextIO
 
 from triollm.errors import UserError
@@ -88,13 +86,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     # Imported here so `triollm generate --help` answers without loading numba.
+    from triollm.demo import resolve_model_dir
     from triollm.engine import Engine, engine_config
     from triollm.model.loader import load_model
     from triollm.scheduler import Infeasible
 
     params = _sampling_params(args)
     stops = _stop_strings(args.stop)
-    loaded = load_model(_model_dir(args.model_dir))
+    loaded = load_model(resolve_model_dir(args.model_dir))
     tok = loaded.tokenizer
     prompt_ids = _prompt_ids(args, tok, loaded.config.vocab_size)
     try:
@@ -212,21 +211,6 @@ def _emit(piece: str, text: list[str], out: TextIO | None) -> None:
 
 # One implementation for the server and the CLI (the old name kept for callers).
 StopStrings = StopMatcher
-
-
-def _model_dir(arg: str | None) -> Path:
-    if arg is not None:
-        return Path(arg)
-    # The demo package may not offer its model yet (or at all in a trimmed install):
-    # look the function up instead of importing it, so that is a message, not a crash.
-    demo = importlib.import_module("triollm.demo")
-    default_model_dir = getattr(demo, "default_model_dir", None)
-    if default_model_dir is None:
-        raise UserError(
-            "no MODEL_DIR given and the built-in demo model is not available in this "
-            "install; pass a Hugging Face model directory"
-        )
-    return Path(default_model_dir())
 
 
 def _sampling_params(args: argparse.Namespace) -> Any:

@@ -82,6 +82,17 @@ def test_a_missing_model_directory_is_one_clear_line(capsys, tmp_path):
     assert err.startswith("triollm:") and "nope" in err and "\n" not in err
 
 
+def test_without_a_model_dir_or_the_demo_data_serve_says_so_in_one_line(
+    capsys, tmp_path, monkeypatch
+):
+    import triollm.demo
+
+    monkeypatch.setattr(triollm.demo, "default_model_dir", lambda: tmp_path / "model")
+    assert run_cli() == 2
+    err = capsys.readouterr().err.strip()
+    assert "no MODEL_DIR given" in err and "\n" not in err
+
+
 @pytest.mark.slow
 def test_sigterm_drains_and_exits_zero():
     proc = subprocess.Popen(

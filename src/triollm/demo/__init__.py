@@ -7,7 +7,10 @@ only the sentences of `triollm.demo.grammar` (see docs/demo-model.md).
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
+
+from triollm.errors import UserError
 
 
 def default_model_dir() -> Path:
@@ -17,3 +20,21 @@ def default_model_dir() -> Path:
     an editable install points into the source tree, where writing would change the repo.
     """
     return Path(__file__).resolve().parent / "model"
+
+
+def resolve_model_dir(chosen: str | os.PathLike[str] | None) -> Path:
+    """The model directory a command should load: ``chosen``, or the demo checkpoint.
+
+    Shared by ``triollm serve`` and ``triollm generate`` so both say the same thing
+    when there is nothing to load. Caller's trap: a chosen directory is returned
+    unchecked; the loader names what is wrong with it.
+    """
+    if chosen:
+        return Path(chosen)
+    path = default_model_dir()
+    if not path.is_dir():  # a trimmed install without the package data
+        raise UserError(
+            f"no MODEL_DIR given and the built-in demo model is missing ({path}); "
+            "pass a Hugging Face model directory"
+        )
+    return path

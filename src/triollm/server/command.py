@@ -152,20 +152,9 @@ DEMO_MODEL_NAME = "triollm-demo"
 def _model_dir(args: argparse.Namespace) -> Path:
     if args.model_dir and args.model_opt and args.model_dir != args.model_opt:
         raise UserError("give the model once: MODEL_DIR or --model, not both")
-    chosen = args.model_dir or args.model_opt
-    if chosen:
-        return Path(chosen)
-    try:
-        from triollm.demo import default_model_dir  # type: ignore[attr-defined]
-    except ImportError:
-        raise UserError(
-            "no MODEL_DIR given and the built-in demo model is not available in this build; "
-            "pass a model directory: triollm serve PATH"
-        ) from None
-    path = Path(default_model_dir())
-    if not path.is_dir():
-        raise UserError(f"the built-in demo model is missing ({path}); pass a model directory")
-    return path
+    from triollm.demo import resolve_model_dir
+
+    return resolve_model_dir(args.model_dir or args.model_opt)
 
 
 @dataclass
