@@ -147,6 +147,15 @@ async def test_the_head_is_overtaken_at_most_k_times(autojump_clock):
     assert sched.state(small2) is SeqState.WAITING  # the head took the whole pool
 
 
+async def waiting_client(queue, seq, seen, task_status=trio.TASK_STATUS_IGNORED):
+    """A client waiting for admission whose cancel scope the test holds (to leave)."""
+    with trio.CancelScope() as scope:
+        task_status.started(scope)
+        await queue.wait_admitted(seq)
+        seen["admitted"] = True
+    seen["cancelled"] = scope.cancelled_caught
+
+
 async def test_race_the_driver_admits_a_waiter_whose_client_just_left():
     """Order 1: the client's cancel and a free slot land together, and the driver's
     pass runs before the waiter task does. The waiter then wakes with Cancelled,
@@ -156,15 +165,8 @@ async def test_race_the_driver_admits_a_waiter_whose_client_just_left():
     seq = queue.enqueue([1, 2], 2)
     seen: dict[str, bool] = {}
 
-    async def client(task_status=trio.TASK_STATUS_IGNORED):
-        with trio.CancelScope() as scope:
-            task_status.started(scope)
-            await queue.wait_admitted(seq)
-            seen["admitted"] = True
-        seen["cancelled"] = scope.cancelled_caught
-
     async with trio.open_nursery() as nursery:
-        scope = await nursery.start(client)
+        scope = await nursery.start(waiting_client, queue, seq, seen)
         await trio.testing.wait_all_tasks_blocked()
         # One instant, no checkpoint in between: the client leaves, the slot frees,
         # and the driver's pass runs first.
@@ -187,15 +189,8 @@ async def test_race_the_waiter_leaves_before_the_driver_runs():
     seq = queue.enqueue([1, 2], 2)
     seen: dict[str, bool] = {}
 
-    async def client(task_status=trio.TASK_STATUS_IGNORED):
-        with trio.CancelScope() as scope:
-            task_status.started(scope)
-            await queue.wait_admitted(seq)
-            seen["admitted"] = True
-        seen["cancelled"] = scope.cancelled_caught
-
     async with trio.open_nursery() as nursery:
-        scope = await nursery.start(client)
+        scope = await nursery.start(waiting_client, queue, seq, seen)
         await trio.testing.wait_all_tasks_blocked()
         scope.cancel()
         sched.cancel(holder)
