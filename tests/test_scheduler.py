@@ -322,8 +322,10 @@ def test_free_slot_deadlock_is_detected_and_reported() -> None:
     assert not s.plan_step().is_empty
 
 
-def test_preempt_evicts_the_latest_arrival_and_recomputes_its_tokens() -> None:
-    s = make(
+def tight_preempt() -> Scheduler:
+    """Two slots over a 4-block pool of 4 positions: two 7-token prompts that each
+    grow past their second block cannot both fit, so the later one is preempted."""
+    return make(
         policy=Policy.PREEMPT,
         num_blocks=4,
         block_size=4,
@@ -331,6 +333,10 @@ def test_preempt_evicts_the_latest_arrival_and_recomputes_its_tokens() -> None:
         step_rows=16,
         preempt_watermark_blocks=0,
     )
+
+
+def test_preempt_evicts_the_latest_arrival_and_recomputes_its_tokens() -> None:
+    s = tight_preempt()
     a = s.add([1] * 7, 8)
     b = s.add([2] * 7, 8)
     assert s.admit_waiting() == (a, b)
@@ -357,14 +363,7 @@ def test_preempt_evicts_the_latest_arrival_and_recomputes_its_tokens() -> None:
 
 
 def test_a_preempted_sequence_goes_before_newer_arrivals() -> None:
-    s = make(
-        policy=Policy.PREEMPT,
-        num_blocks=4,
-        block_size=4,
-        slots=2,
-        step_rows=16,
-        preempt_watermark_blocks=0,
-    )
+    s = tight_preempt()
     a = s.add([1] * 7, 8)
     b = s.add([2] * 7, 8)
     s.admit_waiting()
@@ -377,14 +376,7 @@ def test_a_preempted_sequence_goes_before_newer_arrivals() -> None:
 
 
 def test_an_idle_scheduler_admits_even_right_after_a_preemption() -> None:
-    s = make(
-        policy=Policy.PREEMPT,
-        num_blocks=4,
-        block_size=4,
-        slots=2,
-        step_rows=16,
-        preempt_watermark_blocks=0,
-    )
+    s = tight_preempt()
     a = s.add([1] * 7, 3)
     b = s.add([2] * 7, 8)
     s.admit_waiting()
