@@ -209,10 +209,6 @@ def _emit(piece: str, text: list[str], out: TextIO | None) -> None:
         out.flush()  # the point of streaming: the user sees each piece as it is made
 
 
-# One implementation for the server and the CLI (the old name kept for callers).
-StopStrings = StopMatcher
-
-
 def _sampling_params(args: argparse.Namespace) -> Any:
     from triollm.model.sampling import SamplingParamError, SamplingParams
 
