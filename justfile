@@ -39,3 +39,7 @@ fixtures:
 # retrain the built-in demo model from scratch (needs the `fixtures` extra; see docs/demo-model.md for the time)
 train-demo:
     python tools/train_demo.py
+
+# build the docs site strictly (broken links fail) into site/; `just docs serve` previews it
+docs *ARGS="build":
+    NO_MKDOCS_2_WARNING=1 mkdocs {{ARGS}} --strict
