@@ -20,6 +20,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("triollm.server.command", "serve a model over an OpenAI-compatible HTTP API"),
     "generate": ("triollm.generate", "generate text from a model directory, streamed to stdout"),
     "simulate": ("triollm.sim.command", "replay the seed's batching scenario under each policy"),
+    "demo": ("triollm.mechanisms.command", "run one serving mechanism of the book and watch it"),
 }
 
 

@@ -1,0 +1,176 @@
+"""Why one task drives the admission queue: the lost wake-up, shown and measured.
+
+Forma's queue (and ours, ``triollm.admission``) wakes waiters through a capacity
+channel of size 1: every release offers a token with ``send_nowait`` and a pending
+token absorbs the next, so a burst of releases costs one re-evaluation. Who reads
+that channel matters.
+
+- **Every waiter reads it** (the tempting design). A token goes to exactly one
+  reader. If that reader may not enter (it does not fit, or FCFS puts someone
+  ahead of it), it goes back to sleep and the token is gone, while a waiter that
+  *could* enter never heard of it and sleeps until some later release.
+- **One driver reads it** (ours). The driver recomputes admissibility from the
+  state at every wake, for all waiters in FCFS order, so a token can never be
+  spent on the wrong waiter.
+
+Both designs run the same script on trio's ``MockClock``, so the times printed are
+virtual seconds and the story is the same on every run: four blocks, all held;
+A (first in line) and B each need two; one block is freed at t=1 s, another at
+t=2 s, and the last two only at t=6 s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+import trio
+import trio.testing
+
+# (time in virtual seconds, blocks freed then): the release schedule of the story
+RELEASES: tuple[tuple[float, int], ...] = ((1.0, 1), (2.0, 1), (6.0, 2))
+NEEDS: dict[str, int] = {"A": 2, "B": 2}  # in arrival (FCFS) order
+
+
+@dataclass
+class _Pool:
+    free: int = 0
+    queue: list[str] = field(default_factory=lambda: list(NEEDS))  # FCFS order
+    could_enter_at: dict[str, float] = field(default_factory=dict)
+    entered_at: dict[str, float] = field(default_factory=dict)
+    start: float = field(default_factory=trio.current_time)  # each story's t=0
+
+    def now(self) -> float:
+        return trio.current_time() - self.start
+
+    def head_fits(self) -> bool:
+        return bool(self.queue) and NEEDS[self.queue[0]] <= self.free
+
+    def note_admissible(self) -> None:
+        # the instant the head could have entered, whoever is told about it
+        if self.head_fits() and self.queue[0] not in self.could_enter_at:
+            self.could_enter_at[self.queue[0]] = self.now()
+
+    def enter(self, name: str) -> None:
+        self.free -= NEEDS[name]
+        self.queue.remove(name)
+        self.entered_at[name] = self.now()
+        self.note_admissible()  # the next in line may fit now
+
+
+async def _releases(
+    pool: _Pool, signal: trio.MemorySendChannel[None], say: Callable[[str], None]
+) -> None:
+    for at, blocks in RELEASES:
+        await trio.sleep_until(pool.start + at)
+        pool.free += blocks
+        say(f"  t={pool.now():.1f} s  {blocks} block(s) freed, {pool.free} free: signal")
+        pool.note_admissible()
+        # a token already pending covers this release too (the coalescing signal)
+        with contextlib.suppress(trio.WouldBlock):
+            signal.send_nowait(None)
+
+
+async def every_waiter_reads(say: Callable[[str], None]) -> _Pool:
+    """The broken design: each waiter loops on the capacity channel itself."""
+    pool = _Pool()
+    send, receive = trio.open_memory_channel[None](1)
+
+    async def waiter(name: str) -> None:
+        while True:
+            await receive.receive()
+            if pool.queue[0] == name and pool.head_fits():
+                pool.enter(name)
+                say(f"           {name} got the signal and enters")
+                return
+            why = "it does not fit" if pool.queue[0] == name else f"{pool.queue[0]} is ahead of it"
+            say(f"           {name} got the signal but may not enter ({why}): back to sleep")
+
+    async with trio.open_nursery() as nursery:
+        for name in NEEDS:
+            nursery.start_soon(waiter, name)
+            await trio.testing.wait_all_tasks_blocked()  # A starts waiting before B
+        await _releases(pool, send, say)
+        await trio.testing.wait_all_tasks_blocked()
+        # No release is left in the story: whoever still waits would wait forever.
+        nursery.cancel_scope.cancel()
+    return pool
+
+
+async def one_driver_reads(say: Callable[[str], None]) -> _Pool:
+    """Our design: one driver reads the channel and admits from state, FCFS."""
+    pool = _Pool()
+    send, receive = trio.open_memory_channel[None](1)
+    admitted = {name: trio.Event() for name in NEEDS}
+
+    async def driver() -> None:
+        async for _ in receive:
+            while pool.head_fits():  # recomputed from state: nothing counted from signals
+                name = pool.queue[0]
+                pool.enter(name)
+                say(f"           the driver admits {name}")
+                admitted[name].set()
+            if not pool.queue:
+                return
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(driver)
+        await _releases(pool, send, say)
+        for event in admitted.values():
+            await event.wait()
+    return pool
+
+
+def stalls(pool: _Pool) -> dict[str, float]:
+    """Seconds each waiter spent able to enter but not entered (inf: never entered)."""
+    return {
+        name: pool.entered_at.get(name, float("inf")) - could
+        for name, could in pool.could_enter_at.items()
+    }
+
+
+def _stall_lines(pool: _Pool) -> list[str]:
+    lines = []
+    for name, could in pool.could_enter_at.items():
+        if name in pool.entered_at:
+            did = pool.entered_at[name]
+            lines.append(
+                f"  {name} could enter at t={could:.1f} s, entered at t={did:.1f} s: "
+                f"stalled {did - could:.1f} s"
+            )
+        else:
+            lines.append(
+                f"  {name} could enter at t={could:.1f} s and never did: no signal is left for it"
+            )
+    return lines
+
+
+async def _story(
+    design: Callable[[Callable[[str], None]], Awaitable[_Pool]],
+    title: str,
+    say: Callable[[str], None],
+) -> _Pool:
+    say(title)
+    pool = await design(say)
+    for line in _stall_lines(pool):
+        say(line)
+    return pool
+
+
+async def main(say: Callable[[str], None] = print) -> tuple[_Pool, _Pool]:
+    """Tell both stories; return their pools (the tests read the stalls)."""
+    readers = await _story(every_waiter_reads, "every waiter reads the capacity channel:", say)
+    say("")
+    driver = await _story(one_driver_reads, "one driver reads it (triollm.admission):", say)
+    return readers, driver
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.description = __doc__.splitlines()[0] if __doc__ else None
+
+
+def run(args: argparse.Namespace) -> int:
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    return 0
