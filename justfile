@@ -43,3 +43,7 @@ train-demo:
 # build the docs site strictly (broken links fail) into site/; `just docs serve` previews it
 docs *ARGS="build":
     NO_MKDOCS_2_WARNING=1 mkdocs {{ARGS}} --strict
+
+# redraw the teaching pictures in docs/img from real scheduler runs (needs matplotlib: the `fixtures` extra)
+figures:
+    python tools/figures.py
