@@ -9,7 +9,8 @@ import trio
 import trio.testing
 
 from triollm.cli import main
-from triollm.mechanisms import DEMOS, lost_wakeup, slow_client
+from triollm.mechanisms import DEMOS, chunked_prefill, deadlock, lost_wakeup, slow_client
+from triollm.scheduler import Policy
 
 
 @pytest.mark.parametrize("name", sorted(DEMOS))
@@ -51,3 +52,28 @@ def test_waiters_reading_the_capacity_channel_themselves_lose_a_wakeup() -> None
 def test_one_driver_admits_every_waiter_the_moment_it_fits() -> None:
     _, driver = _run_lost_wakeup()
     assert driver == {"A": 0.0, "B": 0.0}
+
+
+def test_free_slot_admission_deadlocks_with_every_block_held_and_reserve_finishes_all() -> None:
+    free_slot, lines = deadlock.story(Policy.FREE_SLOT)
+    assert free_slot.deadlock is not None
+    assert all(b is not None for b in free_slot.steps[free_slot.deadlock.t].blocks)
+    assert lines[-1].startswith(f"  DEADLOCK at step {free_slot.deadlock.t}: 0 block(s) free")
+    reserve, lines = deadlock.story(Policy.RESERVE)
+    assert reserve.deadlock is None
+    assert all(o.done is not None for o in reserve.outcomes)
+    assert lines[-1] == f"  all 7 requests finished in {reserve.total_steps} steps"
+
+
+def test_chunks_bound_the_decode_gap_by_one_chunk_and_not_the_whole_prompt() -> None:
+    chunked = chunked_prefill.replay(128)
+    whole = chunked_prefill.replay(chunked_prefill.LONG_PROMPT)
+    one_chunk_step_ms = chunked_prefill.STEP_MS + chunked_prefill.ROW_MS * (
+        128 + chunked_prefill.STREAMS
+    )
+    assert chunked.longest_gap_ms <= one_chunk_step_ms
+    assert whole.longest_gap_ms > 10 * chunked.longest_gap_ms
+    # the long prompt pays only the extra steps' fixed cost for the chunking
+    assert (
+        whole.long_prompt_ttft_ms <= chunked.long_prompt_ttft_ms < 1.2 * whole.long_prompt_ttft_ms
+    )

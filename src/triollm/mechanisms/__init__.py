@@ -18,6 +18,14 @@ DEMOS: dict[str, tuple[str, str]] = {
         "triollm.mechanisms.slow_client",
         "non-blocking dispatch: a full per-request buffer cuts the slow client, not the batch",
     ),
+    "deadlock": (
+        "triollm.mechanisms.deadlock",
+        "free-slot admission locks the pool; reserving prompt + answer cannot",
+    ),
+    "chunked-prefill": (
+        "triollm.mechanisms.chunked_prefill",
+        "a long prompt among decoding streams: their longest gap, chunk 128 vs one chunk",
+    ),
     "lost-wakeup": (
         "triollm.mechanisms.lost_wakeup",
         "one driver vs every waiter reading the capacity channel: the stall, measured",
