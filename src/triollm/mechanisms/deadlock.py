@@ -40,7 +40,12 @@ def story(policy: Policy) -> tuple[Run, list[str]]:
             lines.append(line)
             previous = line.split("pool")[1]
     if run.deadlock is not None:
-        lines.append(f"  DEADLOCK at step {run.deadlock.t}: {run.deadlock.description}")
+        free = sum(b is None for b in run.steps[run.deadlock.t].blocks)
+        lines.append(
+            f"  DEADLOCK at step {run.deadlock.t}: {free} block(s) free, and nobody can finish:"
+        )
+        for name, held, needed in run.deadlock.holders:
+            lines.append(f"    {name} holds {held} block(s) and needs {needed} more")
     else:
         finished = sum(o.done is not None for o in run.outcomes)
         lines.append(f"  all {finished} requests finished in {run.total_steps} steps")
