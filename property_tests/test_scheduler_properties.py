@@ -1,9 +1,11 @@
 """The Scheduler's claims, checked by hypothesis over arbitrary configs and events.
 
-Each policy gets the same state machine (property_tests/scheduler_machine.py).
-``reserve``, ``static`` and ``preempt`` must satisfy every claim, liveness included;
-``free-slot`` must satisfy the safety claims, and a search must *find* its deadlock,
-which shows the liveness claim can fail and so means something when it holds.
+Each built-in policy gets the same state machine (``triollm.check.machine``, the
+one ``triollm check-policy`` runs), which checks exactly the claims the policy
+makes. ``reserve``, ``static`` and ``preempt`` claim everything, liveness
+included; ``free-slot`` claims the safety properties, and a search that adds the
+``no-deadlock`` claim must *find* its deadlock, which shows the claim can fail
+and so means something when it holds.
 """
 
 from __future__ import annotations
@@ -12,43 +14,20 @@ import pytest
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis.stateful import run_state_machine_as_test
 
-from triollm.scheduler import Policy
+from triollm.check.machine import machine_for
+from triollm.policies import Claim, FreeSlot, Policy
 
-from .scheduler_machine import SchedulerMachine
+TestReserve = machine_for(Policy.RESERVE).TestCase
+TestStatic = machine_for(Policy.STATIC).TestCase
+TestPreempt = machine_for(Policy.PREEMPT).TestCase
+# No cancels: sequences live long and the pool runs dry more often.
+TestPreemptUnderPressure = machine_for(Policy.PREEMPT, ends_early=False).TestCase
+TestFreeSlotSafety = machine_for(Policy.FREE_SLOT).TestCase
 
-
-class ReserveMachine(SchedulerMachine):
-    POLICY = Policy.RESERVE
-
-
-class StaticMachine(SchedulerMachine):
-    POLICY = Policy.STATIC
-
-
-class PreemptMachine(SchedulerMachine):
-    POLICY = Policy.PREEMPT
-
-
-class PreemptUnderPressureMachine(SchedulerMachine):
-    POLICY = Policy.PREEMPT
-    ENDS_EARLY = False  # no cancels: sequences live long and the pool runs dry more often
-
-
-class FreeSlotSafetyMachine(SchedulerMachine):
-    POLICY = Policy.FREE_SLOT
-    CHECK_LIVENESS = False
-
-
-class FreeSlotLivenessMachine(SchedulerMachine):
-    POLICY = Policy.FREE_SLOT
-    ENDS_EARLY = False  # cancelling can only break a deadlock, so the search leaves it out
-
-
-TestReserve = ReserveMachine.TestCase
-TestStatic = StaticMachine.TestCase
-TestPreempt = PreemptMachine.TestCase
-TestPreemptUnderPressure = PreemptUnderPressureMachine.TestCase
-TestFreeSlotSafety = FreeSlotSafetyMachine.TestCase
+# Cancelling can only break a deadlock, so the search leaves it out.
+FreeSlotClaimingNoDeadlock = machine_for(
+    Policy.FREE_SLOT, FreeSlot.claims | {Claim.NO_DEADLOCK}, ends_early=False
+)
 
 
 def test_the_search_finds_the_free_slot_deadlock() -> None:
@@ -68,5 +47,5 @@ def test_the_search_finds_the_free_slot_deadlock() -> None:
         else list(Phase),
         suppress_health_check=[HealthCheck.too_slow],
     )
-    with pytest.raises(AssertionError, match="liveness violated: deadlock after step"):
-        run_state_machine_as_test(FreeSlotLivenessMachine, settings=search)
+    with pytest.raises(AssertionError, match="no-deadlock violated: deadlock after step"):
+        run_state_machine_as_test(FreeSlotClaimingNoDeadlock, settings=search)

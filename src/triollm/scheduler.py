@@ -16,9 +16,10 @@ Rules (docs/scheduling.md teaches each one, with the test that proves it):
    ``ceil((prompt + max_tokens) / block_size)`` so an admitted sequence can always
    finish; ``free-slot`` takes the prompt's blocks only (and can deadlock);
    ``preempt`` takes the prompt's blocks and insists a watermark stays free.
-3. **FCFS with bounded overtaking.** Waiters are ordered by arrival ticket.
-   ``admit_waiting`` tries the head; while the head does not fit, later waiters may
-   pass it, at most ``K`` times in total; after that nobody passes it.
+3. **FCFS with bounded overtaking.** Waiters are ordered by arrival ticket (or by
+   the policy's ``waiting_order``). ``admit_waiting`` tries the head; while the
+   head does not fit, later waiters may pass it, at most ``K`` times in total;
+   after that nobody passes it.
 4. **Step composition.** Within ``step_rows``: first every decoding sequence that
    was left out of the previous step gets its row (so "wait for the next step" is
    a promise), then one prefill chunk (<= ``chunk_tokens``) per sequence with no
@@ -34,11 +35,17 @@ Rules (docs/scheduling.md teaches each one, with the test that proves it):
 6. **Cancellation** at any state frees every block immediately (so certainly by
    the next ``plan_step``), and ``commit`` ignores results for sequences that are
    no longer running: a cancel may land while a step runs in a worker thread.
-7. **Deadlock is detected, never spun on.** Under ``free-slot``, a plan with no row
-   while sequences are running and no waiter can be admitted is a deadlock:
-   nothing can free a block. ``statistics().deadlocked`` turns true and
-   :meth:`Scheduler.deadlock_report` says who holds what. Under the other
-   policies that state is impossible and ``plan_step`` raises if it ever occurs.
+7. **Deadlock is detected, never spun on.** A plan with no row while sequences
+   are running and no waiter can be admitted is a deadlock: nothing can free a
+   block (``free-slot`` gets there). ``statistics().deadlocked`` turns true and
+   :meth:`Scheduler.deadlock_report` says who holds what. A policy that claims
+   ``no-deadlock`` (every other built-in) makes ``plan_step`` raise
+   :class:`DeadlockError` instead.
+8. **The policy decides, the Scheduler acts.** Every open decision above (blocks
+   at admission, growth, the dry pool's victim, whether the batch takes members,
+   the waiters' order, the decoders' order) is asked of ``config.policy``
+   (policies.py), and every answer is checked before it is acted on
+   (:class:`~triollm.policies.PolicyError`).
 
 Theory of operation (one turn of the batch loop)::
 
@@ -67,15 +74,27 @@ from dataclasses import dataclass
 
 from triollm.kv import BlockPool, blocks_for
 from triollm.plan import ChunkPlan, Finished, FinishReason, StepPlan, StepResult
-from triollm.policies import Policy, admission_blocks
+from triollm.policies import (
+    Claim,
+    Policy,
+    PolicyError,
+    SchedulerView,
+    SchedulingPolicy,
+    SeqView,
+    builtin,
+    missing_members,
+    policy_name,
+)
 
 __all__ = [
     "RUNNING_STATES",
     "TERMINAL_STATES",
+    "DeadlockError",
     "DeadlockReport",
     "Holder",
     "Infeasible",
     "Policy",
+    "PolicyError",
     "Scheduler",
     "SchedulerConfig",
     "SchedulerStatistics",
@@ -119,7 +138,8 @@ class SchedulerConfig:
     )
     step_rows: int = 544  # rows per forward pass: one full chunk plus room for ~32 decodes
     context_tokens: int = 2048  # positions one sequence may reach (prompt + answer)
-    policy: Policy = Policy.RESERVE  # never deadlocks, never recomputes, batches continuously
+    # A built-in's name, or any object with the SchedulingPolicy interface (policies.py).
+    policy: Policy | SchedulingPolicy = Policy.RESERVE  # never deadlocks, never recomputes
     overtake_limit: int | None = None  # K; None means K = slots; 0 = strict FIFO
     preempt_watermark_blocks: int = (
         1  # preempt: free blocks an admission must leave, against thrash
@@ -132,6 +152,13 @@ class SchedulerConfig:
             except ValueError:
                 names = ", ".join(p.value for p in Policy)
                 raise ValueError(f"policy must be one of {names}, got {self.policy!r}") from None
+        elif not isinstance(self.policy, Policy):
+            missing = missing_members(self.policy)
+            if missing:
+                raise ValueError(
+                    f"policy {self.policy!r} is not a scheduling policy: it lacks "
+                    f"{', '.join(missing)}"
+                )
         for name in ("num_blocks", "block_size", "slots", "chunk_tokens", "step_rows"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
@@ -154,9 +181,23 @@ class SchedulerConfig:
             )
 
     @property
+    def implementation(self) -> SchedulingPolicy:
+        """The policy object the Scheduler asks (a built-in's, or the one given)."""
+        return builtin(self.policy) if isinstance(self.policy, Policy) else self.policy
+
+    @property
     def overtake_k(self) -> int:
         """K: how many times the head of the queue may be passed."""
         return self.slots if self.overtake_limit is None else self.overtake_limit
+
+
+class DeadlockError(RuntimeError):
+    """A policy that claims ``no-deadlock`` deadlocked: nothing running can move and no
+    waiter can be admitted. ``report`` says who holds what."""
+
+    def __init__(self, report: DeadlockReport, policy: str) -> None:
+        super().__init__(f"policy {policy} claims no deadlock, yet: {report.describe()}")
+        self.report = report
 
 
 class Infeasible(Exception):
@@ -177,6 +218,7 @@ class SequenceInfo:
 
     seq_id: int
     ticket: int  # arrival order; kept across preemption
+    priority: int  # smaller goes first, under a policy that orders by it
     state: SeqState
     slot: int | None  # which slot it occupies; None while waiting
     prompt_len: int
@@ -223,7 +265,7 @@ class DeadlockReport:
 class SchedulerStatistics:
     """A frozen snapshot of the Scheduler's counters and gauges."""
 
-    policy: Policy
+    policy: Policy | SchedulingPolicy  # as configured
     step: int  # non-empty plans issued so far
     waiting: int
     running: int
@@ -250,8 +292,10 @@ class _Seq:
         "first_token_step",
         "left_out",
         "max_tokens",
+        "overtaken",
         "passed",
         "preemptions",
+        "priority",
         "prompt_len",
         "seq_id",
         "state",
@@ -261,10 +305,17 @@ class _Seq:
     )
 
     def __init__(
-        self, seq_id: int, ticket: int, prompt: Sequence[int], max_tokens: int, stop: frozenset[int]
+        self,
+        seq_id: int,
+        ticket: int,
+        prompt: Sequence[int],
+        max_tokens: int,
+        stop: frozenset[int],
+        priority: int,
     ) -> None:
         self.seq_id = seq_id
         self.ticket = ticket
+        self.priority = priority
         self.prompt_len = len(prompt)
         # Invariant: token_ids = prompt + every token sampled so far (the Batch gets
         # its chunk's ids from here; a preempted sequence recomputes all of them).
@@ -279,6 +330,7 @@ class _Seq:
         self.first_token_step: int | None = None
         self.left_out = False  # a decoding sequence with no row in the last step
         self.passed = 0  # times overtaken while it was the head of the queue
+        self.overtaken = 0  # later arrivals admitted while it waited (a policy may age by it)
         self.preemptions = 0
 
     @property
@@ -296,6 +348,7 @@ class Scheduler:
 
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
+        self.policy = config.implementation  # asked every decision; owns no state of ours
         self.pool = BlockPool(config.num_blocks, config.block_size)
         self._seqs: dict[int, _Seq] = {}  # live sequences (waiting or running)
         self._terminal: OrderedDict[int, SeqState] = OrderedDict()
@@ -360,10 +413,12 @@ class Scheduler:
         prompt_ids: Sequence[int],
         max_tokens: int | None,
         stop_token_ids: frozenset[int] = frozenset(),
+        priority: int = 0,
     ) -> int:
         """Queue a request as a WAITING sequence with the next arrival ticket.
 
-        ``max_tokens=None`` means the rest of the context. Raises :class:`Infeasible`
+        ``max_tokens=None`` means the rest of the context. ``priority`` is only read by
+        a policy that orders by it (smaller first). Raises :class:`Infeasible`
         (nothing queued) when it could never run. Trap: ``add`` never admits; call
         ``admit_waiting`` or ``try_admit``.
         """
@@ -373,38 +428,78 @@ class Scheduler:
         answer = self.config.context_tokens - len(prompt_ids) if max_tokens is None else max_tokens
         seq_id = self._next_id
         self._next_id += 1
-        seq = _Seq(seq_id, seq_id, prompt_ids, answer, frozenset(stop_token_ids))
+        seq = _Seq(seq_id, seq_id, prompt_ids, answer, frozenset(stop_token_ids), priority)
         self._seqs[seq_id] = seq
         bisect.insort(self._waiting, (seq.ticket, seq_id))
         return seq_id
 
     # -- admission ----------------------------------------------------------------
 
-    def _admission_blocks(self, seq: _Seq) -> tuple[int, int]:
-        """(blocks to take now, extra blocks that must stay free) for ``seq``."""
-        cfg = self.config
-        return admission_blocks(
-            cfg.policy,
+    def _view(self, seq: _Seq) -> SeqView:
+        return SeqView(
+            seq_id=seq.seq_id,
+            ticket=seq.ticket,
+            priority=seq.priority,
             prompt_len=seq.prompt_len,
             n_tokens=len(seq.token_ids),
             max_tokens=seq.max_tokens,
-            block_size=cfg.block_size,
-            watermark_blocks=cfg.preempt_watermark_blocks,
+            n_computed=seq.computed,
+            blocks_held=len(seq.blocks),
+            preemptions=seq.preemptions,
+            overtaken=seq.overtaken,
         )
+
+    def _scheduler_view(self) -> SchedulerView:
+        cfg = self.config
+        return SchedulerView(
+            block_size=cfg.block_size,
+            total_blocks=cfg.num_blocks,
+            free_blocks=self.pool.statistics().free,
+            slots=cfg.slots,
+            running=len(self._running),
+            watermark_blocks=cfg.preempt_watermark_blocks,
+            batch_has_run=not self._batch_open,
+            last_plan_evicted=self._last_plan_preempted,
+        )
+
+    def _admission_blocks(self, seq: _Seq) -> tuple[int, int]:
+        """(blocks to take now, extra blocks that must stay free) for ``seq``, checked:
+        the blocks taken must hold what its prefill writes, or a chunk would write
+        into blocks it does not own."""
+        answer = self.policy.admission_blocks(self._view(seq), self._scheduler_view())
+        take, keep_free = answer
+        bs = self.config.block_size
+        # A policy that never grows must take what the whole answer writes.
+        least = blocks_for(
+            len(seq.token_ids) if self.policy.grows else seq.prompt_len + seq.max_tokens, bs
+        )
+        if not (isinstance(take, int) and isinstance(keep_free, int)) or take < least:
+            raise PolicyError(
+                f"policy {policy_name(self.config.policy)}: admission_blocks for seq "
+                f"{seq.seq_id} returned {answer!r}; it must take at least {least} block(s) "
+                f"(what {'its prefill' if self.policy.grows else 'prompt + answer'} writes, "
+                "since it does not grow), and leave >= 0 free"
+            )
+        return take, max(keep_free, 0)
 
     def _can_admit(self, seq: _Seq) -> bool:
         if len(self._running) >= self.config.slots:
             return False
-        if self.config.policy.batches_whole_requests and not self._batch_open:
-            return False
-        if self.config.policy.evicts and self._last_plan_preempted and self._running:
-            # vLLM's rule: a step that had to evict admits nobody. Hazard: only while
-            # something runs. If the survivor finished in that step, an idle scheduler
-            # that refused would wait for a step that never comes (the property test
-            # found exactly that).
+        if not self.policy.admits_now(self._scheduler_view()):
             return False
         take, keep_free = self._admission_blocks(seq)
         return take + keep_free <= self.pool.statistics().free
+
+    def _ordered_waiting(self) -> list[_Seq]:
+        """The waiters in the policy's order (rule 3's head first); checked."""
+        waiting = [self._seqs[s] for _, s in self._waiting]
+        order = list(self.policy.waiting_order(tuple(self._view(w) for w in waiting)))
+        if sorted(order) != sorted(w.seq_id for w in waiting):
+            raise PolicyError(
+                f"policy {policy_name(self.config.policy)}: waiting_order returned {order}, "
+                f"not an order of the waiters {[w.seq_id for w in waiting]}"
+            )
+        return [self._seqs[s] for s in order]
 
     def _admit(self, seq: _Seq) -> None:
         take, _ = self._admission_blocks(seq)
@@ -412,6 +507,11 @@ class Scheduler:
         if blocks is None:  # _can_admit said yes a moment ago; nothing ran in between
             raise RuntimeError(f"admission of seq {seq.seq_id} found {take} blocks gone")
         self._waiting.remove((seq.ticket, seq.seq_id))
+        for ticket, sid in self._waiting:  # sorted by ticket: the ones it passed come first
+            if ticket > seq.ticket:
+                break
+            self._seqs[sid].overtaken += 1
+        seq.overtaken = 0
         seq.blocks = list(blocks)
         seq.state = SeqState.PREFILLING
         seq.computed = 0
@@ -451,30 +551,33 @@ class Scheduler:
         return seq is not None and seq.state is SeqState.WAITING and self._can_admit(seq)
 
     def admit_waiting(self) -> tuple[int, ...]:
-        """One FCFS pass with bounded overtaking (rule 3); returns the seq_ids admitted.
+        """One pass with bounded overtaking (rule 3); returns the seq_ids admitted.
 
-        The head is admitted if it fits. If not, later waiters that fit are admitted
-        in ticket order, each counting one pass against the head, until the head has
-        been passed K times; from then on nobody passes it until it is admitted.
+        Waiters are tried in the policy's order (FCFS: by ticket). The head is
+        admitted if it fits. If not, later waiters that fit are admitted, each
+        counting one pass against the head, until the head has been passed K times;
+        from then on nobody passes it until it is admitted. The order is asked again
+        after every admission, since a policy may age waiters by who was admitted.
         """
         admitted: list[int] = []
         k = self.config.overtake_k
         while self._waiting:
-            head = self._seqs[self._waiting[0][1]]
+            order = self._ordered_waiting()
+            head = order[0]
             if self._can_admit(head):
                 self._admit(head)
                 admitted.append(head.seq_id)
                 continue
-            for _, sid in list(self._waiting[1:]):
-                if head.passed >= k:
-                    break
-                follower = self._seqs[sid]
-                if self._can_admit(follower):
-                    self._admit(follower)
-                    head.passed += 1
-                    admitted.append(sid)
-            # Admitting followers only uses capacity up, so the head cannot fit now.
-            break
+            follower = None
+            if head.passed < k:
+                follower = next((f for f in order[1:] if self._can_admit(f)), None)
+            if follower is None:
+                break
+            # Admitting a follower only uses capacity up: the head still cannot fit,
+            # and the followers tried before this one still cannot either.
+            self._admit(follower)
+            head.passed += 1
+            admitted.append(follower.seq_id)
         return tuple(admitted)
 
     # -- one step -----------------------------------------------------------------
@@ -508,11 +611,11 @@ class Scheduler:
                 n = min(cfg.chunk_tokens, len(seq.token_ids) - seq.computed, left)
                 rows[seq.seq_id] = n
                 left -= n
-        # (c) one decode row each, while rows last.
-        for seq in order:
+        # (c) one decode row each, in the policy's order, while rows last.
+        for seq in self._decode_order([s for s in order if s.state is SeqState.DECODING]):
             if left == 0:
                 break
-            if seq.state is SeqState.DECODING and seq.seq_id not in (rows.keys() | blocked):
+            if seq.seq_id not in (rows.keys() | blocked):
                 rows[seq.seq_id] = 1
                 left -= 1
         for seq in order:
@@ -528,6 +631,15 @@ class Scheduler:
         plan = StepPlan(step=self._step, chunks=tuple(chunks))
         self._inflight = plan
         return plan
+
+    def _decode_order(self, decoding: list[_Seq]) -> list[_Seq]:
+        order = list(self.policy.decode_order(tuple(self._view(d) for d in decoding)))
+        if sorted(order) != sorted(d.seq_id for d in decoding):
+            raise PolicyError(
+                f"policy {policy_name(self.config.policy)}: decode_order returned {order}, "
+                f"not an order of the decoding sequences {[d.seq_id for d in decoding]}"
+            )
+        return [self._seqs[s] for s in order]
 
     def _chunk(self, seq: _Seq, n: int) -> ChunkPlan:
         start = seq.computed
@@ -551,14 +663,10 @@ class Scheduler:
         )
 
     def _empty_plan(self) -> StepPlan:
-        if self._running:
-            if not self.config.policy.can_deadlock:
-                raise RuntimeError(
-                    f"no row could be planned for {len(self._running)} running sequence(s) "
-                    f"under policy {self.config.policy.value}: a scheduler invariant is broken"
-                )
-            if not any(self._can_admit(self._seqs[s]) for _, s in self._waiting):
-                self._deadlock = self._report()
+        if self._running and not any(self._can_admit(self._seqs[s]) for _, s in self._waiting):
+            self._deadlock = self._report()
+            if Claim.NO_DEADLOCK in self.policy.claims:
+                raise DeadlockError(self._deadlock, policy_name(self.config.policy))
         return StepPlan(step=self._step, chunks=())
 
     def _grow(self) -> set[int]:
@@ -577,12 +685,13 @@ class Scheduler:
             need = blocks_for(seq.computed + 1, cfg.block_size) - len(seq.blocks)
             if need <= 0:
                 continue
-            if not cfg.policy.grows:
+            if not self.policy.grows:
                 raise RuntimeError(f"seq {seq.seq_id} outgrew its reservation")
             got = self.pool.allocate(need)
-            while got is None and cfg.policy.evicts:
-                # The youngest by arrival ticket: never the oldest while anyone younger runs.
-                victim = max((self._seqs[s] for s in self._running), key=lambda s: s.ticket)
+            while got is None:
+                victim = self._victim(seq)
+                if victim is None:
+                    break
                 self._preempt(victim)
                 if victim is seq:
                     break
@@ -593,6 +702,17 @@ class Scheduler:
                 continue
             seq.blocks.extend(got)
         return blocked
+
+    def _victim(self, needing: _Seq) -> _Seq | None:
+        """Whom the policy evicts for ``needing`` (None: it waits for a block); checked."""
+        running = tuple(self._view(self._seqs[s]) for s in self._running)
+        victim = self.policy.on_dry_pool(self._view(needing), running)
+        if victim is not None and victim not in self._running:
+            raise PolicyError(
+                f"policy {policy_name(self.config.policy)}: on_dry_pool chose {victim!r}, "
+                f"which is not a running sequence {list(self._running)}"
+            )
+        return None if victim is None else self._seqs[victim]
 
     def _preempt(self, seq: _Seq) -> None:
         # Recompute, not swap: drop the K/V, keep the token ids and the ticket.
@@ -609,7 +729,7 @@ class Scheduler:
         # A preempted sequence is readmitted only while it is the head of the queue,
         # so readmission never overtakes anyone (rule 3 holds without counting).
         while self._waiting:
-            head = self._seqs[self._waiting[0][1]]
+            head = self._ordered_waiting()[0]
             if not head.preemptions or not self._can_admit(head):
                 return
             self._admit(head)
@@ -734,6 +854,7 @@ class Scheduler:
         return SequenceInfo(
             seq_id=seq.seq_id,
             ticket=seq.ticket,
+            priority=seq.priority,
             state=seq.state,
             slot=self._slot_of.get(seq_id),
             prompt_len=seq.prompt_len,
@@ -756,6 +877,10 @@ class Scheduler:
     def waiting_ids(self) -> tuple[int, ...]:
         """Waiting seq_ids in ticket order (the head first)."""
         return tuple(s for _, s in self._waiting)
+
+    def waiting_order(self) -> tuple[int, ...]:
+        """Waiting seq_ids in the order the policy tries them (FCFS: ``waiting_ids``)."""
+        return tuple(w.seq_id for w in self._ordered_waiting()) if self._waiting else ()
 
     def deadlock_report(self) -> DeadlockReport | None:
         """The current deadlock (free-slot only), or None."""

@@ -11,7 +11,7 @@ import json
 from importlib import resources
 from typing import Any
 
-from triollm.sim.report import DESCRIPTIONS, max_ttft, mean_ttft
+from triollm.sim.report import max_ttft, mean_ttft
 from triollm.sim.runner import Run
 
 _MARK = "/*__DATA__*/null"
@@ -35,8 +35,8 @@ def page_data(runs: list[Run]) -> dict[str, Any]:
         },
         "runs": [
             {
-                "policy": run.policy.value,
-                "description": DESCRIPTIONS[run.policy],
+                "policy": run.policy_name,
+                "description": run.description,
                 "deadlock": None
                 if run.deadlock is None
                 else {"t": run.deadlock.t, "description": run.deadlock.description},

@@ -2,15 +2,7 @@
 
 from __future__ import annotations
 
-from triollm.scheduler import Policy
 from triollm.sim.runner import Run
-
-DESCRIPTIONS = {
-    Policy.STATIC: "request-level batching: a new batch only when the whole last one ended",
-    Policy.RESERVE: "continuous batching, reserving prompt + answer blocks at admission",
-    Policy.FREE_SLOT: "continuous batching, admitting on a free slot and the prompt alone",
-    Policy.PREEMPT: "prompt + watermark at admission; evict the latest arrival when dry",
-}
 
 
 def _cell(v: int | None) -> str:
@@ -29,7 +21,7 @@ def max_ttft(run: Run) -> int | None:
 
 def format_run(run: Run) -> str:
     """The per-request table of one policy, its totals, and its deadlock if any."""
-    lines = [f"== {run.policy.value}: {DESCRIPTIONS[run.policy]} =="]
+    lines = [f"== {run.policy_name}: {run.description} =="]
     header = ("request", "arrives", "prompt", "answer", "admitted", "TTFT", "done in", "preempted")
     rows = [header]
     for o in run.outcomes:
@@ -82,7 +74,7 @@ def format_comparison(runs: list[Run]) -> str:
         outcome = f"DEADLOCK at step {run.deadlock.t}" if run.deadlock else "all finished"
         rows.append(
             (
-                run.policy.value,
+                run.policy_name,
                 str(run.total_steps),
                 "-" if mean is None else f"{mean:.1f}",
                 _cell(max_ttft(run)),

@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from triollm.plan import SampledToken, StepResult
+from triollm.policies import SchedulingPolicy, policy_name
 from triollm.scheduler import Infeasible, Policy, Scheduler
 from triollm.sim.scenario import Scenario
 
@@ -80,12 +81,21 @@ class Deadlock:
 
 @dataclass(frozen=True, slots=True)
 class Run:
-    policy: Policy
+    policy: Policy | SchedulingPolicy
     scenario: Scenario
     steps: tuple[StepRecord, ...]
     outcomes: tuple[RequestOutcome, ...]
     deadlock: Deadlock | None
     preemptions: int
+
+    @property
+    def policy_name(self) -> str:
+        return policy_name(self.policy)
+
+    @property
+    def description(self) -> str:
+        p = self.policy
+        return (p.implementation if isinstance(p, Policy) else p).description
 
     @property
     def total_steps(self) -> int:
@@ -110,7 +120,7 @@ class Run:
         return sum(s.written for s in ran) / held if held else 0.0
 
 
-def simulate(scenario: Scenario, policy: Policy) -> Run:
+def simulate(scenario: Scenario, policy: Policy | SchedulingPolicy) -> Run:
     """Run every request of ``scenario`` under ``policy`` until all end or it deadlocks."""
     s = Scheduler(scenario.config(policy))
     outcomes = {
@@ -216,7 +226,7 @@ def simulate(scenario: Scenario, policy: Policy) -> Run:
         steps.append(_with_events(record, tuple(events)))
         t += 1
         if t > limit:
-            raise RuntimeError(f"the {policy.value} run did not end within {limit} steps")
+            raise RuntimeError(f"the {policy_name(policy)} run did not end within {limit} steps")
     return Run(
         policy=policy,
         scenario=scenario,

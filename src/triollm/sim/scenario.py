@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from triollm.errors import UserError
+from triollm.policies import SchedulingPolicy
 from triollm.scheduler import Policy, SchedulerConfig
 
 _INT_FIELDS = ("slots", "num_blocks", "block_size", "chunk_tokens", "step_rows", "context_tokens")
@@ -48,7 +49,7 @@ class Scenario:
     requests: tuple[SimRequest, ...]
     source: str = "<built-in seed scenario>"
 
-    def config(self, policy: Policy) -> SchedulerConfig:
+    def config(self, policy: Policy | SchedulingPolicy) -> SchedulerConfig:
         return SchedulerConfig(
             num_blocks=self.num_blocks,
             block_size=self.block_size,

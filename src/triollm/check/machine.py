@@ -3,29 +3,52 @@
 Rules are the verbs of the batch loop's world: requests ``arrive``, the queue
 ``admits``, the batch ``steps`` (its results end sequences at random with a stop
 token, or at max_tokens), clients ``cancel`` and stop strings ``finish`` a
-sequence early. A small model beside the Scheduler remembers what it promised;
-the invariants are claims checked after every rule. docs/scheduling.md derives
-the liveness bound checked here.
+sequence early. A small model beside the Scheduler remembers what it promised.
+
+Two kinds of check run after every rule:
+
+- the Scheduler's own contracts (plans within their budgets, tables that cover
+  the rows, an exact deadlock detector, the door): every policy, always;
+- the policy's claims (:class:`~triollm.policies.Claim`): only those the policy
+  declares (or the caller adds), so a policy is proved exactly as it promises.
+  A broken claim raises :class:`ClaimViolated` naming it.
+
+``property_tests/`` runs this machine for the built-in policies; ``triollm
+check-policy`` runs it for any policy (``machine_for``). docs/scheduling.md
+derives the liveness bound checked here; docs/policies.md shows a failure.
+
+Needs hypothesis (the ``check`` extra, or ``dev``); nothing else in triollm does.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterable
 
 from hypothesis import event, note
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from triollm.kv import blocks_for
-from triollm.plan import SampledToken, StepResult
+from triollm.plan import SampledToken, StepPlan, StepResult
+from triollm.policies import Claim, Policy, SchedulingPolicy, builtin
 from triollm.scheduler import (
     RUNNING_STATES,
+    DeadlockError,
     Infeasible,
-    Policy,
     Scheduler,
     SchedulerConfig,
     SeqState,
 )
 
 STOP = 0  # the stop token id every request is given; other tokens are 1..9
+
+
+class ClaimViolated(AssertionError):
+    """A claim the policy makes does not hold; ``claim`` says which."""
+
+    def __init__(self, claim: Claim, message: str) -> None:
+        super().__init__(f"{claim.value} violated: {message}")
+        self.claim = claim
 
 
 def liveness_bound(s: Scheduler, seq_id: int) -> int:
@@ -53,8 +76,8 @@ def liveness_bound(s: Scheduler, seq_id: int) -> int:
 
 
 class SchedulerMachine(RuleBasedStateMachine):
-    POLICY = Policy.RESERVE
-    CHECK_LIVENESS = True  # the free-slot machine turns this off (or expects it to fail)
+    POLICY: Policy | SchedulingPolicy = Policy.RESERVE
+    CLAIMS: frozenset[Claim] | None = None  # None: exactly what the policy claims
     ENDS_EARLY = True  # cancel / finish rules; the deadlock search drops them (they only unblock)
 
     def __init__(self) -> None:
@@ -62,8 +85,25 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.s: Scheduler
         self.issued: list[int] = []
         self.ended: set[int] = set()
-        self.passed: dict[int, int] = {}  # model: times each head was overtaken
+        self.passed: dict[int, int] = {}  # model: times each oldest waiter was overtaken
         self.deadline: dict[int, int] = {}  # seq_id -> step by which it must have ended
+        self.trace: list[str] = []  # what happened, in words (check-policy prints it)
+        self.turns = 0  # _one_step calls: the simulator's clock, for a replay
+        impl = self.POLICY if not isinstance(self.POLICY, Policy) else builtin(self.POLICY)
+        self.claims = impl.claims if self.CLAIMS is None else self.CLAIMS
+
+    # -- claims -----------------------------------------------------------------------
+
+    def claimed(self, claim: Claim) -> bool:
+        return claim in self.claims
+
+    def check(self, claim: Claim, holds: bool, message: str) -> None:
+        if claim in self.claims and not holds:
+            raise ClaimViolated(claim, message)
+
+    def say(self, line: str) -> None:
+        note(line)
+        self.trace.append(line)
 
     @initialize(
         block_size=st.integers(1, 6),
@@ -97,8 +137,12 @@ class SchedulerMachine(RuleBasedStateMachine):
             overtake_limit=min(overtake, slots),
             preempt_watermark_blocks=watermark,
         )
-        note(f"config: {cfg}")
         self.s = Scheduler(cfg)
+        self.say(
+            f"config: {num_blocks} blocks of {block_size} positions, {slots} slot(s), "
+            f"chunks of {chunk}, {cfg.step_rows} rows a step, context {context}, "
+            f"overtake limit K={cfg.overtake_k}, watermark {watermark}"
+        )
 
     # -- rules ----------------------------------------------------------------------
 
@@ -108,12 +152,14 @@ class SchedulerMachine(RuleBasedStateMachine):
         try:
             seq = self.s.add([1 + i % 9 for i in range(prompt)], max_tokens, frozenset({STOP}))
         except Infeasible as exc:
-            note(f"arrive prompt={prompt} max_tokens={max_tokens}: refused ({exc.field}: {exc})")
+            self.say(f"arrive prompt={prompt} max_tokens={max_tokens}: refused ({exc.field})")
             assert reason == str(exc)
             assert exc.field in ("prompt", "max_tokens")
             return
         assert reason is None
-        note(f"arrive prompt={prompt} max_tokens={max_tokens}: seq {seq}")
+        self.say(
+            f"seq {seq} arrives: prompt {prompt}, max_tokens {self.s.sequence(seq).max_tokens}"
+        )
         self.issued.append(seq)
 
     @rule(data=st.data(), n=st.integers(1, 3))
@@ -126,57 +172,89 @@ class SchedulerMachine(RuleBasedStateMachine):
         for _ in range(n):
             prompt = data.draw(st.integers(1, most - 1), label="prompt")
             max_tokens = data.draw(st.integers(1, most - prompt), label="max_tokens")
-            seq = self.s.add([1 + i % 9 for i in range(prompt)], max_tokens, frozenset({STOP}))
-            note(f"arrive prompt={prompt} max_tokens={max_tokens}: seq {seq}")
+            priority = data.draw(st.integers(0, 2), label="priority")
+            seq = self.s.add(
+                [1 + i % 9 for i in range(prompt)], max_tokens, frozenset({STOP}), priority
+            )
+            self.say(
+                f"seq {seq} arrives: prompt {prompt}, max_tokens {max_tokens}"
+                + (f", priority {priority}" if priority else "")
+            )
             self.issued.append(seq)
 
     @rule()
     def admit(self) -> None:
         queue = list(self.s.waiting_ids())
         admitted = self.s.admit_waiting()
-        note(f"admit: {list(admitted)} from queue {queue}")
+        if admitted:
+            self.say(f"admit: {self._holdings(admitted)} (queue was {queue})")
         self._check_fcfs(queue, admitted)
-        if self.s.config.policy is not Policy.FREE_SLOT and not self.s.running_ids():
+        if not self.s.running_ids():
             # Rule 1 makes every waiter fit an empty pool: an idle scheduler that keeps
             # a queue would wait for a wake-up no step will ever send.
-            assert not self.s.waiting_ids(), "idle, yet the queue was not admitted"
+            self.check(
+                Claim.NO_DEADLOCK,
+                not self.s.waiting_ids(),
+                f"idle, yet the queue {list(self.s.waiting_ids())} was not admitted",
+            )
         self._set_deadlines()
 
     @rule(data=st.data(), n=st.integers(1, 6))
     def step(self, data: st.DataObject, n: int) -> None:
         """n turns of the batch loop; each usually admits first, as the real loop does."""
         for _ in range(n):
-            if data.draw(st.integers(0, 3), label="admit first?") > 0:
+            # 0 (what a shrink aims for) admits: a shrunk story reads like the real loop.
+            if data.draw(st.integers(0, 3), label="admit first? (3 = no)") < 3:
                 self.admit()
+            else:
+                self.say("(a turn without an admission pass)")
             self._one_step(data)
 
     def _one_step(self, data: st.DataObject) -> None:
         s = self.s
+        self.turns += 1
         queue = list(s.waiting_ids())
-        plan = s.plan_step()
+        order = list(s.waiting_order())
+        try:
+            plan = s.plan_step()
+        except DeadlockError as exc:
+            self.say(f"step {s.statistics().step + 1}: NOTHING CAN MOVE. {exc.report.describe()}")
+            raise ClaimViolated(Claim.NO_DEADLOCK, exc.report.describe()) from None
         readmitted = [q for q in queue if q in s.running_ids()]
-        # A readmitted (preempted) sequence must be the head each time: no overtaking.
-        assert readmitted == queue[: len(readmitted)], (readmitted, queue)
-        for q in readmitted:
-            self.passed.pop(q, None)
+        # Only a preempted sequence is readmitted by plan_step, and only the one first
+        # in line (so, under FCFS, readmission never overtakes anyone).
+        assert all(s.sequence(q).preemptions for q in readmitted), readmitted
+        assert not readmitted or order[0] in readmitted, (readmitted, order)
+        if readmitted:
+            self.say(f"readmit (preempted earlier): {self._holdings(readmitted)}")
+        self._check_fcfs(queue, tuple(sorted(readmitted, key=order.index)))
         self._check_plan(plan)
         if plan.is_empty:
-            note(f"step: nothing to run (running={list(s.running_ids())})")
             if s.running_ids():
-                assert s.config.policy is Policy.FREE_SLOT
                 admissible = any(s.would_admit(w) for w in s.waiting_ids())
                 assert s.statistics().deadlocked == (not admissible), "the detector is exact"
                 self._check_deadlock_report()
                 report = s.deadlock_report()
-                if self.CHECK_LIVENESS and report is not None:
-                    raise AssertionError(f"liveness violated: {report.describe()}")
+                if report is not None:
+                    self.say(
+                        f"step {s.statistics().step + 1}: NOTHING CAN MOVE. {report.describe()}"
+                    )
+                    self.check(Claim.NO_DEADLOCK, False, report.describe())
+                self.check(
+                    Claim.NO_DEADLOCK,
+                    False,
+                    f"no row planned while {list(s.running_ids())} run",
+                )
+            self.say("step: nothing to run")
             return
         tokens = []
+        eos: list[int] = []
         for c in plan.chunks:
             if c.sample:
-                eos = data.draw(st.integers(0, 15), label=f"eos? seq {c.seq_id}") == 0
-                tok = STOP if eos else 5
-                tokens.append(SampledToken(c.seq_id, tok))
+                stop = data.draw(st.integers(0, 15), label=f"eos? seq {c.seq_id} (0 = yes)") == 0
+                if stop:
+                    eos.append(c.seq_id)
+                tokens.append(SampledToken(c.seq_id, STOP if stop else 5))
         cancel_mid_step = None
         if self.ENDS_EARLY and data.draw(st.integers(0, 3), label="cancel mid-step?") == 0:
             cancel_mid_step = data.draw(st.sampled_from([None, *self.issued]), label="which")
@@ -184,14 +262,16 @@ class SchedulerMachine(RuleBasedStateMachine):
             s.cancel(cancel_mid_step)
             self.ended.add(cancel_mid_step)
         finished = s.commit(StepResult(plan.step, tuple(tokens), plan.n_rows))
-        note(
+        self.say(
             f"step {plan.step}: "
             + ", ".join(
-                f"{c.seq_id}:{'P' if c.prefill else 'D'}{c.n_rows}{'*' if c.sample else ''}"
+                f"seq {c.seq_id} {'prefill' if c.prefill else 'decode'} "
+                f"{c.start}..{c.start + c.n_rows - 1}" + (" EOS" if c.seq_id in eos else "")
                 for c in plan.chunks
             )
-            + (f" (cancelled {cancel_mid_step} mid-step)" if cancel_mid_step is not None else "")
-            + f" -> finished {[f.seq_id for f in finished]}"
+            + ("" if cancel_mid_step is None else f" (seq {cancel_mid_step} cancelled mid-step)")
+            + (f"; seq {', '.join(str(f.seq_id) for f in finished)} done" if finished else "")
+            + f" | {self._pool_line()}"
         )
         stats = s.statistics()
         event(f"a step ran {'several' if len(plan.chunks) > 1 else 'one'} sequence(s)")
@@ -207,14 +287,18 @@ class SchedulerMachine(RuleBasedStateMachine):
         for seq_id, due in self.deadline.items():
             if seq_id in s.running_ids():
                 event("the liveness bound was checked")
-                assert plan.step < due, f"seq {seq_id} still running after its bound (step {due})"
+                claim = (
+                    Claim.LIVENESS if self.claimed(Claim.LIVENESS) else Claim.LIVENESS_OF_THE_OLDEST
+                )
+                late = f"seq {seq_id} still running after its bound (step {due})"
+                self.check(claim, plan.step < due, late)
         self._set_deadlines()
 
     @precondition(lambda self: self.ENDS_EARLY and bool(self.issued))
     @rule(data=st.data())
     def cancel(self, data: st.DataObject) -> None:
         seq = data.draw(st.sampled_from(self.issued), label="seq to cancel")
-        note(f"cancel {seq} ({self.s.state(seq).value})")
+        self.say(f"cancel seq {seq} ({self.s.state(seq).value})")
         self.s.cancel(seq)
         assert self.s.state(seq) in (SeqState.CANCELLED, SeqState.FINISHED)
         self.ended.add(seq)
@@ -225,7 +309,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def finish_early(self, data: st.DataObject) -> None:
         seq = data.draw(st.sampled_from(self.issued), label="seq a stop string ends")
-        note(f"finish {seq} ({self.s.state(seq).value})")
+        self.say(f"a stop string ends seq {seq} ({self.s.state(seq).value})")
         self.s.finish(seq)
         self.ended.add(seq)
         self.deadline.pop(seq, None)
@@ -235,23 +319,53 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     @invariant()
     def blocks_are_conserved(self) -> None:
-        if not hasattr(self, "s"):
+        if not hasattr(self, "s") or not self.claimed(Claim.BLOCKS_CONSERVED):
             return
-        st_ = self.s.pool.statistics()
-        held_by_tables = sum(len(self.s.sequence(q).blocks) for q in self.s.running_ids())
-        assert st_.free + st_.held == st_.total
-        assert held_by_tables == st_.held, (held_by_tables, st_)
+        s = self.s
+        st_ = s.pool.statistics()
+        held_by_tables = sum(len(s.sequence(q).blocks) for q in s.running_ids())
+        self.check(
+            Claim.BLOCKS_CONSERVED,
+            st_.free + st_.held == st_.total,
+            f"{st_.free} free + {st_.held} held != {st_.total}",
+        )
+        self.check(
+            Claim.BLOCKS_CONSERVED,
+            held_by_tables == st_.held,
+            f"the pool says {st_.held} held, the live tables hold {held_by_tables}",
+        )
+        bs = s.config.block_size
+        for q in s.running_ids():
+            info = s.sequence(q)
+            reach = blocks_for(info.prompt_len + info.max_tokens, bs)
+            self.check(
+                Claim.BLOCKS_CONSERVED,
+                len(info.blocks) <= reach,
+                f"seq {q} holds {len(info.blocks)} blocks {list(info.blocks)} but its "
+                f"{info.prompt_len} + {info.max_tokens} positions can only ever write {reach}: "
+                f"block {info.blocks[-1]} is leaked until it ends",
+            )
+            if not s.policy.grows:  # a reserving policy holds exactly the whole answer
+                self.check(Claim.BLOCKS_CONSERVED, len(info.blocks) == reach, f"seq {q} short")
 
     @invariant()
     def no_block_has_two_live_owners(self) -> None:
-        if not hasattr(self, "s"):
+        if not hasattr(self, "s") or not self.claimed(Claim.EXCLUSIVE_BLOCKS):
             return
         seen: dict[int, int] = {}
         for q in self.s.running_ids():
             for b in self.s.sequence(q).blocks:
-                assert b not in seen, f"block {b} held by seq {seen[b]} and seq {q}"
+                self.check(
+                    Claim.EXCLUSIVE_BLOCKS,
+                    b not in seen,
+                    f"block {b} held by seq {seen.get(b)} and seq {q}",
+                )
                 seen[b] = q
-                assert self.s.pool.refcount(b) == 1
+                self.check(
+                    Claim.EXCLUSIVE_BLOCKS,
+                    self.s.pool.refcount(b) == 1,
+                    f"block {b} has {self.s.pool.refcount(b)} references",
+                )
 
     @invariant()
     def ended_and_waiting_sequences_hold_nothing(self) -> None:
@@ -265,21 +379,20 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert self.s.sequence(q).blocks == ()
         assert len(running) <= self.s.config.slots
 
-    @invariant()
-    def reserved_sequences_hold_their_whole_answer(self) -> None:
-        if not hasattr(self, "s") or self.s.config.policy not in (Policy.RESERVE, Policy.STATIC):
-            return
-        bs = self.s.config.block_size
-        for q in self.s.running_ids():
-            info = self.s.sequence(q)
-            assert len(info.blocks) == blocks_for(info.prompt_len + info.max_tokens, bs)
-
     # -- helpers --------------------------------------------------------------------------
 
-    def _check_plan(self, plan: object) -> None:
-        from triollm.plan import StepPlan
+    def _holdings(self, seqs: Iterable[int]) -> str:
+        return ", ".join(f"seq {q} takes blocks {list(self.s.sequence(q).blocks)}" for q in seqs)
 
-        assert isinstance(plan, StepPlan)
+    def _pool_line(self) -> str:
+        s = self.s
+        held = " ".join(f"{q}:{list(s.sequence(q).blocks)}" for q in s.running_ids())
+        waiting = list(s.waiting_ids())
+        return f"blocks {held or 'none held'}, {s.pool.statistics().free} free" + (
+            f"; waiting {waiting}" if waiting else ""
+        )
+
+    def _check_plan(self, plan: StepPlan) -> None:
         cfg = self.s.config
         assert plan.n_rows <= cfg.step_rows, "rows within the budget"
         ids = [c.seq_id for c in plan.chunks]
@@ -294,11 +407,13 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert c.start + c.n_rows <= len(c.block_table) * cfg.block_size
             assert c.block_table == info.blocks
             assert c.start + c.n_rows <= cfg.context_tokens
-        if cfg.policy is not Policy.FREE_SLOT and self.s.running_ids():
-            assert not plan.is_empty, "while a sequence is admitted, every step computes a row"
 
     def _check_fcfs(self, queue: list[int], admitted: tuple[int, ...]) -> None:
-        k = self.s.config.overtake_k
+        """Replay admissions against a model queue in arrival order: each admission of
+        someone other than the oldest waiter passes the oldest once."""
+        if not self.claimed(Claim.BOUNDED_OVERTAKING):
+            return
+        bound = self.s.policy.overtake_bound(self.s.config.overtake_k)
         rest = list(queue)
         for a in admitted:
             assert a in rest
@@ -307,7 +422,12 @@ class SchedulerMachine(RuleBasedStateMachine):
             else:
                 head = rest[0]
                 self.passed[head] = self.passed.get(head, 0) + 1
-                assert self.passed[head] <= k, f"head {head} overtaken more than K={k} times"
+                self.check(
+                    Claim.BOUNDED_OVERTAKING,
+                    self.passed[head] <= bound,
+                    f"seq {head}, waiting longest, was passed {self.passed[head]} times "
+                    f"(the bound is {bound}); seq {a} just went ahead of it",
+                )
                 self.passed.pop(a, None)
             rest.remove(a)
 
@@ -322,17 +442,31 @@ class SchedulerMachine(RuleBasedStateMachine):
     def _set_deadlines(self) -> None:
         """Start the liveness clock for sequences the bound now covers."""
         s = self.s
-        if not self.CHECK_LIVENESS or s.config.policy is Policy.FREE_SLOT:
+        every = self.claimed(Claim.LIVENESS)
+        if not every and not self.claimed(Claim.LIVENESS_OF_THE_OLDEST):
             return
         live = [*s.running_ids(), *s.waiting_ids()]
         step = s.statistics().step
         for q in s.running_ids():
             if q in self.deadline:
                 continue
-            # reserve/static: from admission. preempt: from when it is the oldest live
-            # sequence (the only one never chosen as a victim).
-            if s.config.policy is Policy.PREEMPT and s.sequence(q).ticket != min(
-                s.sequence(x).ticket for x in live
-            ):
+            # LIVENESS: from admission. Of the oldest (an evicting policy): from when it
+            # is the oldest live sequence (the only one never chosen as a victim).
+            if not every and s.sequence(q).ticket != min(s.sequence(x).ticket for x in live):
                 continue
             self.deadline[q] = step + liveness_bound(s, q)
+
+
+def machine_for(
+    policy: Policy | SchedulingPolicy,
+    claims: frozenset[Claim] | None = None,
+    *,
+    ends_early: bool = True,
+) -> type[SchedulerMachine]:
+    """A state machine class that checks ``policy`` against ``claims`` (default: its own)."""
+    name = policy.value if isinstance(policy, Policy) else policy.name
+    return type(
+        f"Machine_{name}",
+        (SchedulerMachine,),
+        {"POLICY": policy, "CLAIMS": claims, "ENDS_EARLY": ends_early},
+    )
