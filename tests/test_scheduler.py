@@ -118,9 +118,9 @@ def test_admission_needs_a_free_slot() -> None:
     s = make(slots=2)
     ids = [s.add([1, 2], 2) for _ in range(3)]
     assert s.admit_waiting() == tuple(ids[:2])
-    assert s.try_admit(ids[2]) is False
+    assert s.admit_waiting() == ()
     s.cancel(ids[0])
-    assert s.try_admit(ids[2]) is True
+    assert s.admit_waiting() == (ids[2],)
 
 
 def test_growth_within_the_reservation_never_allocates() -> None:
@@ -362,7 +362,7 @@ def test_preempt_evicts_the_latest_arrival_and_recomputes_its_tokens() -> None:
     assert s.token_ids(b) == (2, 2, 2, 2, 2, 2, 2, 20, 21, 22)
 
 
-def test_a_preempted_sequence_goes_before_newer_arrivals() -> None:
+def test_a_preempted_sequence_keeps_its_place_ahead_of_newer_arrivals() -> None:
     s = tight_preempt()
     a = s.add([1] * 7, 8)
     b = s.add([2] * 7, 8)
@@ -371,7 +371,7 @@ def test_a_preempted_sequence_goes_before_newer_arrivals() -> None:
         run_step(s)
     assert s.state(b) is SeqState.WAITING
     late = s.add([3], 1)
-    assert s.try_admit(late) is False  # b, preempted with an earlier ticket, goes first
+    assert s.waiting_ids() == (b, late)  # b kept its earlier ticket: it is the head
     del a
 
 
@@ -431,17 +431,6 @@ def test_statistics_are_a_frozen_snapshot() -> None:
         st.waiting = 0  # type: ignore[misc]
     run_step(s)
     assert s.statistics().step == 1 and st.step == 0  # the old snapshot did not move
-
-
-def test_try_admit_says_whether_the_sequence_runs() -> None:
-    s = make(slots=1)
-    a = s.add([1], 2)
-    b = s.add([1], 2)
-    assert s.try_admit(a) is True
-    assert s.try_admit(a) is True  # already running
-    assert s.try_admit(b) is False  # no slot
-    s.cancel(b)
-    assert s.try_admit(b) is False  # ended
 
 
 def test_an_unknown_sequence_is_a_key_error() -> None:

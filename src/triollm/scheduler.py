@@ -49,7 +49,7 @@ Rules (docs/scheduling.md teaches each one, with the test that proves it):
 
 Theory of operation (one turn of the batch loop)::
 
-    scheduler.admit_waiting()        # or the admission queue's try_admit(seq)
+    scheduler.admit_waiting()        # the admission queue's driver, or the offline loop
     plan = scheduler.plan_step()     # empty plan: sleep until something changes
     result = batch.run(plan)         # in a worker thread: the plan is frozen
     finished = scheduler.commit(result)
@@ -72,6 +72,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from triollm.errors import FieldError
 from triollm.kv import BlockPool, blocks_for
 from triollm.plan import ChunkPlan, Finished, FinishReason, StepPlan, StepResult
 from triollm.policies import (
@@ -126,6 +127,9 @@ _TERMINAL_MEMORY = 65536
 class SchedulerConfig:
     """Everything the Scheduler needs, validated once. Units are in the names.
 
+    The defaults are the server's (``triollm serve`` reads its flag defaults from
+    here); the offline driver asks for a longer chunk explicitly (``sizing.py``).
+
     Trap: ``step_rows`` must be at least ``slots``: rule 4 promises a left-out
     decoding sequence a row in the next step, and there can be ``slots`` of them.
     """
@@ -133,10 +137,17 @@ class SchedulerConfig:
     num_blocks: int  # KV blocks in the pool (the Batch allocates the arrays to match)
     block_size: int = 32  # positions per block; Forma's value, a multiple of a SIMD width
     slots: int = 4  # sequences running at once; bounds memory and the batch's width
-    chunk_tokens: int = (
-        512  # prefill tokens per sequence per step; caps how long a prompt stalls decodes
-    )
-    step_rows: int = 544  # rows per forward pass: one full chunk plus room for ~32 decodes
+    # Prefill tokens per sequence per step. A step carrying a chunk stalls every
+    # decoding stream for as long as the chunk takes, and the stall grows with the
+    # chunk, while a long prompt's time to first token barely depends on it down to
+    # ~64-128 tokens (prefill is compute bound). bench/bench_step_rows.py measured
+    # 128 at about a quarter of 512's decode stall for the same TTFT
+    # (docs/serving.md, "Choosing the step budget").
+    chunk_tokens: int = 128
+    # Rows per forward pass; None means chunk_tokens + slots: a full chunk plus every
+    # decoder, so a chunk never pushes a decoder out of its step (step_rows =
+    # chunk_tokens measured 1.5x longer stalls).
+    step_rows: int | None = None
     context_tokens: int = 2048  # positions one sequence may reach (prompt + answer)
     # A built-in's name, or any object with the SchedulingPolicy interface (policies.py).
     policy: Policy | SchedulingPolicy = Policy.RESERVE  # never deadlocks, never recomputes
@@ -159,6 +170,8 @@ class SchedulerConfig:
                     f"policy {self.policy!r} is not a scheduling policy: it lacks "
                     f"{', '.join(missing)}"
                 )
+        if self.step_rows is None and isinstance(self.chunk_tokens, int):
+            object.__setattr__(self, "step_rows", self.chunk_tokens + self.slots)
         for name in ("num_blocks", "block_size", "slots", "chunk_tokens", "step_rows"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
@@ -168,6 +181,7 @@ class SchedulerConfig:
                 f"context_tokens must be an integer >= 2 (a prompt token and an answer), "
                 f"got {self.context_tokens!r}"
             )
+        assert self.step_rows is not None  # set above
         if self.step_rows < self.slots:
             raise ValueError(
                 f"step_rows ({self.step_rows}) must be >= slots ({self.slots}): every "
@@ -190,6 +204,11 @@ class SchedulerConfig:
         """K: how many times the head of the queue may be passed."""
         return self.slots if self.overtake_limit is None else self.overtake_limit
 
+    @property
+    def largest_request(self) -> int:
+        """Positions (prompt + max_tokens) of the largest request an empty pool admits:
+        the context, or less when the pool holds fewer positions than one context."""
+        return min(self.context_tokens, self.num_blocks * self.block_size)
 
 class DeadlockError(RuntimeError):
     """A policy that claims ``no-deadlock`` deadlocked: nothing running can move and no
@@ -200,16 +219,12 @@ class DeadlockError(RuntimeError):
         self.report = report
 
 
-class Infeasible(Exception):
+class Infeasible(FieldError):
     """A request that could never run on this pool and context; refused before it queues.
 
     ``field`` names the request field to blame (``"prompt"`` or ``"max_tokens"``);
     the HTTP layer reports it as ``param``. ``str()`` gives the numbers.
     """
-
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(message)
-        self.field = field
 
 
 @dataclass(frozen=True, slots=True)
@@ -420,7 +435,7 @@ class Scheduler:
         ``max_tokens=None`` means the rest of the context. ``priority`` is only read by
         a policy that orders by it (smaller first). Raises :class:`Infeasible`
         (nothing queued) when it could never run. Trap: ``add`` never admits; call
-        ``admit_waiting`` or ``try_admit``.
+        ``admit_waiting``.
         """
         problem = self._infeasible(len(prompt_ids), max_tokens)
         if problem is not None:
@@ -524,27 +539,6 @@ class Scheduler:
         self._running.append(seq.seq_id)
         self._admitted_total += 1
 
-    def try_admit(self, seq_id: int) -> bool:
-        """Admit this waiting sequence now if the policy and the pool allow; never blocks.
-
-        Returns True when the sequence is running (admitted now or before), False
-        when it must keep waiting or has ended. Trap: this ignores arrival order on
-        purpose; the caller (the admission queue) owns FCFS. The one exception: a
-        preempted sequence waiting with an earlier ticket goes first.
-        """
-        seq = self._seqs.get(seq_id)
-        if seq is None:
-            self._check_known(seq_id)
-            return False
-        if seq.state in RUNNING_STATES:
-            return True
-        if any(self._seqs[s].preemptions and t < seq.ticket for t, s in self._waiting):
-            return False
-        if not self._can_admit(seq):
-            return False
-        self._admit(seq)
-        return True
-
     def would_admit(self, seq_id: int) -> bool:
         """Would the policy and the pool admit this waiting sequence now? Changes nothing."""
         seq = self._seqs.get(seq_id)
@@ -600,6 +594,7 @@ class Scheduler:
         order = [self._seqs[s] for s in self._running]  # admission order
         rows: dict[int, int] = {}  # seq_id -> rows this step
         left = cfg.step_rows
+        assert left is not None  # SchedulerConfig.__post_init__ resolved it
         # (a) the promise of rule 4: last step's left-out decoders go first.
         for seq in order:
             if seq.state is SeqState.DECODING and seq.left_out and seq.seq_id not in blocked:
