@@ -11,6 +11,7 @@ import trio
 import trio.testing
 
 from triollm.admission import AdmissionQueue, QueueClosed, QueueFull, QueueTimeout, retry_after
+from triollm.outcomes import Refused
 from triollm.scheduler import Scheduler, SchedulerConfig, SeqState
 
 
@@ -52,7 +53,7 @@ async def test_arriving_to_a_full_queue_is_refused_at_once_with_retry_after():
     with pytest.raises(QueueFull) as info:
         queue.enqueue([1, 2], 2)
     assert info.value.retry_after_s == 13
-    assert info.value.reason == "queue_full"
+    assert info.value.reason is Refused.QUEUE_FULL
     # the refused request left no trace in the scheduler
     assert sched.statistics().waiting == 2
 

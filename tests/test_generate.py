@@ -16,7 +16,6 @@ import pytest
 
 import triollm.demo
 from triollm.cli import main
-from triollm.stopstrings import StopMatcher
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 MODELS = sorted(p.stem for p in (FIXTURES / "reference").glob("*.json"))
@@ -236,31 +235,6 @@ def test_bad_flags_are_one_line_naming_the_flag(
 
 
 # -- stop strings ---------------------------------------------------------------------------
-
-
-def test_a_stop_string_split_across_pieces_is_caught_and_never_sent() -> None:
-    m = StopMatcher(["END"])
-    assert m.feed("hello E") == ("hello ", False)
-    assert m.feed("N") == ("", False)
-    assert m.feed("D and more") == ("", True)
-
-
-def test_a_held_prefix_that_does_not_become_a_stop_is_sent_later() -> None:
-    m = StopMatcher(["END"])
-    assert m.feed("abc EN") == ("abc ", False)
-    assert m.feed("X") == ("ENX", False)
-    assert m.feed("E") == ("", False)
-    assert m.flush() == "E"
-
-
-def test_the_earliest_stop_string_wins() -> None:
-    m = StopMatcher(["world", "lo"])
-    assert m.feed("hello world") == ("hel", True)
-
-
-def test_without_stop_strings_text_passes_straight_through() -> None:
-    m = StopMatcher([])
-    assert m.feed("EN") == ("EN", False) and m.flush() == ""
 
 
 def test_a_stop_string_completed_by_the_detokenizers_tail_finishes_with_stop(

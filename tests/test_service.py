@@ -17,9 +17,10 @@ import trio.testing
 
 from triollm.admission import QueueClosed, QueueFull
 from triollm.batch import BadChunks
-from triollm.plan import SampledToken, StepPlan, StepResult
+from triollm.outcomes import EndCode, Unfinished
+from triollm.plan import FinishReason, SampledToken, StepPlan, StepResult
 from triollm.scheduler import Scheduler, SchedulerConfig, SeqState
-from triollm.service import Completed, Failed, Service, ServiceConfig, StopMatcher
+from triollm.service import Completed, Failed, Service, ServiceConfig
 
 EOS = 1
 
@@ -105,8 +106,8 @@ class FakeExecutor:
 
 class Counter:
     def __init__(self) -> None:
-        self.rejections: dict[str, int] = {}
-        self.finishes: dict[str, int] = {}
+        self.rejections: dict[Unfinished, int] = {}
+        self.finishes: dict[FinishReason, int] = {}
         self.tokens = 0
 
     def admitted(self, prompt_tokens: int, queue_seconds: float) -> None:
@@ -115,10 +116,10 @@ class Counter:
     def token(self, first: bool, seconds_since_previous: float) -> None:
         self.tokens += 1
 
-    def finished(self, reason: str, e2e_seconds: float) -> None:
+    def finished(self, reason: FinishReason, e2e_seconds: float) -> None:
         self.finishes[reason] = self.finishes.get(reason, 0) + 1
 
-    def rejected(self, reason: str) -> None:
+    def ended_early(self, reason: Unfinished) -> None:
         self.rejections[reason] = self.rejections.get(reason, 0) + 1
 
     def step(self, rows: int, width: int) -> None:
@@ -169,36 +170,6 @@ def pool_is_full(service: Service) -> bool:
     return s.blocks_free == s.blocks_total and s.running == 0
 
 
-# ----------------------------------------------------------------------------- stop strings
-
-
-def test_stop_matcher_holds_back_a_possible_stop_and_never_emits_it():
-    m = StopMatcher(["XYZ"])
-    assert m.feed("ab") == ("ab", False)
-    assert m.feed("X") == ("", False)  # could be the start of XYZ: held
-    assert m.feed("Y") == ("", False)
-    assert m.feed("Q") == ("XYQ", False)  # can no longer match: released
-    assert m.feed("cXY") == ("c", False)
-    assert m.feed("Zdef") == ("", True)  # matched: nothing from the stop on
-
-
-def test_stop_matcher_finish_matches_in_the_flushed_tail():
-    m = StopMatcher(["END"])
-    assert m.feed("ab") == ("ab", False)
-    assert m.finish("cEND tail") == ("c", True)
-    m = StopMatcher(["END"])
-    assert m.feed("abEN") == ("ab", False)
-    assert m.finish("X") == ("ENX", False)  # no match: the held-back text comes out
-
-
-def test_stop_matcher_picks_the_earliest_stop_and_flushes_the_rest():
-    m = StopMatcher(["cd", "b"])
-    assert m.feed("abcd") == ("a", True)
-    m = StopMatcher(["long-stop"])
-    assert m.feed("xlong") == ("x", False)
-    assert m.flush() == "long"
-
-
 # ----------------------------------------------------------------------------- streaming
 
 
@@ -210,14 +181,14 @@ async def test_a_request_streams_its_tokens_and_finishes_with_length(autojump_cl
         deltas = [d.text async for d in stream]
         outcome = stream.outcome
         assert isinstance(outcome, Completed)
-        assert (outcome.finish_reason, outcome.completion_tokens) == ("length", 4)
+        assert (outcome.finish_reason, outcome.completion_tokens) == (FinishReason.LENGTH, 4)
         assert "".join(deltas) + outcome.final.text == "abcd"
         assert len(deltas) == 3  # one delta per step; the last token rides on the outcome
         assert pool_is_full(service)
         await trio.testing.wait_all_tasks_blocked()
         assert ex.removed == [stream.seq_id]  # taken out of the batch at the next safe point
         nursery.cancel_scope.cancel()
-    assert counter.finishes == {"length": 1}
+    assert counter.finishes == {FinishReason.LENGTH: 1}
 
 
 async def test_a_stop_string_is_never_emitted_and_finishes_the_sequence(autojump_clock):
@@ -229,7 +200,7 @@ async def test_a_stop_string_is_never_emitted_and_finishes_the_sequence(autojump
         assert stream.seq_id == 0
         text = await read_all(stream)
         assert text == "ab"
-        assert stream.outcome.finish_reason == "stop"
+        assert stream.outcome.finish_reason is FinishReason.STOP
         assert stream.outcome.completion_tokens == 5  # a b x y z, then finished early
         assert service.scheduler.state(0) is SeqState.FINISHED
         assert pool_is_full(service)
@@ -243,7 +214,8 @@ async def test_eos_finishes_with_stop_and_is_not_text(autojump_clock):
         ex.scripts[0] = [tok("h"), tok("i"), EOS, tok("z")]
         stream = await service.submit([5], params=None, max_tokens=10)
         assert await read_all(stream) == "hi"
-        assert (stream.outcome.finish_reason, stream.outcome.completion_tokens) == ("stop", 3)
+        outcome = stream.outcome
+        assert (outcome.finish_reason, outcome.completion_tokens) == (FinishReason.STOP, 3)
         nursery.cancel_scope.cancel()
 
 
@@ -254,7 +226,7 @@ async def test_ignore_eos_keeps_generating(autojump_clock):
         ex.scripts[0] = [tok("h"), EOS, tok("z")]
         stream = await service.submit([5], params=None, max_tokens=3, ignore_eos=True)
         text = await read_all(stream)
-        assert stream.outcome.finish_reason == "length"
+        assert stream.outcome.finish_reason is FinishReason.LENGTH
         assert text.endswith("z")
         nursery.cancel_scope.cancel()
 
@@ -313,7 +285,7 @@ async def test_a_slow_reader_is_cut_off_and_its_neighbour_completes(autojump_clo
         # The slow reader never reads: after 2 buffered steps the 3rd delta would block.
         await service.wait_until(lambda: slow.outcome is not None)
         assert isinstance(slow.outcome, Failed)
-        assert slow.outcome.code == "too_slow"
+        assert slow.outcome.code is EndCode.TOO_SLOW
         assert slow.outcome.completion_tokens == 3
         assert service.scheduler.state(slow.seq_id) is SeqState.CANCELLED
         # What was buffered is still readable, then the stream ends.
@@ -321,7 +293,7 @@ async def test_a_slow_reader_is_cut_off_and_its_neighbour_completes(autojump_clo
         await fast_done.wait()
         assert fast_text == ["abcdefghij" + "ab"]
         assert pool_is_full(service)
-        assert counter.rejections == {"too_slow": 1}
+        assert counter.rejections == {EndCode.TOO_SLOW: 1}
         nursery.cancel_scope.cancel()
 
 
@@ -348,7 +320,7 @@ async def test_a_client_leaving_mid_stream_returns_blocks_and_admits_the_next(au
         await trio.testing.wait_all_tasks_blocked()
         assert service.scheduler.state(first.seq_id) is SeqState.CANCELLED
         assert len(queued) == 1
-        assert counter.rejections == {"client_closed": 1}
+        assert counter.rejections == {EndCode.CLIENT_CLOSED: 1}
         ex.release(10)
         assert await read_all(queued[0]) == "ab"
         assert first.close() is False  # idempotent: already ended
@@ -406,8 +378,8 @@ async def test_a_failed_step_fails_only_its_requests_and_the_loop_goes_on(autoju
         ex.fail_next = True
         stream = await service.submit([5], params=None, max_tokens=3)
         assert await read_all(stream) == ""
-        assert isinstance(stream.outcome, Failed) and stream.outcome.code == "internal"
-        assert counter.rejections == {"internal": 1}  # the server's fault is counted
+        assert isinstance(stream.outcome, Failed) and stream.outcome.code is EndCode.INTERNAL
+        assert counter.rejections == {EndCode.INTERNAL: 1}  # the server's fault is counted
         assert pool_is_full(service)
         again = await service.submit([5], params=None, max_tokens=3)
         assert await read_all(again) == "abc"
@@ -424,9 +396,12 @@ async def test_a_refused_chunk_fails_only_its_sequence_and_its_neighbour_runs_on
         bad = await service.submit([6], params=None, max_tokens=6)
         assert bad.seq_id == bad_id
         assert await read_all(bad) == ""
-        assert isinstance(bad.outcome, Failed) and bad.outcome.code == "internal"
+        assert isinstance(bad.outcome, Failed) and bad.outcome.code is EndCode.INTERNAL
         assert await read_all(good) == "abcdef"
-        assert isinstance(good.outcome, Completed) and good.outcome.finish_reason == "length"
+        assert (
+            isinstance(good.outcome, Completed)
+            and good.outcome.finish_reason is FinishReason.LENGTH
+        )
         await service.wait_until(lambda: pool_is_full(service))
         nursery.cancel_scope.cancel()
 
@@ -440,7 +415,7 @@ async def test_unset_max_tokens_fits_a_pool_smaller_than_the_context(autojump_cl
         stream = await service.submit([5, 5, 5], params=None)
         await read_all(stream)
         assert isinstance(stream.outcome, Completed)
-        assert stream.outcome.finish_reason == "length"
+        assert stream.outcome.finish_reason is FinishReason.LENGTH
         assert stream.outcome.completion_tokens == 24 - 3
         nursery.cancel_scope.cancel()
 
@@ -464,7 +439,7 @@ async def test_a_failure_outside_the_step_ends_every_stream_and_the_service_goes
         await read_all(a)
         await read_all(b)
         for stream in (a, b):
-            assert isinstance(stream.outcome, Failed) and stream.outcome.code == "internal"
+            assert isinstance(stream.outcome, Failed) and stream.outcome.code is EndCode.INTERNAL
             assert "observer bug" in stream.outcome.message
         assert pool_is_full(service)
         assert not service.ready and service.failed is not None

@@ -45,15 +45,17 @@ import enum
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import ClassVar, Protocol
 
 import trio
+
+from triollm.outcomes import Refused
 
 
 class Refusal(Exception):
     """A capacity refusal (HTTP 429): not the client's fault, try again later."""
 
-    reason = "refused"
+    reason: ClassVar[Refused]
 
     def __init__(self, message: str, retry_after_s: int) -> None:
         super().__init__(message)
@@ -61,11 +63,11 @@ class Refusal(Exception):
 
 
 class QueueFull(Refusal):
-    reason = "queue_full"
+    reason = Refused.QUEUE_FULL
 
 
 class QueueTimeout(Refusal):
-    reason = "queue_timeout"
+    reason = Refused.QUEUE_TIMEOUT
 
 
 class QueueClosed(Exception):

@@ -26,7 +26,6 @@ instead of spinning.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Generator, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -35,11 +34,7 @@ from triollm.model.loader import LoadedModel
 from triollm.model.sampling import SamplingParams
 from triollm.plan import Finished, FinishReason, SampledToken
 from triollm.scheduler import Scheduler, SchedulerConfig
-
-# Offline generation runs one request at a time unless asked for more, so the context
-# can be as long as the model allows up to this cap; 4096 positions of a 135M model's
-# K/V are ~190 MB of float32, which a laptop holds comfortably.
-DEFAULT_CONTEXT_CAP = 4096
+from triollm.sizing import OFFLINE_CHUNK_TOKENS, Capacity
 
 
 def engine_config(
@@ -47,33 +42,26 @@ def engine_config(
     *,
     slots: int = 1,
     context_tokens: int | None = None,
-    block_size: int = 32,
+    block_size: int | None = None,
 ) -> SchedulerConfig:
     """A scheduler config whose pool holds ``slots`` sequences of the whole context.
 
-    ``context_tokens`` defaults to the model's ``max_position_embeddings`` capped at
-    :data:`DEFAULT_CONTEXT_CAP`. The pool is sized so the reserve policy can admit
-    every slot at once with a full-context reservation: offline there is no queue of
-    strangers to be fair to, only the caller's own prompts.
+    The sizing rules are ``sizing.py``'s, shared with the server: ``context_tokens``
+    defaults to the model's ``max_position_embeddings`` capped at
+    ``sizing.DEFAULT_CONTEXT_CAP``, and the pool holds every slot's whole context, so
+    the reserve policy can admit every slot at once: offline there is no queue of
+    strangers to be fair to, only the caller's own prompts. The one offline choice is
+    the longer prefill chunk (``sizing.OFFLINE_CHUNK_TOKENS``). Raises
+    :class:`~triollm.errors.FieldError` (``context_tokens``) for a context out of range.
     """
-    limit = loaded.config.max_position_embeddings
-    context = min(limit, DEFAULT_CONTEXT_CAP) if context_tokens is None else context_tokens
-    if context < 2:
-        raise ValueError(
-            f"context_tokens must be >= 2 (a prompt token and an answer), got {context}"
-        )
-    if context > limit:
-        raise ValueError(
-            f"context_tokens ({context}) exceeds the model's max_position_embeddings ({limit})"
-        )
-    blocks_per_seq = math.ceil(context / block_size)
-    return SchedulerConfig(
-        num_blocks=blocks_per_seq * slots,
-        block_size=block_size,
+    capacity = Capacity(
         slots=slots,
-        context_tokens=context,
-        step_rows=max(544, slots + 512),
+        block_size=block_size,
+        context_tokens=context_tokens,
+        chunk_tokens=OFFLINE_CHUNK_TOKENS,
     )
+    cfg = loaded.config
+    return capacity.resolve(cfg.max_position_embeddings, cfg.kv_bytes_per_position())
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,7 +136,6 @@ class Engine:
         self.config = config
         self.scheduler = Scheduler(config)
         self.batch = Batch(loaded, num_blocks=config.num_blocks, block_size=config.block_size)
-        self.step_seconds: list[float] = []  # forward + sampling time of every step run
 
     def submit(self, request: Request) -> int:
         """Queue a request in the scheduler and the batch; returns its seq_id.
@@ -208,7 +195,6 @@ class Engine:
                 except BaseException:
                     self.scheduler.discard_step()  # else the next plan_step refuses to plan
                     raise
-                self.step_seconds.append(result.seconds)
                 finished = self.scheduler.commit(result)
                 for token in result.sampled:
                     if token.seq_id in live:

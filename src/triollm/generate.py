@@ -2,8 +2,8 @@
 
 The same path as the server, without HTTP: ``load_model`` -> tokenize (optionally
 through the chat template) -> :class:`~triollm.engine.Engine` (the real Scheduler and
-Batch) -> :class:`~triollm.model.tokenizer.IncrementalDetokenizer` -> stdout, one
-flushed write per piece of complete text.
+Batch) -> :class:`~triollm.textstream.TextStream` (the server's text rules) -> stdout,
+one flushed write per piece of complete text.
 
 ``--json`` prints one object at the end instead::
 
@@ -31,9 +31,9 @@ import time
 from collections.abc import Sequence
 from typing import Any, TextIO
 
-from triollm.errors import UserError
+from triollm.errors import FieldError, UserError
 from triollm.plan import FinishReason, SampledToken
-from triollm.stopstrings import StopMatcher
+from triollm.textstream import TextStream
 
 DEFAULT_MAX_TOKENS = 128  # enough to see a model's voice; capped by the context left
 
@@ -98,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
     prompt_ids = _prompt_ids(args, tok, loaded.config.vocab_size)
     try:
         config = engine_config(loaded, slots=1, context_tokens=args.context)
-    except ValueError as exc:
+    except FieldError as exc:  # the one field the user sets here is the context
         raise UserError(f"--context: {exc}") from None
     if args.max_tokens is None:
         # A prompt that leaves no room gets max_tokens 1 here, so the scheduler's own
@@ -143,8 +143,9 @@ def _drive(
 
     out: TextIO = sys.stdout
     stream = not args.json
-    detok = IncrementalDetokenizer(tok, prompt_ids)
-    matcher = StopMatcher(stops)
+    text_stream = TextStream(
+        IncrementalDetokenizer(tok, prompt_ids), stops=stops, stop_ids=stop_ids
+    )
     tokens: list[SampledToken] = []
     text: list[str] = []
     t_first = t_last = t0
@@ -155,20 +156,16 @@ def _drive(
             if not tokens:
                 t_first = t_last
             tokens.append(token)
-            if token.token_id in stop_ids:
-                continue  # the sequence ends here; EOS is not part of the text
-            piece, matched = matcher.feed(detok.push(token.token_id))
-            _emit(piece, text, out if stream else None)
-            if matched:
-                finish = FinishReason.STOP
+            piece = text_stream.push(token.token_id)
+            _emit(piece.text, text, out if stream else None)
+            if piece.finish is not None:  # a stop id or a stop string: the text ended
+                finish = piece.finish
                 break
         if finish is None:
-            finish = generation.finish_reason or FinishReason.STOP
-            # The detokenizer's held-back tail can complete a stop string too.
-            piece, matched = matcher.finish(detok.flush())
-            if matched:
-                finish = FinishReason.STOP
-            _emit(piece, text, out if stream else None)
+            piece = text_stream.finish(generation.finish_reason or FinishReason.STOP)
+            _emit(piece.text, text, out if stream else None)
+            finish = piece.finish
+    assert finish is not None
 
     if stream:
         out.write("\n")
@@ -210,13 +207,13 @@ def _emit(piece: str, text: list[str], out: TextIO | None) -> None:
 
 
 def _sampling_params(args: argparse.Namespace) -> Any:
-    from triollm.model.sampling import SamplingParamError, SamplingParams
+    from triollm.model.sampling import SamplingParams
 
     fields = {f.name for f in dataclasses.fields(SamplingParams)}
     values = {name: getattr(args, name) for name in fields}
     try:
         return SamplingParams(**values)
-    except SamplingParamError as exc:
+    except FieldError as exc:
         raise UserError(f"--{exc.field.replace('_', '-')}: {exc}") from None
 
 

@@ -12,14 +12,17 @@ The batch loop is one task. Each turn:
    in a worker thread, so the event loop keeps accepting requests and writing SSE while
    numpy/numba compute (the kernels release the GIL);
 4. ``finished = scheduler.commit(result)``, then each sampled token goes to its
-   request: detokenized, stop strings held back, and handed over with ``send_nowait``
+   request: through its :class:`~triollm.textstream.TextStream` (detokenized, stop
+   ids and stop strings applied), and handed over with ``send_nowait``
    on that request's bounded memory channel. ``trio.WouldBlock`` means the client has
    fallen ``stream_buffer_steps`` steps behind: its sequence is cancelled, its blocks
    go back, and its stream ends with a ``too_slow`` error. The loop never awaits a client;
 5. signal the admission driver: a step may have freed a slot.
 
-A request's stream ends with exactly one :data:`Outcome`, set *before* the channel is
-closed, so the reader drains the buffered deltas and then reads why it ended.
+A request's stream ends with exactly one :data:`~triollm.events.Outcome`, set *before*
+the channel is closed, so the reader drains the buffered deltas and then reads why it
+ended. The events themselves and the metrics hooks live in ``events.py``; the text
+rules in ``textstream.py``; the memory arithmetic in ``sizing.py``.
 
 Cancellation: a client that leaves makes its handler's cancel scope fire; the HTTP
 edge then calls :meth:`RequestStream.close` from a ``finally`` block. ``close`` is
@@ -37,17 +40,42 @@ import logging
 import math
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import trio
 
 from triollm.admission import AdmissionQueue
+from triollm.events import (
+    Completed,
+    Delta,
+    Failed,
+    NullObserver,
+    Observer,
+    Outcome,
+    StepRecorder,
+    TokenInfo,
+)
+from triollm.outcomes import EndCode
 from triollm.plan import Finished, FinishReason, SampledToken, StepPlan, StepResult
 from triollm.scheduler import Scheduler
-from triollm.stopstrings import StopMatcher
+from triollm.textstream import Detokenizer, TextStream
+
+__all__ = [
+    "Completed",
+    "Delta",
+    "Executor",
+    "Failed",
+    "Outcome",
+    "RequestStream",
+    "Service",
+    "ServiceConfig",
+    "TokenInfo",
+]
 
 log = logging.getLogger("triollm.service")
+
+SHUT_DOWN_MESSAGE = "the server shut down before the request finished"
 
 
 # --------------------------------------------------------------------------- configuration
@@ -84,132 +112,6 @@ class Executor(Protocol):
     def run(self, plan: StepPlan) -> StepResult: ...
 
 
-class Detokenizer(Protocol):
-    def push(self, token_id: int) -> str: ...
-    def flush(self) -> str: ...
-
-
-class Observer(Protocol):
-    """The metrics hooks the service calls (``server/metrics.py`` provides them)."""
-
-    def admitted(self, prompt_tokens: int, queue_seconds: float) -> None: ...
-    def token(self, first: bool, seconds_since_previous: float) -> None: ...
-    def finished(self, reason: str, e2e_seconds: float) -> None: ...
-    def rejected(self, reason: str) -> None: ...
-    def step(self, rows: int, width: int) -> None: ...
-
-
-class _NullObserver:
-    def admitted(self, prompt_tokens: int, queue_seconds: float) -> None:
-        pass
-
-    def token(self, first: bool, seconds_since_previous: float) -> None:
-        pass
-
-    def finished(self, reason: str, e2e_seconds: float) -> None:
-        pass
-
-    def rejected(self, reason: str) -> None:
-        pass
-
-    def step(self, rows: int, width: int) -> None:
-        pass
-
-
-# --------------------------------------------------------------------------- stream events
-
-
-@dataclass(frozen=True, slots=True)
-class TokenInfo:
-    """One generated token with its log-probabilities (when the request asked)."""
-
-    token_id: int
-    logprob: float | None
-    top: tuple[tuple[int, float], ...]
-
-
-@dataclass(frozen=True, slots=True)
-class Delta:
-    """New text for one request from one step (possibly empty while a stop string is
-    held back) and the tokens that produced it."""
-
-    text: str
-    tokens: tuple[TokenInfo, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class Completed:
-    """The request finished normally. ``final`` is the last text (held-back text is
-    flushed into it) and the last token."""
-
-    finish_reason: str  # "stop" | "length"
-    final: Delta
-    prompt_tokens: int
-    completion_tokens: int
-
-
-@dataclass(frozen=True, slots=True)
-class Failed:
-    """The request ended early: ``code`` is ``too_slow``, ``client_closed``,
-    ``shutdown`` or ``internal``."""
-
-    code: str
-    message: str
-    prompt_tokens: int
-    completion_tokens: int
-
-
-Outcome = Completed | Failed
-
-
-# --------------------------------------------------------------------------- the step recorder
-
-
-@dataclass(frozen=True, slots=True)
-class StepRecord:
-    step: int
-    rows: int
-    width: int  # sequences in the forward pass
-    prefill_rows: int
-    decode_rows: int
-    seq_ids: tuple[int, ...]
-    seconds: float
-
-
-class StepRecorder:
-    """The last ``capacity`` steps: what each forward pass computed, and for whom.
-
-    Tests read batch width from here instead of from a clock ("two requests shared
-    a forward pass" is ``width >= 2`` on some step holding both ids).
-    """
-
-    def __init__(self, capacity: int = 4096) -> None:
-        self.records: deque[StepRecord] = deque(maxlen=capacity)
-        self.total_steps = 0
-
-    def record(self, plan: StepPlan, result: StepResult) -> StepRecord:
-        rec = StepRecord(
-            step=plan.step,
-            rows=plan.n_rows,
-            width=len(plan.chunks),
-            prefill_rows=sum(c.n_rows for c in plan.chunks if c.prefill),
-            decode_rows=sum(c.n_rows for c in plan.chunks if not c.prefill),
-            seq_ids=tuple(c.seq_id for c in plan.chunks),
-            seconds=result.seconds,
-        )
-        self.records.append(rec)
-        self.total_steps += 1
-        return rec
-
-    def shared(self, a: int, b: int) -> bool:
-        """Whether sequences ``a`` and ``b`` ever ran in the same forward pass."""
-        return any(a in r.seq_ids and b in r.seq_ids for r in self.records)
-
-    @property
-    def max_width(self) -> int:
-        return max((r.width for r in self.records), default=0)
-
-
 # --------------------------------------------------------------------------- one request
 
 
@@ -220,9 +122,7 @@ class _Live:
     seq_id: int
     prompt_ids: tuple[int, ...]
     params: Any
-    stop_ids: frozenset[int]
-    detok: Detokenizer
-    matcher: StopMatcher
+    text: TextStream
     send: trio.MemorySendChannel[Delta]
     arrived: float
     want_logprobs: bool
@@ -266,10 +166,10 @@ class RequestStream:
         """How the request ended; None while it runs."""
         return self._live.outcome
 
-    def close(self, reason: str = "client_closed") -> bool:
+    def close(self, reason: EndCode = EndCode.CLIENT_CLOSED) -> bool:
         """End the request now if it is still running (sync: safe in a cancelled
         ``finally``). Returns True if this cut it short; ``reason`` is recorded
-        (``client_closed``, or ``shutdown`` when the server cut it)."""
+        (``CLIENT_CLOSED``, or ``SHUTDOWN`` when the server cut it)."""
         self._recv.close()
         return self._service._abandon(self._live, reason)
 
@@ -306,7 +206,7 @@ class Service:
         self.config = config or ServiceConfig()
         self._detokenizer = detokenizer
         self.eos_token_ids = frozenset(eos_token_ids)
-        self.observer: Observer = observer or _NullObserver()
+        self.observer: Observer = observer or NullObserver()
         self.recorder = recorder or StepRecorder()
         slots = scheduler.config.slots
         self.queue = AdmissionQueue(
@@ -328,7 +228,8 @@ class Service:
         self.closing = False
         self.ready = False
         self.failed: str | None = None  # why the batch loop stopped (then never ready again)
-        self.outcomes: deque[tuple[int, str]] = deque(maxlen=1024)  # (seq_id, code) for tests
+        # (seq_id, how it ended), for tests
+        self.outcomes: deque[tuple[int, FinishReason | EndCode]] = deque(maxlen=1024)
 
     # ------------------------------------------------------------------ the task tree
 
@@ -350,7 +251,7 @@ class Service:
             if frontend is not None:
                 # The frontend ends after its graceful shutdown; take the rest down with it.
                 await self._frontend_done.wait()
-                self._end_all("shutdown", "the server shut down before the request finished")
+                self._end_all(EndCode.SHUTDOWN, SHUT_DOWN_MESSAGE)
                 nursery.cancel_scope.cancel()
 
     async def _run_frontend(
@@ -414,24 +315,21 @@ class Service:
             # than slots x context, an unset max_tokens would reserve the whole
             # context and every request without max_tokens (the openai chat
             # default) would be refused. Room is counted against the largest
-            # request the pool can hold (MemoryReport.largest_request).
+            # request the pool can hold.
             max_tokens = self.config.max_tokens_default
-            room = self.largest_request - len(prompt_ids)
+            room = self.scheduler.config.largest_request - len(prompt_ids)
             if room >= 1:  # else: let the scheduler name the limit the prompt breaks
                 max_tokens = room if max_tokens is None else min(max_tokens, room)
         stop_ids = frozenset() if ignore_eos else self.eos_token_ids
         # Everything that can fail is built before enqueue: after it, a sequence exists.
-        detok = self._detokenizer(prompt_ids)
-        matcher = StopMatcher(stop)
+        text = TextStream(self._detokenizer(prompt_ids), stops=stop, stop_ids=stop_ids)
         seq_id = self.queue.enqueue(prompt_ids, max_tokens, stop_ids)
         send, recv = trio.open_memory_channel[Delta](self.config.stream_buffer_steps)
         live = _Live(
             seq_id=seq_id,
             prompt_ids=tuple(prompt_ids),
             params=params,
-            stop_ids=stop_ids,
-            detok=detok,
-            matcher=matcher,
+            text=text,
             send=send,
             arrived=trio.current_time(),
             want_logprobs=want_logprobs,
@@ -483,35 +381,29 @@ class Service:
         live.send.close()
         if live.in_batch:
             self._to_remove.append(live.seq_id)
-        self.outcomes.append(
-            (
-                live.seq_id,
-                outcome.finish_reason if isinstance(outcome, Completed) else outcome.code,
-            )
-        )
+        ended = outcome.finish_reason if isinstance(outcome, Completed) else outcome.code
+        self.outcomes.append((live.seq_id, ended))
         if not live.internal:
             if isinstance(outcome, Completed):
                 self.observer.finished(outcome.finish_reason, trio.current_time() - live.arrived)
-            elif outcome.code in ("too_slow", "client_closed", "shutdown", "internal"):
-                self.observer.rejected(outcome.code)
+            else:
+                self.observer.ended_early(outcome.code)
         self.queue.signal()
         self.notify()
 
-    def _failed(self, live: _Live, code: str, message: str) -> Failed:
+    def _failed(self, live: _Live, code: EndCode, message: str) -> Failed:
         return Failed(code, message, len(live.prompt_ids), live.n_generated)
 
-    def _abandon(self, live: _Live, reason: str) -> bool:
+    def _abandon(self, live: _Live, reason: EndCode) -> bool:
         if live.outcome is not None or self._live.get(live.seq_id) is not live:
             return False
         message = (
-            "the server shut down before the request finished"
-            if reason == "shutdown"
-            else "the client closed the connection"
+            SHUT_DOWN_MESSAGE if reason is EndCode.SHUTDOWN else "the client closed the connection"
         )
         self._end(live, self._failed(live, reason, message), cancel=True)
         return True
 
-    def _end_all(self, code: str, message: str) -> None:
+    def _end_all(self, code: EndCode, message: str) -> None:
         for live in list(self._live.values()):
             if live.admitted_at is not None:
                 self._end(live, self._failed(live, code, message), cancel=True)
@@ -557,11 +449,11 @@ class Service:
             if live.admitted_at is None:
                 continue  # still queued: close() woke it with QueueClosed
             try:
-                self._end(live, self._failed(live, "internal", message), cancel=True)
+                self._end(live, self._failed(live, EndCode.INTERNAL, message), cancel=True)
             except Exception:  # the failing part may be on this path too
                 log.exception("seq %d: ending it failed; closing its stream", live.seq_id)
                 self._live.pop(live.seq_id, None)
-                live.outcome = self._failed(live, "internal", message)
+                live.outcome = self._failed(live, EndCode.INTERNAL, message)
                 live.send.close()
                 try:
                     self.scheduler.cancel(live.seq_id)
@@ -598,7 +490,7 @@ class Service:
                     if live is not None:
                         self._end(
                             live,
-                            self._failed(live, "internal", f"the step failed: {exc}"),
+                            self._failed(live, EndCode.INTERNAL, f"the step failed: {exc}"),
                             cancel=True,
                         )
                     else:
@@ -640,20 +532,17 @@ class Service:
         info = (
             (TokenInfo(tok.token_id, tok.logprob, tok.top_logprobs),) if live.want_logprobs else ()
         )
-        if tok.token_id in live.stop_ids:
-            text, matched = "", False  # EOS / a stop id: it ends the text, it is not text
-        else:
-            text, matched = live.matcher.feed(live.detok.push(tok.token_id))
-        if matched:
-            if fin is None:
+        piece = live.text.push(tok.token_id)
+        if piece.finish is not None:  # a stop id or a stop string ended the text
+            if fin is None:  # a stop string: the scheduler does not know yet
                 self.scheduler.finish(live.seq_id, FinishReason.STOP)
-            self._complete(live, FinishReason.STOP, Delta(text, info))
+            self._complete(live, piece.finish, Delta(piece.text, info))
             return
-        if fin is not None:
-            tail, matched = live.matcher.finish(live.detok.flush())
-            text += tail
-            reason = FinishReason.STOP if matched else fin.reason
-            self._complete(live, reason, Delta(text, info))
+        text = piece.text
+        if fin is not None:  # the scheduler ended it (length)
+            end = live.text.finish(fin.reason)
+            assert end.finish is not None
+            self._complete(live, end.finish, Delta(text + end.text, info))
             return
         if not text and not info:
             return  # held back: nothing to say yet
@@ -663,7 +552,7 @@ class Service:
             self._too_slow(live)
 
     def _complete(self, live: _Live, reason: FinishReason, final: Delta) -> None:
-        outcome = Completed(reason.value, final, len(live.prompt_ids), live.n_generated)
+        outcome = Completed(reason, final, len(live.prompt_ids), live.n_generated)
         # The scheduler has ended it already (commit or finish): no cancel.
         self._end(live, outcome, cancel=False)
 
@@ -674,7 +563,7 @@ class Service:
             live,
             self._failed(
                 live,
-                "too_slow",
+                EndCode.TOO_SLOW,
                 f"the client fell {n} steps behind the generation (its stream buffer is full);"
                 " the request was cancelled to free its slot",
             ),
@@ -706,54 +595,5 @@ class Service:
         )
 
     @property
-    def largest_request(self) -> int:
-        """Positions (prompt + answer) of the largest request an empty pool admits."""
-        cfg = self.scheduler.config
-        return min(cfg.context_tokens, cfg.num_blocks * cfg.block_size)
-
-    @property
     def live_requests(self) -> int:
         return len(self._live)
-
-    @property
-    def in_batch(self) -> frozenset[int]:
-        return frozenset(s for s, live in self._live.items() if live.in_batch)
-
-
-@dataclass(frozen=True)
-class MemoryReport:
-    """The startup arithmetic: why the limits are what they are."""
-
-    weight_bytes: int
-    kv_bytes_per_position: int
-    num_blocks: int
-    block_size: int
-    slots: int
-    context_tokens: int
-    lines: tuple[str, ...] = field(default=())
-
-    @property
-    def pool_positions(self) -> int:
-        return self.num_blocks * self.block_size
-
-    @property
-    def largest_request(self) -> int:
-        """Positions (prompt + max_tokens) of the largest request admissible on an empty pool."""
-        return min(self.context_tokens, self.pool_positions)
-
-    def describe(self) -> str:
-        mib = 1024 * 1024
-        kv_total = self.kv_bytes_per_position * self.pool_positions
-        return "\n".join(
-            [
-                f"weights: {self.weight_bytes / mib:.1f} MiB",
-                f"KV cache: {self.kv_bytes_per_position} bytes per position"
-                " (float32 K+V, all layers)",
-                f"pool: {self.num_blocks} blocks x {self.block_size} positions = "
-                f"{self.pool_positions} positions = {kv_total / mib:.1f} MiB",
-                f"slots: {self.slots}; context: {self.context_tokens} positions per sequence",
-                f"largest admissible request: prompt + max_tokens <= {self.largest_request} "
-                f"positions (min of the context and the pool)",
-                *self.lines,
-            ]
-        )

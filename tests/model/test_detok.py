@@ -264,3 +264,19 @@ def test_encoded_text_with_split_characters_streams_back_exactly(
     pieces = stream(byte_level, [], ids)
     assert "".join(pieces) == text
     assert all("\ufffd" not in p for p in pieces)
+
+
+def test_token_bytes_reads_a_byte_fallback_spelling(metaspace: Tokenizer) -> None:
+    ids = metaspace.encode("🦀", add_special_tokens=False)
+    spelled = [metaspace.token_bytes(t) for t in ids if metaspace.token_text(t) != "▁"]
+    assert b"".join(b for b in spelled if b is not None) == "🦀".encode()
+    (the,) = metaspace.encode("the", add_special_tokens=False)
+    assert metaspace.token_bytes(the) is None  # "▁the" spells no bytes
+
+
+def test_token_bytes_inverts_the_byte_level_alphabet(byte_level: Tokenizer) -> None:
+    ids = [byte_token(byte_level, b) for b in "😀".encode()]
+    assert b"".join(byte_level.token_bytes(t) or b"?" for t in ids) == "😀".encode()
+    (world,) = byte_level.encode(" world", add_special_tokens=False)
+    assert byte_level.token_bytes(world) == b" world"  # "Ġworld": Ġ is the shifted space
+    assert byte_level.token_bytes(10**9) is None

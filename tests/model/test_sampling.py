@@ -13,8 +13,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from triollm.errors import FieldError
 from triollm.model.sampling import (
-    SamplingParamError,
     SamplingParams,
     SequenceSampler,
     log_softmax,
@@ -60,7 +60,7 @@ def test_bad_parameters_name_the_field_and_the_range(
 ) -> None:
     with pytest.raises(ValueError, match=message) as exc:
         SamplingParams(**{field: value})  # type: ignore[arg-type]
-    assert isinstance(exc.value, SamplingParamError) and exc.value.field == field
+    assert isinstance(exc.value, FieldError) and exc.value.field == field
 
 
 def test_parameters_are_frozen() -> None:

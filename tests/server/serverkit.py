@@ -16,15 +16,17 @@ import json
 import math
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
 import trio
 
 from triollm.plan import StepPlan, StepResult
-from triollm.server.app import HttpConfig
 from triollm.server.command import Stack, build_stack, serve_stack
+from triollm.server.frontend import HttpConfig
+from triollm.service import ServiceConfig
+from triollm.sizing import Capacity
 
 MODEL_DIR = Path(__file__).resolve().parents[1] / "fixtures" / "models" / "llama-gqa-f32"
 MODEL_ID = MODEL_DIR.name
@@ -48,6 +50,18 @@ class Live:
         return s.blocks_free == s.blocks_total and s.running == 0 and s.waiting == 0
 
 
+CAPACITY_FIELDS = {f.name for f in fields(Capacity)}
+SERVICE_FIELDS = {f.name for f in fields(ServiceConfig)}
+
+
+def stack_for(loaded: Any, **kwargs: Any) -> Stack:
+    """``build_stack`` with each keyword routed to the config that owns it
+    (Capacity, ServiceConfig, or build_stack's own)."""
+    capacity = {k: kwargs.pop(k) for k in list(kwargs) if k in CAPACITY_FIELDS}
+    service = {k: kwargs.pop(k) for k in list(kwargs) if k in SERVICE_FIELDS}
+    return build_stack(loaded, Capacity(**capacity), ServiceConfig(**service), **kwargs)
+
+
 @asynccontextmanager
 async def live_server(
     loaded: Any, *, http: dict[str, Any] | None = None, **stack_kwargs: Any
@@ -55,7 +69,7 @@ async def live_server(
     """Start a server; on exit shut it down gracefully and check nothing leaked."""
     stack_kwargs.setdefault("slots", 2)
     stack_kwargs.setdefault("context_tokens", 256)
-    stack = build_stack(loaded, **stack_kwargs)
+    stack = stack_for(loaded, **stack_kwargs)
     config = HttpConfig(host="127.0.0.1", port=0, **({"grace_s": 2.0} | (http or {})))
     shutdown = trio.Event()
     # A hang guard, not a timing assertion: a broken engine or a lost wake-up must

@@ -14,6 +14,7 @@ from typing import Any
 import trio
 import trio.testing
 
+from triollm.outcomes import EndCode, Refused
 from triollm.plan import SampledToken, StepPlan, StepResult
 from triollm.scheduler import Scheduler, SchedulerConfig
 from triollm.server.app import ServedModel, create_app
@@ -158,7 +159,7 @@ async def test_a_disconnect_while_blocked_on_the_channel_cancels_at_once(autojum
         assert trio.current_time() == left_at  # no step had to finish first
         s = service.scheduler.statistics()
         assert (s.blocks_free, s.running) == (s.blocks_total, 0)
-        assert metrics.rejection_count("client_closed") == 1
+        assert metrics.rejection_count(EndCode.CLIENT_CLOSED) == 1
         await trio.testing.wait_all_tasks_blocked()
         nursery.cancel_scope.cancel()
     assert sent[-1].get("more_body") is not False  # the response never completed
@@ -195,9 +196,9 @@ async def test_a_disconnect_while_queued_is_499_not_429(autojump_clock):
         nursery.start_soon(app, scope(), r2, s2)
         await service.wait_until(lambda: service.queue.waiting == 1)
         gone2.set()
-        await service.wait_until(lambda: metrics.rejection_count("client_closed") == 1)
+        await service.wait_until(lambda: metrics.rejection_count(EndCode.CLIENT_CLOSED) == 1)
         assert service.queue.waiting == 0
-        assert metrics.rejection_count("queue_timeout") == 0
+        assert metrics.rejection_count(Refused.QUEUE_TIMEOUT) == 0
         gone1.set()
         await service.wait_until(lambda: service.live_requests == 0)
         nursery.cancel_scope.cancel()

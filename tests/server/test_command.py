@@ -13,11 +13,13 @@ import time
 import urllib.request
 
 import pytest
-from serverkit import MODEL_DIR, MODEL_ID
+from serverkit import MODEL_DIR, MODEL_ID, stack_for
 
 from triollm import cli
 from triollm.errors import UserError
-from triollm.server.command import build_stack, parse_size
+from triollm.policies import Policy
+from triollm.server.command import parse_size
+from triollm.sizing import DEFAULT_CONTEXT_CAP
 
 
 def run_cli(*args: str) -> int:
@@ -30,31 +32,52 @@ def test_a_non_loopback_bind_needs_public(capsys):
     assert "--public" in err and "no authentication" in err
 
 
-@pytest.mark.parametrize("policy", ["static", "free-slot"])
-def test_teaching_policies_are_refused_with_the_reason(loaded, policy):
+@pytest.mark.parametrize("policy", [Policy.STATIC, Policy.FREE_SLOT])
+def test_teaching_policies_are_refused_with_the_reason(loaded, policy, capsys):
     with pytest.raises(UserError, match="teaching only"):
-        build_stack(loaded, policy=policy)
+        stack_for(loaded, policy=policy)
+    assert run_cli(str(MODEL_DIR), "--policy", policy.value) == 2
+    assert "teaching only" in capsys.readouterr().err
 
 
-def test_an_unknown_policy_and_bad_numbers_are_refused(loaded):
-    with pytest.raises(UserError, match="reserve or preempt"):
-        build_stack(loaded, policy="fastest")
+def test_an_unknown_policy_and_bad_numbers_are_refused(loaded, capsys):
+    assert run_cli(str(MODEL_DIR), "--policy", "fastest") == 2
+    assert "reserve or preempt" in capsys.readouterr().err
     with pytest.raises(UserError, match="--step-rows") as info:
-        build_stack(loaded, slots=8, step_rows=4)
+        stack_for(loaded, slots=8, step_rows=4)
     assert "step_rows" not in str(info.value) and "--slots" in str(info.value)
     for field, flag, kwargs in (
-        ("queue_wait_s", "--queue-wait", {"queue_wait_s": -1.0}),
-        ("max_tokens_default", "--max-tokens-default", {"max_tokens_default": 0}),
         ("num_blocks", "--kv-blocks", {"num_blocks": 0}),
-        ("stream_buffer_steps", "--stream-buffer", {"stream_buffer_steps": 0}),
+        ("slots ", "--slots", {"slots": 0}),
+        ("block_size", "--block-size", {"block_size": 0}),
+        ("chunk_tokens", "--chunk", {"chunk_tokens": 0}),
     ):
         with pytest.raises(UserError, match=flag) as info:
-            build_stack(loaded, **kwargs)
-        assert field not in str(info.value)
+            stack_for(loaded, **kwargs)
+        assert not str(info.value).startswith(field)
     with pytest.raises(UserError, match="max_position_embeddings"):
-        build_stack(loaded, context_tokens=10**6)
-    with pytest.raises(UserError, match="holds no block"):
-        build_stack(loaded, kv_memory_bytes=100)
+        stack_for(loaded, context_tokens=10**6)
+    with pytest.raises(UserError, match="holds no block") as info:
+        stack_for(loaded, kv_memory_bytes=100)
+    assert "--kv-memory" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("field", "flag", "value"),
+    [
+        ("queue_wait_s", "--queue-wait", "-1"),
+        ("max_tokens_default", "--max-tokens-default", "0"),
+        ("stream_buffer_steps", "--stream-buffer", "0"),
+        ("queue_depth_per_slot", "--queue-depth-per-slot", "0"),
+    ],
+)
+def test_a_bad_queue_knob_is_refused_naming_the_flag_before_the_model_loads(
+    field, flag, value, capsys, tmp_path
+):
+    # tmp_path holds no model: the flag is refused before anything is loaded.
+    assert run_cli(str(tmp_path), flag, value) == 2
+    err = capsys.readouterr().err
+    assert flag in err and field not in err
 
 
 def test_sizes():
@@ -66,7 +89,7 @@ def test_sizes():
 
 
 def test_the_startup_report_is_the_memory_arithmetic(loaded):
-    stack = build_stack(loaded, slots=2, block_size=16, context_tokens=128, kv_memory_bytes=2**20)
+    stack = stack_for(loaded, slots=2, block_size=16, context_tokens=128, kv_memory_bytes=2**20)
     per_position = loaded.config.kv_bytes_per_position()
     blocks = 2**20 // (per_position * 16)
     text = stack.report.describe()
@@ -142,14 +165,12 @@ def test_sigterm_drains_and_exits_zero():
 def test_a_long_context_model_gets_a_capped_default_and_a_pool_too_big_is_a_user_error(loaded):
     from dataclasses import replace
 
-    from triollm.engine import DEFAULT_CONTEXT_CAP
-
     long = replace(loaded, config=replace(loaded.config, max_position_embeddings=131072))
-    stack = build_stack(long, slots=2)
-    assert stack.report.context_tokens == DEFAULT_CONTEXT_CAP
-    assert stack.report.num_blocks * stack.report.block_size == 2 * DEFAULT_CONTEXT_CAP
+    stack = stack_for(long, slots=2)
+    assert stack.report.scheduler.context_tokens == DEFAULT_CONTEXT_CAP
+    assert stack.report.pool_positions == 2 * DEFAULT_CONTEXT_CAP
     with pytest.raises(UserError, match="--kv-memory") as info:
-        build_stack(loaded, num_blocks=10**12)
+        stack_for(loaded, num_blocks=10**12)
     assert "GiB" in str(info.value) and "--context" in str(info.value)
 
 

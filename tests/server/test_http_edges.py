@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import trio
 from serverkit import MODEL_ID, StepGate, live_server, raw_post, read_until
+
+from triollm.outcomes import EndCode, Refused
 
 
 async def get(url: str) -> httpx.Response:
@@ -63,7 +67,7 @@ async def test_refusals_are_openai_shaped_and_disturb_nothing_in_flight(loaded):
         missing = await get(live.url + "/v2/nothing")
         assert missing.status_code == 404 and "error" in missing.json()
 
-        assert metrics.rejection_count("bad_request") == 5
+        assert metrics.rejection_count(Refused.BAD_REQUEST) == 5
         # The stream that was running all along is untouched.
         gate.open()
         buf = bytearray()
@@ -116,7 +120,7 @@ async def test_shutdown_lets_a_stream_finish_within_the_grace_period(loaded):
         assert await read_until(sock, b"data: [DONE]", buf)
         assert b'"finish_reason":"length"' in buf
         await sock.aclose()
-    assert live.stack.metrics.rejection_count("shutdown") == 0
+    assert live.stack.metrics.rejection_count(EndCode.SHUTDOWN) == 0
 
 
 async def test_shutdown_cuts_what_is_still_running_after_the_grace_period(loaded):
@@ -127,8 +131,8 @@ async def test_shutdown_cuts_what_is_still_running_after_the_grace_period(loaded
             sock = await raw_post(live.port, "/v1/completions", body)
             await live.service.wait_until(lambda: gate.parked)
     metrics = live.stack.metrics
-    assert metrics.rejection_count("shutdown") == 1
-    assert metrics.rejection_count("client_closed") == 0
+    assert metrics.rejection_count(EndCode.SHUTDOWN) == 1
+    assert metrics.rejection_count(EndCode.CLIENT_CLOSED) == 0
     assert live.pool_is_idle()
     await sock.aclose()
 
@@ -200,7 +204,29 @@ async def test_metrics_count_failures_5xx_and_preemptions_but_not_the_warm_up(lo
         live.service.step_runner = broken
         r = await post(live.url + "/v1/completions", b'{"prompt": "Hi", "max_tokens": 2}')
         assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
-        assert metrics.rejection_count("internal") == 1
+        assert metrics.rejection_count(EndCode.INTERNAL) == 1
         assert metrics.server_error_count() == 1
         page = (await get(live.url + "/metrics")).text
         assert 'triollm:http_server_errors_total{status="500"} 1.0' in page
+
+
+async def test_a_sampling_value_out_of_range_is_a_400_naming_the_field(loaded):
+    """The ranges live in SamplingParams alone; its FieldError reaches the client
+    with the field as ``param`` (nothing parses it out of the message)."""
+    cases = {
+        "temperature": 2.5,
+        "top_p": 0,
+        "top_k": -3,
+        "min_p": 2,
+        "presence_penalty": 3,
+        "frequency_penalty": -3,
+        "repetition_penalty": 0,
+    }
+    async with live_server(loaded) as live:
+        for field, value in cases.items():
+            body = json.dumps({"prompt": "Hi", "max_tokens": 2, field: value}).encode()
+            r = await post(live.url + "/v1/completions", body)
+            assert r.status_code == 400, (field, r.text)
+            error = r.json()["error"]
+            assert error["param"] == field and field in error["message"], error
+        assert live.stack.metrics.rejection_count(Refused.BAD_REQUEST) == len(cases)

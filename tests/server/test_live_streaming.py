@@ -19,6 +19,8 @@ from serverkit import (
     unchunk,
 )
 
+from triollm.outcomes import EndCode, Refused
+
 BODY = {"model": MODEL_ID, "prompt": "Hello there", "temperature": 0, "stream": True}
 
 
@@ -80,7 +82,7 @@ async def test_a_client_that_hangs_up_mid_stream_frees_its_blocks_and_the_next_i
             held = service.scheduler.statistics().blocks_held
             assert held > 0 and service.queue.waiting == 1
             await first.aclose()  # hang up mid-stream, the handler blocked on its channel
-            await service.wait_until(lambda: metrics.rejection_count("client_closed") == 1)
+            await service.wait_until(lambda: metrics.rejection_count(EndCode.CLIENT_CLOSED) == 1)
             # Its blocks went back and the queued request took the slot.
             await service.wait_until(lambda: service.queue.waiting == 0)
             assert service.scheduler.statistics().running == 1
@@ -99,7 +101,7 @@ async def test_a_client_that_hangs_up_while_queued_is_499_and_leaves_nothing(loa
         queued = await raw_post(live.port, "/v1/completions", BODY | {"max_tokens": 8})
         await service.wait_until(lambda: service.queue.waiting == 1)
         await queued.aclose()  # before the first byte of its response
-        await service.wait_until(lambda: metrics.rejection_count("client_closed") == 1)
+        await service.wait_until(lambda: metrics.rejection_count(EndCode.CLIENT_CLOSED) == 1)
         assert service.queue.waiting == 0
         assert service.scheduler.statistics().waiting == 0
         gate.open()
@@ -146,7 +148,7 @@ async def test_overload_gets_clean_429s_at_once_and_every_admitted_request_compl
             assert sorted(status for status, _ in early) == [200, 429, 429, 429, 429]
             assert all(b"retry-after: 7" in head for status, head in early if status == 429)
             assert service.queue.waiting == 2
-            assert metrics.rejection_count("queue_full") == 4
+            assert metrics.rejection_count(Refused.QUEUE_FULL) == 4
             gate.open()
             late = [await heads_recv.receive() for _ in range(2)]
             assert [status for status, _ in late] == [200, 200]

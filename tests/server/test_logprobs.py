@@ -5,15 +5,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from triollm.server.app import ServedModel, _Writer
+from triollm.events import Delta, TokenInfo
 from triollm.server.openai import GenerationRequest
-from triollm.service import Delta, TokenInfo
+from triollm.server.responses import ResponseWriter, ServedModel
 
 
-def writer(loaded: Any, kind: str, logprobs: int) -> _Writer:
+def writer(loaded: Any, kind: str, logprobs: int) -> ResponseWriter:
     model = ServedModel("m", loaded.tokenizer, 256, 0, dict)
     req = GenerationRequest(kind=kind, model=None, prompt_text="x", logprobs=logprobs)  # type: ignore[arg-type]
-    return _Writer(req, model, stream=None)  # type: ignore[arg-type]
+    return ResponseWriter(req, model, stream=None)  # type: ignore[arg-type]
 
 
 def test_byte_tokens_have_their_own_bytes_and_distinct_keys(loaded):

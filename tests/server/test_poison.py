@@ -10,6 +10,8 @@ import httpx
 import trio
 from serverkit import MODEL_DIR, StepGate, live_server, raw_post, read_until
 
+from triollm.outcomes import EndCode
+
 EXTRA = "<|extra|>"
 
 
@@ -101,4 +103,4 @@ async def test_past_the_door_the_batch_refuses_only_the_poisoned_request(tmp_pat
         assert await read_until(running, b"data: [DONE]", buf)
         assert b'"finish_reason":"length"' in buf and b'"error"' not in buf
         await running.aclose()
-        assert live.stack.metrics.rejection_count("internal") == 1
+        assert live.stack.metrics.rejection_count(EndCode.INTERNAL) == 1

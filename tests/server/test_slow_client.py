@@ -16,6 +16,7 @@ import openai
 import trio
 from serverkit import MODEL_ID, live_server, raw_post, read_until, sse_payloads, unchunk
 
+from triollm.outcomes import EndCode
 from triollm.server import transport
 
 SLOW = {
@@ -65,8 +66,8 @@ async def test_a_client_that_stops_reading_is_cut_off_with_the_error_event(loade
         async with trio.open_nursery() as nursery:
             nursery.start_soon(fast)
             # Not reading: hypercorn's write blocks, our channel fills, the loop cuts it.
-            await service.wait_until(lambda: metrics.rejection_count("too_slow") == 1)
-            [seq] = [seq for seq, code in service.outcomes if code == "too_slow"]
+            await service.wait_until(lambda: metrics.rejection_count(EndCode.TOO_SLOW) == 1)
+            [seq] = [seq for seq, code in service.outcomes if code is EndCode.TOO_SLOW]
             assert service.scheduler.state(seq).value == "cancelled"  # its blocks are back
         assert neighbour and neighbour[0] in ("stop", "length")  # the neighbour completed
         # The client comes back and reads: what was generated, then the error, then [DONE].

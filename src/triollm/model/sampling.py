@@ -35,25 +35,19 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from triollm.errors import FieldError
+
 _SEED_SPACE = 2**64  # numpy's generators take a non-negative seed; any int is folded into it
 MAX_LOGPROBS = 20  # OpenAI's limit for top_logprobs
 
 
-class SamplingParamError(ValueError):
-    """A sampling parameter out of range. ``field`` names it (the HTTP layer's ``param``)."""
-
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(message)
-        self.field = field
-
-
 def _check_number(name: str, value: object, lo: float, hi: float, *, lo_open: bool) -> None:
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise SamplingParamError(name, f"{name} must be a finite number, got {value!r}")
+        raise FieldError(name, f"{name} must be a finite number, got {value!r}")
     below = value <= lo if lo_open else value < lo
     if below or value > hi:
         bracket = "(" if lo_open else "["
-        raise SamplingParamError(name, f"{name} must be in {bracket}{lo}, {hi}], got {value!r}")
+        raise FieldError(name, f"{name} must be in {bracket}{lo}, {hi}], got {value!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,8 +55,10 @@ class SamplingParams:
     """How one request turns logits into tokens. Frozen and validated on construction.
 
     Every field's default leaves the model's distribution unchanged (plain sampling at
-    temperature 1). Bad values raise :class:`SamplingParamError` (a ``ValueError``)
-    naming the field and its range; its ``field`` attribute is the HTTP 400's ``param``.
+    temperature 1). Bad values raise :class:`~triollm.errors.FieldError` (a
+    ``ValueError``) naming the field and its range; its ``field`` attribute is the
+    HTTP 400's ``param``. This is the one place the ranges live: the HTTP edge checks
+    only JSON types and lets these checks answer.
 
     Trap: ``seed=None`` draws from OS entropy, so two identical requests differ; pass a
     seed to reproduce a run. ``temperature=0`` ignores every truncation setting.
@@ -86,19 +82,19 @@ class SamplingParams:
         _check_number("presence_penalty", self.presence_penalty, -2.0, 2.0, lo_open=False)
         _check_number("frequency_penalty", self.frequency_penalty, -2.0, 2.0, lo_open=False)
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
-            raise SamplingParamError(
+            raise FieldError(
                 "top_k", f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}"
             )
         if self.seed is not None and (
             isinstance(self.seed, bool) or not isinstance(self.seed, int)
         ):
-            raise SamplingParamError("seed", f"seed must be an integer or null, got {self.seed!r}")
+            raise FieldError("seed", f"seed must be an integer or null, got {self.seed!r}")
         if self.logprobs is not None and (
             isinstance(self.logprobs, bool)
             or not isinstance(self.logprobs, int)
             or not 0 <= self.logprobs <= MAX_LOGPROBS
         ):
-            raise SamplingParamError(
+            raise FieldError(
                 "logprobs",
                 f"logprobs must be an integer in [0, {MAX_LOGPROBS}] or null, "
                 f"got {self.logprobs!r}",

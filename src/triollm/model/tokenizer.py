@@ -323,6 +323,27 @@ class Tokenizer:
         """The vocabulary string of one id (``"Ġthe"``, ``"▁the"``, ``"<0xF0>"``), or None."""
         return self._hf.id_to_token(token_id)
 
+    def token_bytes(self, token_id: int) -> bytes | None:
+        """The bytes one token stands for, when its vocabulary string spells bytes.
+
+        A token that is part of a UTF-8 character decodes to U+FFFD on its own, so its
+        text says nothing; its bytes do (logprobs show them as ``bytes:\\xNN``). Two
+        spellings carry them: SentencePiece byte fallback's ``<0xNN>``, and byte-level
+        BPE, whose every character stands for one byte (:data:`_BYTE_LEVEL`). None for
+        an unknown id or a string that is neither.
+        """
+        piece = self.token_text(token_id)
+        if piece is None:
+            return None
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            try:
+                return bytes([int(piece[3:5], 16)])
+            except ValueError:
+                return None
+        if all(c in _BYTE_LEVEL for c in piece):
+            return bytes(_BYTE_LEVEL[c] for c in piece)
+        return None
+
     # -- chat ------------------------------------------------------------------------------
 
     @property
@@ -439,6 +460,23 @@ def _read_chat_templates(d: Path, cfg: Mapping[str, Any], cfg_path: Path) -> dic
     raise ModelLoadError(
         f"{cfg_path}: field 'chat_template' must be a string or a list of named templates"
     )
+
+
+def _byte_level_decoder() -> dict[str, int]:
+    """Byte-level BPE (GPT-2's) spells each byte as one printable character: bytes that
+    are printable Latin-1 stand for themselves, the other 68 are shifted to 256 + n in
+    order. This is the inverse map (character -> byte)."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    chars = {b: chr(b) for b in keep}
+    shifted = 0
+    for b in range(256):
+        if b not in chars:
+            chars[b] = chr(256 + shifted)
+            shifted += 1
+    return {c: b for b, c in chars.items()}
+
+
+_BYTE_LEVEL = _byte_level_decoder()
 
 
 # How many prompt tokens the detokenizer keeps as decoding context. One is enough for the

@@ -17,6 +17,7 @@ remaining connections are aborted and the process exits 0.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import errno
 import ipaddress
 import logging
@@ -33,23 +34,20 @@ from typing import Any
 import trio
 
 from triollm.errors import UserError
-from triollm.scheduler import Policy, Scheduler, SchedulerConfig
-from triollm.server.app import (
-    DEFAULT_MAX_BODY_BYTES,
-    HttpConfig,
-    ServedModel,
-    create_app,
-    serve_http,
-)
+from triollm.policies import Policy
+from triollm.scheduler import Scheduler
+from triollm.server.app import DEFAULT_MAX_BODY_BYTES, ServedModel, create_app
+from triollm.server.frontend import HttpConfig, serve_http
 from triollm.server.metrics import Metrics
-from triollm.service import MemoryReport, Service, ServiceConfig
+from triollm.service import Service, ServiceConfig
+from triollm.sizing import DEFAULT_CONTEXT_CAP, Capacity, MemoryReport, default_of
 
 log = logging.getLogger("triollm.server")
 
 REFUSED_POLICIES = {
-    "static": "static runs a batch to completion before admitting anyone else "
+    Policy.STATIC: "static runs a batch to completion before admitting anyone else "
     "(head-of-line blocking); it is in the simulator for teaching only",
-    "free-slot": "free-slot admits on a free slot alone and deadlocks when the pool runs dry; "
+    Policy.FREE_SLOT: "free-slot admits on a free slot alone and deadlocks when the pool runs dry; "
     "it is in the simulator for teaching only",
 }
 
@@ -71,30 +69,30 @@ def configure(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="allow a non-loopback --host (there is NO authentication)",
     )
+    # Every default below is read from the config dataclass that owns it, where its
+    # reason is written (SchedulerConfig, ServiceConfig, sizing.py, HttpConfig).
+    svc = {f.name: f.default for f in dataclasses.fields(ServiceConfig)}
+    http = {f.name: f.default for f in dataclasses.fields(HttpConfig)}
     cap = parser.add_argument_group("capacity")
-    cap.add_argument("--slots", type=int, default=4, help="sequences running at once (4)")
+    cap.add_argument("--slots", type=int, help=f"sequences running at once ({default_of('slots')})")
     mem = cap.add_mutually_exclusive_group()
     mem.add_argument("--kv-blocks", type=int, help="KV pool size in blocks")
     mem.add_argument(
         "--kv-memory", help="KV pool budget, e.g. 256MiB or 2G (default: slots x context)"
     )
-    cap.add_argument("--block-size", type=int, default=32, help="positions per KV block (32)")
     cap.add_argument(
-        "--context", type=int, help="positions per sequence (default: the model's, at most 4096)"
+        "--block-size", type=int, help=f"positions per KV block ({default_of('block_size')})"
     )
-    # The step budget (docs/serving.md, "Choosing the step budget";
-    # bench/bench_step_rows.py): a step carrying a prefill chunk stalls every
-    # decoding stream for as long as the chunk takes, and the stall grows with the
-    # chunk, while the long prompt's time to first token barely depends on it
-    # down to ~64-128 tokens (a prefill is compute bound; the per-step weight read
-    # is a few percent of a 128-row step). 128 keeps stalls ~4x shorter than 512
-    # at the same TTFT. step_rows = chunk + slots so a chunk never pushes a
-    # decoder out of its step (step_rows = chunk measured 1.5x longer stalls).
+    cap.add_argument(
+        "--context",
+        type=int,
+        help=f"positions per sequence (default: the model's, at most {DEFAULT_CONTEXT_CAP})",
+    )
     cap.add_argument(
         "--chunk",
         type=int,
-        default=128,
-        help="prefill tokens per sequence per step (128: short decode stalls, same TTFT)",
+        help=f"prefill tokens per sequence per step ({default_of('chunk_tokens')}: short "
+        "decode stalls, same TTFT; see SchedulerConfig)",
     )
     cap.add_argument(
         "--step-rows",
@@ -103,26 +101,42 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     cap.add_argument(
         "--policy",
-        default="reserve",
+        default=Policy.RESERVE.value,
         help="admission policy: reserve (default; never deadlocks) or preempt",
     )
     q = parser.add_argument_group("queue and streams")
-    q.add_argument("--queue-depth-per-slot", type=int, default=8, help="waiters per slot (8)")
-    q.add_argument("--queue-wait", type=float, default=30.0, help="seconds a waiter may wait (30)")
+    q.add_argument(
+        "--queue-depth-per-slot",
+        type=int,
+        default=svc["queue_depth_per_slot"],
+        help=f"waiters per slot ({svc['queue_depth_per_slot']})",
+    )
+    q.add_argument(
+        "--queue-wait",
+        type=float,
+        default=svc["queue_wait_s"],
+        help=f"seconds a waiter may wait ({svc['queue_wait_s']:g})",
+    )
     q.add_argument(
         "--stream-buffer",
         type=int,
-        default=256,
-        help="steps a client may fall behind before it is cut off (256)",
+        default=svc["stream_buffer_steps"],
+        help=f"steps a client may fall behind before it is cut off ({svc['stream_buffer_steps']})",
     )
     q.add_argument("--max-tokens-default", type=int, help="max_tokens when a request gives none")
     q.add_argument(
         "--write-timeout",
         type=float,
-        default=30.0,
-        help="abort a connection whose socket accepts nothing for this long (30 s; 0 = never)",
+        default=http["write_timeout_s"],
+        help="abort a connection whose socket accepts nothing for this long "
+        f"({http['write_timeout_s']:g} s; 0 = never)",
     )
-    q.add_argument("--grace", type=float, default=30.0, help="shutdown grace period (30 s)")
+    q.add_argument(
+        "--grace",
+        type=float,
+        default=http["grace_s"],
+        help=f"shutdown grace period ({http['grace_s']:g} s)",
+    )
 
 
 def _is_loopback(host: str) -> bool:
@@ -178,6 +192,7 @@ FLAG_OF_FIELD = {
     "context_tokens": "--context",
     "chunk_tokens": "--chunk",
     "queue_wait_s": "--queue-wait",
+    "kv_memory_bytes": "--kv-memory",
     "num_blocks": "--kv-blocks (or --kv-memory)",
     "block_size": "--block-size",
     "step_rows": "--step-rows",
@@ -191,86 +206,55 @@ def flag_names(message: str) -> str:
     return re.sub(pattern, lambda m: FLAG_OF_FIELD[m.group(1)], message)
 
 
+def parse_policy(text: str) -> Policy:
+    """``--policy``: the two the server runs; the teaching ones are refused with why."""
+    try:
+        policy = Policy(text)
+    except ValueError:
+        raise UserError(f"--policy must be reserve or preempt, got {text!r}") from None
+    if policy in REFUSED_POLICIES:
+        raise UserError(f"--policy {text} is refused here: {REFUSED_POLICIES[policy]}")
+    return policy
+
+
 def build_stack(
     loaded: Any,
+    capacity: Capacity,
+    service_config: ServiceConfig,
     *,
-    slots: int = 4,
-    num_blocks: int | None = None,
-    kv_memory_bytes: int | None = None,
-    block_size: int = 32,
-    context_tokens: int | None = None,
-    chunk_tokens: int = 128,
-    step_rows: int | None = None,
-    policy: str = "reserve",
-    overtake_limit: int | None = None,
-    queue_depth_per_slot: int = 8,
-    queue_wait_s: float = 30.0,
-    stream_buffer_steps: int = 256,
-    max_tokens_default: int | None = None,
     model_name: str | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
 ) -> Stack:
-    """Scheduler + Batch + Service + app for ``loaded``; validates every knob."""
+    """Scheduler + Batch + Service + app for ``loaded``, sized by ``sizing.py``.
+
+    Raises :class:`UserError` naming the flag for a capacity the model or the
+    machine cannot have (the configs refuse their own bad values)."""
     from triollm.batch import Batch
     from triollm.model.sampling import SamplingParams
     from triollm.model.tokenizer import IncrementalDetokenizer
 
-    if policy in REFUSED_POLICIES:
-        raise UserError(f"--policy {policy} is refused here: {REFUSED_POLICIES[policy]}")
-    if policy not in ("reserve", "preempt"):
-        raise UserError(f"--policy must be reserve or preempt, got {policy!r}")
-    cfg = loaded.config
-    from triollm.engine import DEFAULT_CONTEXT_CAP
-
-    # A long-context model's own limit (Llama-3.1: 131072 positions) would make the
-    # default pool slots x 131072 x 128 KiB = 64+ GiB: capped, as `generate` does;
-    # --context asks for more explicitly.
-    context = context_tokens or min(cfg.max_position_embeddings, DEFAULT_CONTEXT_CAP)
-    if context > cfg.max_position_embeddings:
+    if capacity.policy in REFUSED_POLICIES:
         raise UserError(
-            f"--context {context} exceeds the model's max_position_embeddings "
-            f"({cfg.max_position_embeddings})"
+            f"--policy {capacity.policy.value} is refused here: {REFUSED_POLICIES[capacity.policy]}"
         )
+    cfg = loaded.config
     per_position = cfg.kv_bytes_per_position()
-    if num_blocks is None:
-        if kv_memory_bytes is not None:
-            num_blocks = kv_memory_bytes // (per_position * block_size)
-            if num_blocks < 1:
-                raise UserError(
-                    f"--kv-memory {kv_memory_bytes} bytes holds no block: one block is "
-                    f"{block_size} positions x {per_position} bytes = {block_size * per_position}"
-                )
-        else:
-            num_blocks = math.ceil(slots * context / block_size)  # every slot can fill its context
-    rows = step_rows if step_rows is not None else chunk_tokens + slots
     try:
-        sched_config = SchedulerConfig(
-            num_blocks=num_blocks,
-            block_size=block_size,
-            slots=slots,
-            chunk_tokens=chunk_tokens,
-            step_rows=rows,
-            context_tokens=context,
-            policy=Policy(policy),
-            overtake_limit=overtake_limit,
-        )
-        service_config = ServiceConfig(
-            queue_depth_per_slot=queue_depth_per_slot,
-            queue_wait_s=queue_wait_s,
-            stream_buffer_steps=stream_buffer_steps,
-            max_tokens_default=max_tokens_default,
-        )
-    except ValueError as exc:
+        sched_config = capacity.resolve(cfg.max_position_embeddings, per_position)
+    except ValueError as exc:  # FieldError or the SchedulerConfig's own refusal
         raise UserError(flag_names(str(exc))) from None
     try:
-        batch = Batch(loaded, num_blocks=num_blocks, block_size=block_size)
+        batch = Batch(
+            loaded, num_blocks=sched_config.num_blocks, block_size=sched_config.block_size
+        )
     except MemoryError:
-        need = num_blocks * block_size * per_position
+        s = sched_config
+        need = s.num_blocks * s.block_size * per_position
         raise UserError(
-            f"cannot allocate the KV pool: {num_blocks} blocks x {block_size} positions x "
-            f"{per_position} bytes = {need / 2**30:.1f} GiB ({slots} slots x {context} "
-            "positions of context); give it a budget with --kv-memory (e.g. 2G) or shorten "
-            "--context"
+            f"cannot allocate the KV pool: {s.num_blocks} blocks x {s.block_size} positions x "
+            f"{per_position} bytes = {need / 2**30:.1f} GiB ({s.slots} slots x "
+            f"{s.context_tokens} positions of context); give it a budget with --kv-memory "
+            "(e.g. 2G) or shorten --context"
         ) from None
     metrics = Metrics()
     tokenizer = loaded.tokenizer
@@ -284,26 +268,26 @@ def build_stack(
     )
     metrics.bind(service.scheduler.statistics, lambda: service.internal_running)
     served = ServedModel(
-        id=model_name or Path(loaded.model_dir).name,
+        id=Path(loaded.model_dir).name if model_name is None else model_name,
         tokenizer=tokenizer,
         # /v1/models' max_model_len: the largest request this server admits, which
         # a pool smaller than slots x context makes less than the context.
-        context_tokens=min(context, num_blocks * block_size),
+        context_tokens=sched_config.largest_request,
         created=int(time.time()),
         make_params=SamplingParams,
         model_vocab_size=cfg.vocab_size,
     )
+    sc, q = sched_config, service_config
     report = MemoryReport(
         weight_bytes=loaded.weight_bytes,
         kv_bytes_per_position=per_position,
-        num_blocks=num_blocks,
-        block_size=block_size,
-        slots=slots,
-        context_tokens=context,
+        scheduler=sched_config,
         lines=(
-            f"queue: {slots} slots x {queue_depth_per_slot} = {slots * queue_depth_per_slot} "
-            f"waiters, wait budget {queue_wait_s:g} s; stream buffer {stream_buffer_steps} steps",
-            f"step: up to {rows} rows; prefill chunk {chunk_tokens} tokens; policy {policy}",
+            f"queue: {sc.slots} slots x {q.queue_depth_per_slot} = "
+            f"{sc.slots * q.queue_depth_per_slot} waiters, wait budget {q.queue_wait_s:g} s; "
+            f"stream buffer {q.stream_buffer_steps} steps",
+            f"step: up to {sc.step_rows} rows; prefill chunk {sc.chunk_tokens} tokens; "
+            f"policy {sc.policy.value}",
         ),
     )
     warm = list(tokenizer.encode("Hello")) or [0]
@@ -376,6 +360,31 @@ def _find_oserror(exc: BaseException) -> OSError | None:
     return None
 
 
+def configs_from_args(args: argparse.Namespace) -> tuple[Capacity, ServiceConfig]:
+    """The flags as config objects; an unset flag stays None so the config's own
+    default (and its reason) applies. Raises :class:`UserError` naming the flag."""
+    capacity = Capacity(
+        slots=args.slots,
+        block_size=args.block_size,
+        context_tokens=args.context,
+        num_blocks=args.kv_blocks,
+        kv_memory_bytes=None if args.kv_memory is None else parse_size(args.kv_memory),
+        chunk_tokens=args.chunk,
+        step_rows=args.step_rows,
+        policy=parse_policy(args.policy),
+    )
+    try:
+        service_config = ServiceConfig(
+            queue_depth_per_slot=args.queue_depth_per_slot,
+            queue_wait_s=args.queue_wait,
+            stream_buffer_steps=args.stream_buffer,
+            max_tokens_default=args.max_tokens_default,
+        )
+    except ValueError as exc:
+        raise UserError(flag_names(str(exc))) from None
+    return capacity, service_config
+
+
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     if not _is_loopback(args.host) and not args.public:
@@ -389,10 +398,6 @@ def run(args: argparse.Namespace) -> int:
             f"{args.host}:{args.port} can use this server",
             file=sys.stderr,
         )
-    for name in ("slots", "block_size", "chunk", "queue_depth_per_slot", "stream_buffer"):
-        value = getattr(args, name)
-        if value < 1:
-            raise UserError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
     if not 0 <= args.port <= 65535:
         raise UserError(f"--port must be 0-65535, got {args.port}")
     # A negative grace would end the drain before it began; a negative write
@@ -401,6 +406,9 @@ def run(args: argparse.Namespace) -> int:
     for name, value in (("write-timeout", args.write_timeout), ("grace", args.grace)):
         if not (value >= 0 and math.isfinite(value)):
             raise UserError(f"--{name} must be a number of seconds >= 0, got {value}")
+    if args.model_name is not None and not args.model_name:
+        raise UserError("--model-name must not be empty")
+    capacity, service_config = configs_from_args(args)
     from triollm.model.loader import load_model
 
     model_dir = _model_dir(args)
@@ -408,18 +416,8 @@ def run(args: argparse.Namespace) -> int:
     loaded = load_model(model_dir)
     stack = build_stack(
         loaded,
-        slots=args.slots,
-        num_blocks=args.kv_blocks,
-        kv_memory_bytes=parse_size(args.kv_memory) if args.kv_memory else None,
-        block_size=args.block_size,
-        context_tokens=args.context,
-        chunk_tokens=args.chunk,
-        step_rows=args.step_rows,
-        policy=args.policy,
-        queue_depth_per_slot=args.queue_depth_per_slot,
-        queue_wait_s=args.queue_wait,
-        stream_buffer_steps=args.stream_buffer,
-        max_tokens_default=args.max_tokens_default,
+        capacity,
+        service_config,
         model_name=args.model_name
         or (None if args.model_dir or args.model_opt else DEMO_MODEL_NAME),
     )
@@ -432,7 +430,7 @@ def run(args: argparse.Namespace) -> int:
         host=args.host,
         port=args.port,
         grace_s=args.grace,
-        write_timeout_s=args.write_timeout or None,
+        write_timeout_s=None if args.write_timeout == 0 else args.write_timeout,  # 0 = never
     )
     print(
         "triollm: compiling kernels and warming up (the first run can take ~30 s)...",

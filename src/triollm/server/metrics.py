@@ -22,18 +22,14 @@ from prometheus_client.core import CounterMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 
+from triollm.outcomes import EndCode, Refused, Unfinished
+from triollm.plan import FinishReason
+
 # Seconds. From 1 ms (a decode step of a tiny model) to a minute (a long queue wait).
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
-# Why a request ended without finishing: the reasons the issue names, plus shutdown.
-REJECTION_REASONS = (
-    "queue_full",
-    "queue_timeout",
-    "client_closed",
-    "too_slow",
-    "bad_request",
-    "shutdown",
-    "internal",  # the server's fault: a failed step, or the batch loop itself
-)
+# Why a request ended without finishing: every member of both enums (outcomes.py).
+REJECTION_REASONS: tuple[Unfinished, ...] = (*Refused, *EndCode)
+FINISH_REASONS = (FinishReason.STOP, FinishReason.LENGTH)  # how a request can finish
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 
@@ -150,10 +146,10 @@ class Metrics:
             ["status"],
             registry=r,
         )
-        for reason in REJECTION_REASONS:
-            self.rejections.labels(reason=reason)  # export zeros, so rate() works from the start
-        for reason in ("stop", "length"):
-            self.success.labels(finished_reason=reason)
+        # One series per member, created now: zeros are exported (so rate() works from
+        # the start), and a reason that is not a member has no series to be counted in.
+        self._rejections = {r: self.rejections.labels(reason=r.value) for r in REJECTION_REASONS}
+        self._success = {r: self.success.labels(finished_reason=r.value) for r in FINISH_REASONS}
 
     def bind(
         self, statistics: Callable[[], _Stats], hidden_running: Callable[[], int] = lambda: 0
@@ -174,7 +170,7 @@ class Metrics:
 
         self.kv_usage.set_function(usage)
 
-    # -- the service's Observer hooks (triollm.service.Observer) --------------------
+    # -- the service's Observer hooks (triollm.events.Observer) ---------------------
 
     def admitted(self, prompt_tokens: int, queue_seconds: float) -> None:
         self.prompt_tokens.inc(prompt_tokens)
@@ -184,14 +180,15 @@ class Metrics:
         self.generation_tokens.inc()
         (self.ttft if first else self.itl).observe(seconds_since_previous)
 
-    def finished(self, reason: str, e2e_seconds: float) -> None:
-        self.success.labels(finished_reason=reason).inc()
+    def finished(self, reason: FinishReason, e2e_seconds: float) -> None:
+        self._success[reason].inc()
         self.e2e.observe(e2e_seconds)
 
-    def rejected(self, reason: str) -> None:
-        if reason not in REJECTION_REASONS:
-            raise ValueError(f"unknown rejection reason {reason!r}")
-        self.rejections.labels(reason=reason).inc()
+    def ended_early(self, reason: Unfinished) -> None:
+        """A request that ended without finishing: refused at the door or cut short.
+        Runs inside the batch loop (via the service), so it cannot fail on a reason:
+        the reasons are enum members, and every member has its series."""
+        self._rejections[reason].inc()
 
     def step(self, rows: int, width: int) -> None:
         self.step_rows.observe(rows)
@@ -199,10 +196,10 @@ class Metrics:
 
     # -- reading ---------------------------------------------------------------------
 
-    def rejection_count(self, reason: str) -> float:
+    def rejection_count(self, reason: Unfinished) -> float:
         """The current count for one reason (tests read it)."""
         value = self.registry.get_sample_value(
-            "triollm:request_rejections_total", {"reason": reason}
+            "triollm:request_rejections_total", {"reason": reason.value}
         )
         return value or 0.0
 

@@ -1,10 +1,13 @@
 """OpenAI's request and error shapes: parse a JSON body into a frozen request, or refuse it.
 
-Everything a client can get wrong is found here, before the request touches the
-tokenizer, the queue or the scheduler: bad JSON, a field of the wrong type or
-out of range, a feature we do not implement (``n`` other than 1, ``echo``,
-``logit_bias`` ...). Each refusal is an :class:`ApiError` whose ``param`` names the
-field, so the ``openai`` client shows the user which argument to fix. The result
+Everything about the request's *shape* is checked here, before the request touches
+the tokenizer, the queue or the scheduler: bad JSON, a field of the wrong JSON type,
+a feature we do not implement (``n`` other than 1, ``echo``, ``logit_bias`` ...),
+limits of OpenAI's API itself (``stop``, ``logprobs``). Each refusal is an
+:class:`ApiError` whose ``param`` names the field, so the ``openai`` client shows
+the user which argument to fix. The sampling *ranges* are not checked here:
+``SamplingParams`` owns them, and its :class:`~triollm.errors.FieldError` reaches the
+client through :func:`field_error`, its ``.field`` becoming ``param``. The result
 is a :class:`GenerationRequest`, frozen, holding only plain values: the handler
 reads everything it needs from the Quart ``request`` *before* it starts the
 response, because the request object is gone by the time the body is written.
@@ -16,9 +19,10 @@ checks for ``bool`` first, or ``"max_tokens": true`` would mean one token.
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass
 from typing import Any, Literal
+
+from triollm.errors import FieldError
 
 # OpenAI caps `stop` at 4 sequences; more would make the hold-back buffer (the
 # longest stop string) and the per-token search cost grow without bound.
@@ -70,6 +74,12 @@ def bad_request(message: str, param: str | None, code: str | None = None) -> Api
     return ApiError(400, message, param=param, code=code)
 
 
+def field_error(exc: FieldError, code: str | None = None) -> ApiError:
+    """A field the model layer refused (a sampling range, a request that cannot fit):
+    400, with the field it names as ``param``."""
+    return ApiError(400, str(exc), param=exc.field, code=code)
+
+
 @dataclass(frozen=True, slots=True)
 class ChatMessage:
     role: str
@@ -111,35 +121,26 @@ class GenerationRequest:
 # --------------------------------------------------------------------------- field readers
 
 
-def _number(
-    body: dict[str, Any],
-    name: str,
-    default: float,
-    lo: float,
-    hi: float,
-    *,
-    lo_open: bool = False,
-) -> float:
-    """A number in [lo, hi] (or (lo, hi] with ``lo_open``: top_p 0 would keep nothing)."""
+def _number(body: dict[str, Any], name: str, default: float) -> float:
+    """A JSON number (its range is ``SamplingParams``'s to check)."""
     value = body.get(name)
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise bad_request(f"'{name}' must be a number, got {type(value).__name__}", name)
-    above_lo = value > lo if lo_open else value >= lo
-    if not math.isfinite(value) or not (above_lo and value <= hi):
-        limit = f"> {lo:g} and <= {hi:g}" if lo_open else f"between {lo:g} and {hi:g}"
-        raise bad_request(f"'{name}' must be {limit}, got {value}", name)
     return float(value)
 
 
-def _integer(body: dict[str, Any], name: str, lo: int, hi: int | None = None) -> int | None:
+def _integer(
+    body: dict[str, Any], name: str, lo: int | None = None, hi: int | None = None
+) -> int | None:
+    """A JSON integer; ``lo``/``hi`` only for limits of the API itself."""
     value = body.get(name)
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int):
         raise bad_request(f"'{name}' must be an integer, got {type(value).__name__}", name)
-    if value < lo or (hi is not None and value > hi):
+    if (lo is not None and value < lo) or (hi is not None and value > hi):
         limit = f"at least {lo}" if hi is None else f"between {lo} and {hi}"
         raise bad_request(f"'{name}' must be {limit}, got {value}", name)
     return value
@@ -258,22 +259,22 @@ def _common(body: dict[str, Any], kind: Literal["completion", "chat"]) -> dict[s
         if not isinstance(options, dict):
             raise bad_request("'stream_options' must be an object", "stream_options")
         include_usage = _boolean(options, "include_usage", param="stream_options.include_usage")
-    top_k = _integer(body, "top_k", -1)
-    seed = _integer(body, "seed", -(2**63), 2**64 - 1)
+    top_k = _integer(body, "top_k")
+    seed = _integer(body, "seed")
     user = _string(body, "user")
     return {
         "kind": kind,
         "model": model,
         "max_tokens": max_completion if max_completion is not None else max_tokens,
-        "temperature": _number(body, "temperature", 1.0, 0.0, 2.0),
-        "top_p": _number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
+        "temperature": _number(body, "temperature", 1.0),
+        "top_p": _number(body, "top_p", 1.0),
         "top_k": 0 if top_k is None or top_k == -1 else top_k,  # -1 is vLLM's "off"
-        "min_p": _number(body, "min_p", 0.0, 0.0, 1.0),
-        "seed": None if seed is None else seed % 2**64,
+        "min_p": _number(body, "min_p", 0.0),
+        "seed": seed,  # any integer: the sampler folds it into its seed space
         "stop": _stop(body),
-        "presence_penalty": _number(body, "presence_penalty", 0.0, -2.0, 2.0),
-        "frequency_penalty": _number(body, "frequency_penalty", 0.0, -2.0, 2.0),
-        "repetition_penalty": _number(body, "repetition_penalty", 1.0, 0.01, 10.0),
+        "presence_penalty": _number(body, "presence_penalty", 0.0),
+        "frequency_penalty": _number(body, "frequency_penalty", 0.0),
+        "repetition_penalty": _number(body, "repetition_penalty", 1.0),
         "stream": stream,
         "include_usage": include_usage,
         "user": user,

@@ -1,0 +1,149 @@
+"""What the service tells the edge: the frozen stream events, and the hooks it calls.
+
+The service -> edge counterpart of ``plan.py``: everything that crosses from the
+batch loop to a request handler is one of these frozen values, sent over the
+request's memory channel (:class:`Delta`) or set once as its outcome
+(:class:`Completed` | :class:`Failed`). The :class:`Observer` is the other
+direction's interface: the metrics hooks the service calls, which
+``server/metrics.py`` implements. :class:`StepRecorder` keeps what each forward
+pass computed, for tests and tools.
+
+Read with ``service.py`` (which produces all of these) and ``server/responses.py``
+(which turns them into OpenAI's JSON).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Protocol
+
+from triollm.outcomes import EndCode, Unfinished
+from triollm.plan import FinishReason, StepPlan, StepResult
+
+# --------------------------------------------------------------------------- stream events
+
+
+@dataclass(frozen=True, slots=True)
+class TokenInfo:
+    """One generated token with its log-probabilities (when the request asked)."""
+
+    token_id: int
+    logprob: float | None
+    top: tuple[tuple[int, float], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Delta:
+    """New text for one request from one step (possibly empty while a stop string is
+    held back) and the tokens that produced it."""
+
+    text: str
+    tokens: tuple[TokenInfo, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Completed:
+    """The request finished normally. ``final`` is the last text (held-back text is
+    flushed into it) and the last token."""
+
+    finish_reason: FinishReason  # STOP or LENGTH
+    final: Delta
+    prompt_tokens: int
+    completion_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class Failed:
+    """The request ended early, for ``code``; ``message`` says why in words."""
+
+    code: EndCode
+    message: str
+    prompt_tokens: int
+    completion_tokens: int
+
+
+Outcome = Completed | Failed
+
+
+# --------------------------------------------------------------------------- the hooks
+
+
+class Observer(Protocol):
+    """The metrics hooks the service calls (``server/metrics.py`` provides them).
+
+    Trap: they run inside the batch loop; one that raises fails every request, so
+    they take enums, never strings that could be misspelt."""
+
+    def admitted(self, prompt_tokens: int, queue_seconds: float) -> None: ...
+    def token(self, first: bool, seconds_since_previous: float) -> None: ...
+    def finished(self, reason: FinishReason, e2e_seconds: float) -> None: ...
+    def ended_early(self, reason: Unfinished) -> None: ...
+    def step(self, rows: int, width: int) -> None: ...
+
+
+class NullObserver:
+    """An Observer that records nothing (a Service built without metrics)."""
+
+    def admitted(self, prompt_tokens: int, queue_seconds: float) -> None:
+        pass
+
+    def token(self, first: bool, seconds_since_previous: float) -> None:
+        pass
+
+    def finished(self, reason: FinishReason, e2e_seconds: float) -> None:
+        pass
+
+    def ended_early(self, reason: Unfinished) -> None:
+        pass
+
+    def step(self, rows: int, width: int) -> None:
+        pass
+
+
+# --------------------------------------------------------------------------- the step recorder
+
+
+@dataclass(frozen=True, slots=True)
+class StepRecord:
+    step: int
+    rows: int
+    width: int  # sequences in the forward pass
+    prefill_rows: int
+    decode_rows: int
+    seq_ids: tuple[int, ...]
+    seconds: float
+
+
+class StepRecorder:
+    """The last ``capacity`` steps: what each forward pass computed, and for whom.
+
+    Tests read batch width from here instead of from a clock ("two requests shared
+    a forward pass" is ``width >= 2`` on some step holding both ids).
+    """
+
+    def __init__(self, capacity: int = 4096) -> None:
+        self.records: deque[StepRecord] = deque(maxlen=capacity)
+        self.total_steps = 0
+
+    def record(self, plan: StepPlan, result: StepResult) -> StepRecord:
+        rec = StepRecord(
+            step=plan.step,
+            rows=plan.n_rows,
+            width=len(plan.chunks),
+            prefill_rows=sum(c.n_rows for c in plan.chunks if c.prefill),
+            decode_rows=sum(c.n_rows for c in plan.chunks if not c.prefill),
+            seq_ids=tuple(c.seq_id for c in plan.chunks),
+            seconds=result.seconds,
+        )
+        self.records.append(rec)
+        self.total_steps += 1
+        return rec
+
+    def shared(self, a: int, b: int) -> bool:
+        """Whether sequences ``a`` and ``b`` ever ran in the same forward pass."""
+        return any(a in r.seq_ids and b in r.seq_ids for r in self.records)
+
+    @property
+    def max_width(self) -> int:
+        return max((r.width for r in self.records), default=0)

@@ -1,0 +1,89 @@
+"""The HTTP frontend: hypercorn serving the app, a shutdown watchdog, abort after the grace.
+
+``Service.run(frontend=...)`` runs :func:`serve_http` in the service's nursery
+(``server/command.py`` wires it). On shutdown the queue closes (waiters get 503),
+hypercorn stops accepting and gives in-flight requests ``grace_s`` seconds; the
+connections still open after that (a write stuck on a client that does not read)
+are aborted. Read with ``transport.py`` (the per-write deadline it installs) and
+``lifetime.py`` (the middleware whose drainers run in this nursery).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from functools import partial
+
+import hypercorn.trio
+import trio
+from hypercorn.config import Config as HyperConfig
+
+from triollm.server import transport
+from triollm.server.lifetime import Lifetime
+from triollm.server.metrics import Metrics
+from triollm.service import Service
+
+log = logging.getLogger("triollm.server")
+
+
+@dataclass(frozen=True)
+class HttpConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    grace_s: float = 30.0  # shutdown: how long in-flight streams may run on (= the queue wait)
+    # A socket write that makes no progress this long aborts the connection (transport.py).
+    write_timeout_s: float | None = 30.0
+    send_buffer_bytes: int | None = None  # SO_SNDBUF; None = the kernel's autotuned default
+
+
+def _aborted(metrics: Metrics, service: Service) -> None:
+    metrics.connections_aborted.inc()
+    service.notify()
+
+
+async def serve_http(
+    service: Service,
+    app: Lifetime,
+    config: HttpConfig,
+    shutdown: trio.Event,
+    *,
+    task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Run hypercorn until ``shutdown`` is set, then drain gracefully."""
+    if not transport.install():
+        log.warning("the slow-client write guard is off (unsupported hypercorn version)")
+    hconfig = HyperConfig()
+    hconfig.bind = [f"{config.host}:{config.port}"]
+    hconfig.graceful_timeout = config.grace_s
+    hconfig.accesslog = None  # Lifetime logs each request, with 499s
+    hconfig.errorlog = log
+    connections = transport.configure(
+        hconfig,
+        write_timeout_s=config.write_timeout_s,
+        send_buffer_bytes=config.send_buffer_bytes,
+        on_abort=partial(_aborted, app.metrics, service),
+    )
+
+    async with trio.open_nursery() as nursery:
+
+        async def watchdog() -> None:
+            await shutdown.wait()
+            service.begin_shutdown()
+            await trio.sleep(config.grace_s + 0.5)
+            n = await transport.abort_all(connections)
+            if n:
+                log.warning("aborted %d connection(s) still open after the grace period", n)
+
+        async def run_server(*, task_status: trio.TaskStatus[list[str]]) -> None:
+            await hypercorn.trio.serve(
+                app,  # type: ignore[arg-type]
+                hconfig,
+                shutdown_trigger=shutdown.wait,
+                task_status=task_status,
+            )
+            nursery.cancel_scope.cancel()  # served and drained: stop the watchdog
+
+        nursery.start_soon(watchdog)
+        app.drain_nursery = nursery
+        binds = await nursery.start(run_server)
+        task_status.started(binds)

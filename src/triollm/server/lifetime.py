@@ -1,0 +1,181 @@
+"""The request's lifetime at the ASGI level: who ends a request, and two hypercorn/quart traps.
+
+:class:`Lifetime` is an ASGI middleware around the whole quart-trio app. Its
+``finally`` runs however the request ends (normal, error, cancelled before or after
+the response started) and calls the stream's synchronous
+:meth:`~triollm.service.RequestStream.close`: an ``await`` there would raise at once,
+because the scope is already cancelled. A request cut short by its client is logged
+with status 499 and counted as ``client_closed``. It is also the access log: one line
+per request, with the :class:`Stage` it reached and why a stream ended early.
+
+Traps it designs around (read with ``transport.py``, the third one):
+
+- An answer sent before the body was read (413, 404 on a POST) leaves the rest of
+  the body on the wire: the connection cannot carry another request, so the answer
+  says ``Connection: close``.
+- hypercorn 0.18 deadlocks closing such a connection unless someone keeps reading
+  the request (``_drain_until_disconnect``, in a nursery that outlives the request).
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import trio
+
+from triollm.outcomes import EndCode
+from triollm.server.metrics import Metrics
+from triollm.service import Failed, RequestStream, Service
+
+log = logging.getLogger("triollm.server")
+
+LIFE_KEY = "triollm.life"
+DRAIN_LIMIT_S = 30.0  # a drainer gives up after this (a resource bound, not a timing)
+
+
+class Stage(enum.Enum):
+    """How far a request got: READING -> QUEUED -> STREAMING | GENERATING | REFUSED."""
+
+    READING = "reading"  # the body is being read and parsed
+    QUEUED = "queued"  # waiting for admission
+    STREAMING = "streaming"  # admitted, answering with SSE
+    GENERATING = "generating"  # admitted, answering with one JSON body at the end
+    REFUSED = "refused"  # turned away (400, 429, 503) after parsing
+
+
+@dataclass
+class RequestLife:
+    """One request as the middleware sees it."""
+
+    method: str
+    path: str
+    started: float
+    stage: Stage = Stage.READING
+    stream: RequestStream | None = None
+    disconnected: bool = False
+    status: int | None = None
+    response_done: bool = False
+    body_pending: bool = False  # the request has a body we have not read to its end
+    closes_connection: bool = False  # we answered before the body ended: Connection: close
+
+
+class Lifetime:
+    """ASGI middleware: records disconnects and ends every request synchronously."""
+
+    def __init__(self, app: Any, metrics: Metrics, service: Service) -> None:
+        self.app = app
+        self.metrics = metrics
+        self.service = service
+        self.in_flight = 0  # HTTP requests whose handler task has not ended
+        # Where drainers of refused bodies run (serve_http sets it): they must outlive
+        # the request's own task.
+        self.drain_nursery: trio.Nursery | None = None
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        life = RequestLife(scope["method"], scope["path"], time.monotonic())
+        life.body_pending = _has_body(scope)
+        scope[LIFE_KEY] = life  # quart's Request keeps this same dict as request.scope
+
+        async def watched_receive() -> dict[str, Any]:
+            message = await receive()
+            if message["type"] == "http.disconnect" and not life.response_done:
+                life.disconnected = True
+            elif message["type"] == "http.request" and not message.get("more_body"):
+                life.body_pending = False
+            return message
+
+        async def watched_send(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                life.status = message["status"]
+                if life.status >= 500:
+                    self.metrics.server_error(life.status)
+                if life.body_pending:
+                    # An answer sent before the body was read (413, 404 on a POST...):
+                    # the unread rest of the body is still coming down this connection,
+                    # so it cannot carry another request. Without "Connection: close"
+                    # the server waits for a body it will never read and a keep-alive
+                    # client waits for the connection: both hang.
+                    headers = [
+                        h for h in message.get("headers", []) if h[0].lower() != b"connection"
+                    ]
+                    message = {**message, "headers": [*headers, (b"connection", b"close")]}
+                    life.closes_connection = True
+                    # hypercorn 0.18 trap: closing that connection first hands the app
+                    # an ``http.disconnect`` through a bounded queue that the unread
+                    # body has filled, and the app has stopped reading: the close
+                    # deadlocks. A drainer task keeps receiving until that disconnect.
+                    if self.drain_nursery is not None:
+                        self.drain_nursery.start_soon(_drain_until_disconnect, receive)
+            elif message["type"] == "http.response.body" and not message.get("more_body"):
+                life.response_done = True
+                if life.closes_connection:
+                    # This send also closes the socket (hypercorn does it inside the
+                    # call), and it hands the app the disconnect that makes quart-trio
+                    # cancel this very task: unshielded, that cancel can land between
+                    # "response written" and "socket closed", leaving the client
+                    # waiting on an open connection. The socket write has its own
+                    # deadline (transport.py), so the shield cannot pin us.
+                    with trio.CancelScope(shield=True):
+                        await send(message)
+                    return
+            await send(message)
+
+        self.in_flight += 1
+        try:
+            await self.app(scope, watched_receive, watched_send)
+        finally:
+            self.in_flight -= 1
+            self._end(life)  # sync: we may be inside a cancelled scope
+
+    def _end(self, life: RequestLife) -> None:
+        # Cut without a disconnect while shutting down: the grace period ran out.
+        by_shutdown = self.service.closing and not life.disconnected
+        reason = EndCode.SHUTDOWN if by_shutdown else EndCode.CLIENT_CLOSED
+        cut = life.stream.close(reason) if life.stream is not None else False
+        left_queued = life.stage is Stage.QUEUED and life.disconnected
+        if left_queued:
+            # A stream counts itself in the service; a waiter that left is counted here.
+            self.metrics.ended_early(EndCode.CLIENT_CLOSED)
+        if cut and by_shutdown:
+            log.info("%s %s cut short by the shutdown", life.method, life.path)
+        elif cut or left_queued:
+            where = "while queued" if left_queued else f"while {life.stage.value}"
+            log.info("%s %s 499 client closed the connection %s", life.method, life.path, where)
+        elif life.status is not None:
+            outcome = life.stream.outcome if life.stream is not None else None
+            # A stream the server ended (too_slow, internal) still has status 200:
+            # say why it ended, or the log shows a cut-off stream as a success.
+            why = f" ended early: {outcome.code.value}" if isinstance(outcome, Failed) else ""
+            log.info(
+                "%s %s %d %.3fs%s",
+                life.method,
+                life.path,
+                life.status,
+                time.monotonic() - life.started,
+                why,
+            )
+        self.service.notify()  # wake anything waiting on this request's end
+
+
+async def _drain_until_disconnect(receive: Any) -> None:
+    """Discard the rest of a refused body until the connection closes (see Lifetime)."""
+    with trio.move_on_after(DRAIN_LIMIT_S):
+        while (await receive())["type"] != "http.disconnect":
+            pass
+
+
+def _has_body(scope: dict[str, Any]) -> bool:
+    for name, value in scope.get("headers", []):
+        name = name.lower()
+        if name == b"transfer-encoding":
+            return True
+        if name == b"content-length":
+            return value.strip() not in (b"0", b"")
+    return False

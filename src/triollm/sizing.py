@@ -1,0 +1,160 @@
+"""The memory arithmetic: how big the KV pool is, how long a context, and why.
+
+One owner for the sizing rules that ``triollm serve`` (``server/command.py``'s
+``build_stack``) and ``triollm generate`` (``engine.py``'s ``engine_config``) share:
+
+1. **The context** is the model's ``max_position_embeddings`` capped at
+   :data:`DEFAULT_CONTEXT_CAP`, unless asked; asking for more than the model's limit,
+   or for less than 2 positions (a prompt token and an answer), is refused.
+2. **The pool** holds every slot's whole context (``slots x ceil(context / block)``
+   blocks), so the reserve policy can admit every slot at once with a full
+   reservation; or whatever a memory budget holds; or exactly the blocks asked.
+3. **The largest admissible request** is ``SchedulerConfig.largest_request``: the
+   context, or less when the pool is smaller than one context. The service caps an
+   unset ``max_tokens`` with it, ``/v1/models`` reports it as ``max_model_len``, and
+   :class:`MemoryReport` prints it.
+4. **The defaults** are ``SchedulerConfig``'s own (the server's, each with its
+   measured reason beside it); the offline driver overrides one, the prefill chunk
+   (:data:`OFFLINE_CHUNK_TOKENS`), for the reason given there.
+
+Pure Python over integers, like the scheduler: a :class:`Capacity` (what the
+operator asked, every unset field ``None``) is resolved against two numbers of the
+model into a validated :class:`~triollm.scheduler.SchedulerConfig`. Errors are
+:class:`~triollm.errors.FieldError` naming the config field; each CLI maps the field
+to its flag. Tests: ``tests/test_sizing.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from triollm.errors import FieldError
+from triollm.kv import blocks_for
+from triollm.policies import Policy
+from triollm.scheduler import SchedulerConfig
+
+# The default context cap. A long-context model's own limit (Llama-3.1: 131072
+# positions) would make the default pool slots x 131072 x 128 KiB = 64+ GiB; 4096
+# positions of a 135M model's K/V are ~190 MB of float32, which a laptop holds.
+# --context asks for more explicitly.
+DEFAULT_CONTEXT_CAP = 4096
+
+# The offline driver's prefill chunk. The server's 128 (SchedulerConfig.chunk_tokens)
+# is there to keep other streams' decode stalls short; `triollm generate` serves one
+# request with nobody waiting behind it, so it takes the longer chunk and fewer,
+# larger prefill steps.
+OFFLINE_CHUNK_TOKENS = 512
+
+
+def default_of(name: str) -> Any:
+    """``SchedulerConfig``'s default for field ``name`` (flags show it in their help)."""
+    return {f.name: f.default for f in dataclasses.fields(SchedulerConfig)}[name]
+
+
+@dataclass(frozen=True)
+class Capacity:
+    """What the operator asked for, before the model is known. ``None``: not asked.
+
+    Unset, the context is rule 1's, the pool rule 2's, and every other field
+    ``SchedulerConfig``'s default. At most one of ``num_blocks`` and
+    ``kv_memory_bytes`` is given (the CLI makes them exclusive).
+    """
+
+    slots: int | None = None
+    block_size: int | None = None
+    context_tokens: int | None = None
+    num_blocks: int | None = None
+    kv_memory_bytes: int | None = None
+    chunk_tokens: int | None = None
+    step_rows: int | None = None
+    policy: Policy | None = None
+    overtake_limit: int | None = None
+
+    def resolve(self, max_positions: int, bytes_per_position: int) -> SchedulerConfig:
+        """The scheduler config for a model of ``max_positions`` whose K/V takes
+        ``bytes_per_position`` bytes per position. Raises :class:`FieldError`
+        (``context_tokens``, ``kv_memory_bytes``) or ``SchedulerConfig``'s own
+        ``ValueError`` for a knob out of range."""
+        context = resolve_context(max_positions, self.context_tokens)
+        slots = _or_default(self.slots, "slots")
+        block_size = _or_default(self.block_size, "block_size")
+        num_blocks = self.num_blocks
+        if num_blocks is None and not (slots >= 1 and block_size >= 1):
+            num_blocks = 1  # a placeholder: SchedulerConfig refuses slots/block_size by name
+        if num_blocks is None and self.kv_memory_bytes is not None:
+            num_blocks = self.kv_memory_bytes // (bytes_per_position * block_size)
+            if num_blocks < 1:
+                raise FieldError(
+                    "kv_memory_bytes",
+                    f"kv_memory_bytes {self.kv_memory_bytes} holds no block: one block is "
+                    f"{block_size} positions x {bytes_per_position} bytes = "
+                    f"{block_size * bytes_per_position}",
+                )
+        if num_blocks is None:
+            num_blocks = slots * blocks_for(context, block_size)  # rule 2
+        return SchedulerConfig(
+            num_blocks=num_blocks,
+            block_size=block_size,
+            slots=slots,
+            context_tokens=context,
+            chunk_tokens=_or_default(self.chunk_tokens, "chunk_tokens"),
+            step_rows=self.step_rows,  # None is SchedulerConfig's own "chunk + slots"
+            policy=_or_default(self.policy, "policy"),
+            overtake_limit=self.overtake_limit,  # None is SchedulerConfig's own "K = slots"
+        )
+
+
+def _or_default(value: Any, name: str) -> Any:
+    return default_of(name) if value is None else value
+
+
+def resolve_context(max_positions: int, context_tokens: int | None) -> int:
+    """Rule 1: the context a sequence may reach (prompt + answer)."""
+    if context_tokens is None:
+        return min(max_positions, DEFAULT_CONTEXT_CAP)
+    if context_tokens < 2:
+        raise FieldError(
+            "context_tokens",
+            f"context_tokens must be >= 2 (a prompt token and an answer), got {context_tokens}",
+        )
+    if context_tokens > max_positions:
+        raise FieldError(
+            "context_tokens",
+            f"context_tokens ({context_tokens}) exceeds the model's max_position_embeddings "
+            f"({max_positions})",
+        )
+    return context_tokens
+
+
+@dataclass(frozen=True)
+class MemoryReport:
+    """The startup arithmetic: why the limits are what they are."""
+
+    weight_bytes: int
+    kv_bytes_per_position: int
+    scheduler: SchedulerConfig
+    lines: tuple[str, ...] = field(default=())  # the caller's own lines (queue, step budget)
+
+    @property
+    def pool_positions(self) -> int:
+        return self.scheduler.num_blocks * self.scheduler.block_size
+
+    def describe(self) -> str:
+        mib = 1024 * 1024
+        s = self.scheduler
+        kv_total = self.kv_bytes_per_position * self.pool_positions
+        return "\n".join(
+            [
+                f"weights: {self.weight_bytes / mib:.1f} MiB",
+                f"KV cache: {self.kv_bytes_per_position} bytes per position"
+                " (float32 K+V, all layers)",
+                f"pool: {s.num_blocks} blocks x {s.block_size} positions = "
+                f"{self.pool_positions} positions = {kv_total / mib:.1f} MiB",
+                f"slots: {s.slots}; context: {s.context_tokens} positions per sequence",
+                f"largest admissible request: prompt + max_tokens <= {s.largest_request} "
+                f"positions (min of the context and the pool)",
+                *self.lines,
+            ]
+        )
