@@ -144,10 +144,11 @@ class SchedulerConfig:
     # 128 at about a quarter of 512's decode stall for the same TTFT
     # (docs/serving.md, "Choosing the step budget").
     chunk_tokens: int = 128
-    # Rows per forward pass; None means chunk_tokens + slots: a full chunk plus every
-    # decoder, so a chunk never pushes a decoder out of its step (step_rows =
-    # chunk_tokens measured 1.5x longer stalls).
-    step_rows: int | None = None
+    # Rows per forward pass; None (the default) means chunk_tokens + slots: a full
+    # chunk plus every decoder, so a chunk never pushes a decoder out of its step
+    # (step_rows = chunk_tokens measured 1.5x longer stalls). __post_init__ resolves
+    # None, so every reader sees an int: hence the type, and the one ignore.
+    step_rows: int = None  # type: ignore[assignment]
     context_tokens: int = 2048  # positions one sequence may reach (prompt + answer)
     # A built-in's name, or any object with the SchedulingPolicy interface (policies.py).
     policy: Policy | SchedulingPolicy = Policy.RESERVE  # never deadlocks, never recomputes
@@ -181,7 +182,6 @@ class SchedulerConfig:
                 f"context_tokens must be an integer >= 2 (a prompt token and an answer), "
                 f"got {self.context_tokens!r}"
             )
-        assert self.step_rows is not None  # set above
         if self.step_rows < self.slots:
             raise ValueError(
                 f"step_rows ({self.step_rows}) must be >= slots ({self.slots}): every "
@@ -594,7 +594,6 @@ class Scheduler:
         order = [self._seqs[s] for s in self._running]  # admission order
         rows: dict[int, int] = {}  # seq_id -> rows this step
         left = cfg.step_rows
-        assert left is not None  # SchedulerConfig.__post_init__ resolved it
         # (a) the promise of rule 4: last step's left-out decoders go first.
         for seq in order:
             if seq.state is SeqState.DECODING and seq.left_out and seq.seq_id not in blocked:

@@ -100,7 +100,7 @@ class Capacity:
             slots=slots,
             context_tokens=context,
             chunk_tokens=_or_default(self.chunk_tokens, "chunk_tokens"),
-            step_rows=self.step_rows,  # None is SchedulerConfig's own "chunk + slots"
+            step_rows=_or_default(self.step_rows, "step_rows"),  # its default: chunk + slots
             policy=_or_default(self.policy, "policy"),
             overtake_limit=self.overtake_limit,  # None is SchedulerConfig's own "K = slots"
         )

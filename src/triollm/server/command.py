@@ -34,7 +34,7 @@ from typing import Any
 import trio
 
 from triollm.errors import UserError
-from triollm.policies import Policy
+from triollm.policies import Policy, policy_name
 from triollm.scheduler import Scheduler
 from triollm.server.app import DEFAULT_MAX_BODY_BYTES, ServedModel, create_app
 from triollm.server.frontend import HttpConfig, serve_http
@@ -287,7 +287,7 @@ def build_stack(
             f"{sc.slots * q.queue_depth_per_slot} waiters, wait budget {q.queue_wait_s:g} s; "
             f"stream buffer {q.stream_buffer_steps} steps",
             f"step: up to {sc.step_rows} rows; prefill chunk {sc.chunk_tokens} tokens; "
-            f"policy {sc.policy.value}",
+            f"policy {policy_name(sc.policy)}",
         ),
     )
     warm = list(tokenizer.encode("Hello")) or [0]
