@@ -210,6 +210,7 @@ class SchedulerConfig:
         the context, or less when the pool holds fewer positions than one context."""
         return min(self.context_tokens, self.num_blocks * self.block_size)
 
+
 class DeadlockError(RuntimeError):
     """A policy that claims ``no-deadlock`` deadlocked: nothing running can move and no
     waiter can be admitted. ``report`` says who holds what."""
