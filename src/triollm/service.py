@@ -291,6 +291,11 @@ class Service:
         self._work.set()
         self.notify()
 
+    def end_running(self) -> None:
+        """The shutdown's grace ran out: end every admitted request now with a
+        ``shutdown`` error, which its handler still writes (event, then ``[DONE]``)."""
+        self._end_all(EndCode.SHUTDOWN, SHUT_DOWN_MESSAGE)
+
     # ------------------------------------------------------------------ requests
 
     async def submit(

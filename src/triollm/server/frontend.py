@@ -26,6 +26,10 @@ from triollm.service import Service
 log = logging.getLogger("triollm.server")
 
 
+# After the grace: how long the cut streams have to write their last event (a bound).
+FINAL_EVENT_S = 2.0
+
+
 @dataclass(frozen=True)
 class HttpConfig:
     host: str = "127.0.0.1"
@@ -54,7 +58,9 @@ async def serve_http(
         log.warning("the slow-client write guard is off (unsupported hypercorn version)")
     hconfig = HyperConfig()
     hconfig.bind = [f"{config.host}:{config.port}"]
-    hconfig.graceful_timeout = config.grace_s
+    # hypercorn cancels the handlers when its own timeout runs out; it must run out
+    # after ours, or a stream cut by the end of the grace gets no closing event.
+    hconfig.graceful_timeout = config.grace_s + FINAL_EVENT_S
     hconfig.accesslog = None  # Lifetime logs each request, with 499s
     hconfig.errorlog = log
     connections = transport.configure(
@@ -69,7 +75,11 @@ async def serve_http(
         async def watchdog() -> None:
             await shutdown.wait()
             service.begin_shutdown()
-            await trio.sleep(config.grace_s + 0.5)
+            await trio.sleep(config.grace_s)
+            # The grace ran out: end what still runs, so each stream writes its
+            # shutdown error event and [DONE] (a whole-body request gets a 503).
+            service.end_running()
+            await trio.sleep(FINAL_EVENT_S + 0.5)
             n = await transport.abort_all(connections)
             if n:
                 log.warning("aborted %d connection(s) still open after the grace period", n)

@@ -67,6 +67,8 @@ WRITE_TIMEOUT_ATTR = "triollm_write_timeout_s"
 SEND_BUFFER_ATTR = "triollm_send_buffer_bytes"
 CONNECTIONS_ATTR = "triollm_connections"
 ON_ABORT_ATTR = "triollm_on_abort"
+# Closing a connection (socket close + telling the app) is brief; a bound, not a timing.
+CLOSE_BOUND_S = 5.0
 
 
 class GuardedTCPServer(TCPServer):
@@ -98,6 +100,18 @@ class GuardedTCPServer(TCPServer):
             # connection is never closed for idleness, and at shutdown it holds the
             # server for the whole grace period. Restarting a timer is brief: shield it.
             with trio.CancelScope(shield=True):
+                await super().protocol_send(event)
+            return
+        if isinstance(event, Closed):
+            # Hazard 3 (measured): the same cancellation lands on the Closed event that
+            # ends a connection which must not be kept (``Connection: close``, HTTP/1.0,
+            # a request finished while shutting down). Cut between "response written"
+            # and "socket closed", it leaves the socket open: an HTTP/1.0 client (whose
+            # body ends with the connection) waits forever, and at shutdown the
+            # connection holds the drain for the whole grace period. Closing a socket
+            # does not block, so the shield gets a short deadline of its own for the
+            # protocol's own bookkeeping (a disconnect handed to the app).
+            with trio.CancelScope(shield=True, deadline=trio.current_time() + CLOSE_BOUND_S):
                 await super().protocol_send(event)
             return
         timeout: float | None = getattr(self.config, WRITE_TIMEOUT_ATTR, None)

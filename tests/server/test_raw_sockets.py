@@ -1,0 +1,170 @@
+"""Raw-socket abuse: what a careless or hostile HTTP client does, byte by byte.
+
+Each test speaks HTTP by hand over a trio socket, so it can do what no client
+library does on purpose: stop half-way through the headers, close its write half,
+speak HTTP/1.0, send ``Connection: close`` and wait for the server to hang up.
+The rule for all of them: the client gets a complete, correct answer or a clear
+refusal, the connection ends when HTTP says it must, and nothing is left behind
+(blocks, handler tasks).
+
+Every wait on the server is a hang guard (``trio.fail_after``), never a timing
+assertion: without the fix the guarded read would wait forever.
+"""
+
+from __future__ import annotations
+
+import json
+
+import trio
+from serverkit import MODEL_ID, StepGate, live_server, read_until, sse_payloads, unchunk
+
+HANG_S = 30  # a hang guard: far longer than any of these exchanges takes
+
+
+async def connect(port: int) -> trio.SocketStream:
+    return await trio.open_tcp_stream("127.0.0.1", port)
+
+
+def request(
+    path: str,
+    body: dict | bytes | None = None,
+    *,
+    version: str = "1.1",
+    headers: dict[str, str] | None = None,
+    method: str = "POST",
+) -> bytes:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode() if body else b""
+    head = {"Host": "127.0.0.1"}
+    if body is not None:
+        head |= {"Content-Type": "application/json", "Content-Length": str(len(data))}
+    head |= headers or {}
+    lines = "".join(f"{k}: {v}\r\n" for k, v in head.items())
+    return f"{method} {path} HTTP/{version}\r\n{lines}\r\n".encode() + data
+
+
+async def read_to_eof(stream: trio.SocketStream) -> bytes:
+    """Everything the server sends until it closes the connection."""
+    buf = bytearray()
+    with trio.fail_after(HANG_S):
+        while True:
+            try:
+                chunk = await stream.receive_some(65536)
+            except trio.BrokenResourceError:
+                break
+            if not chunk:
+                break
+            buf += chunk
+    return bytes(buf)
+
+
+def status_of(raw: bytes) -> int:
+    return int(raw.split(b" ", 2)[1])
+
+
+def header(raw: bytes, name: str) -> str | None:
+    head = raw.partition(b"\r\n\r\n")[0].decode("latin-1").split("\r\n")[1:]
+    for line in head:
+        k, _, v = line.partition(":")
+        if k.strip().lower() == name.lower():
+            return v.strip()
+    return None
+
+
+def body_of(raw: bytes) -> bytes:
+    if (header(raw, "transfer-encoding") or "").lower() == "chunked":
+        return unchunk(raw)
+    return raw.partition(b"\r\n\r\n")[2]
+
+
+COMPLETION = {"model": MODEL_ID, "prompt": "Hello", "max_tokens": 4, "temperature": 0}
+COMPLETION["ignore_eos"] = True
+
+
+async def test_a_connection_close_request_gets_its_answer_and_then_the_server_hangs_up(loaded):
+    async with live_server(loaded) as live:
+        for path, body in (("/v1/completions", COMPLETION), ("/health", None)):
+            s = await connect(live.port)
+            await s.send_all(
+                request(
+                    path,
+                    body,
+                    headers={"Connection": "close"},
+                    method="POST" if body else "GET",
+                )
+            )
+            raw = await read_to_eof(s)  # hangs without the fix: the socket stays open
+            assert status_of(raw) == 200
+            assert header(raw, "connection") == "close"
+            await s.aclose()
+        assert live.pool_is_idle()
+
+
+async def test_an_http_1_0_request_and_stream_end_with_the_connection(loaded):
+    async with live_server(loaded) as live:
+        s = await connect(live.port)
+        await s.send_all(request("/v1/completions", COMPLETION, version="1.0"))
+        raw = await read_to_eof(s)
+        assert status_of(raw) == 200
+        assert json.loads(body_of(raw))["usage"]["completion_tokens"] == 4
+        await s.aclose()
+
+        # HTTP/1.0 has no chunked encoding: the stream's end is the connection's end,
+        # so a client that got [DONE] and no EOF would wait forever.
+        s = await connect(live.port)
+        await s.send_all(request("/v1/completions", COMPLETION | {"stream": True}, version="1.0"))
+        raw = await read_to_eof(s)
+        assert status_of(raw) == 200
+        events = sse_payloads(body_of(raw))
+        assert events[-1] == "[DONE]"
+        assert events[-2]["choices"][0]["finish_reason"] == "length"
+        await s.aclose()
+        assert live.pool_is_idle()
+
+
+async def test_a_refusal_during_the_drain_closes_its_keep_alive_connection(loaded):
+    """Shutdown with a stream still running: a newcomer on a keep-alive connection
+    gets its 503 and the connection closes, so it cannot hold the drain open."""
+    async with live_server(loaded, http={"grace_s": HANG_S}) as live:
+        service = live.service
+        gate = StepGate(service)
+        running = await connect(live.port)
+        await running.send_all(request("/v1/completions", COMPLETION | {"stream": True}))
+        await service.wait_until(lambda: gate.parked)
+
+        keep = await connect(live.port)
+        await keep.send_all(request("/v1/completions", COMPLETION))
+        service.begin_shutdown()  # what the watchdog does on SIGTERM (queue closed)
+        raw = await read_to_eof(keep)  # the 503, then EOF (no fix: no EOF, ever)
+        assert status_of(raw) == 503
+        assert json.loads(body_of(raw))["error"]["code"] == "shutting_down"
+        await keep.aclose()
+
+        live.shutdown.set()
+        gate.open()
+        raw = await read_to_eof(running)
+        assert sse_payloads(unchunk(raw))[-1] == "[DONE]"
+        await running.aclose()
+    # The drain ended when the stream did: nothing was left for the abort after the grace.
+    assert live.stack.metrics.aborted_connections() == 0
+
+
+async def test_a_stream_cut_by_the_end_of_the_grace_gets_the_shutdown_error_event(loaded):
+    async with live_server(loaded, http={"grace_s": 0.5}) as live:
+        service = live.service
+        gate = StepGate(service)
+        s = await connect(live.port)
+        body = COMPLETION | {"stream": True, "max_tokens": 50}
+        await s.send_all(request("/v1/completions", body))
+        buf = bytearray()
+        with trio.fail_after(HANG_S):
+            await service.wait_until(lambda: gate.parked)
+            gate.allow(3)
+            assert await read_until(s, b'"text_completion"', buf)
+        live.shutdown.set()  # the grace (0.5 s) runs out with the stream held still
+        raw = bytes(buf) + await read_to_eof(s)
+        events = sse_payloads(unchunk(raw))
+        assert events[-1] == "[DONE]"  # no fix: a truncated chunked body, no error event
+        assert events[-2]["error"]["code"] == "shutdown"
+        assert raw.endswith(b"0\r\n\r\n")  # a complete chunked body
+        await s.aclose()
+        gate.open()
