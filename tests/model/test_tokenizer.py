@@ -12,7 +12,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
 from triollm.errors import ModelLoadError, UserError
-from triollm.model.tokenizer import Tokenizer
+from triollm.model.tokenizer import ChatTemplateError, Tokenizer
 
 CORPUS = ["Hello world, the quick brown fox. Emoji 😀 and 中文 too.", "the cat sat"] * 10
 SPECIALS = ["<s>", "</s>", "<|eot|>", "<pad>"]
@@ -221,14 +221,14 @@ def test_raise_exception_in_a_template_is_a_user_error(tmp_path: Path) -> None:
 def test_a_template_cannot_reach_python_internals(tmp_path: Path) -> None:
     # The classic escape: from any object to object.__subclasses__() and on to os.system.
     tok = chat_model(tmp_path, "{{ messages.__class__.__mro__[1].__subclasses__() }}")
-    with pytest.raises(UserError, match="unsafe"):
+    with pytest.raises(ChatTemplateError, match="unsafe"):
         tok.apply_chat_template([{"role": "user", "content": "hi"}])
 
 
 def test_a_template_cannot_mutate_the_callers_messages(tmp_path: Path) -> None:
     tok = chat_model(tmp_path, "{{ messages.append(1) }}")
     msgs: list[dict[str, Any]] = [{"role": "user", "content": "hi"}]
-    with pytest.raises(UserError):
+    with pytest.raises(ChatTemplateError):
         tok.apply_chat_template(msgs)
     assert msgs == [{"role": "user", "content": "hi"}]
 

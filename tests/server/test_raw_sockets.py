@@ -168,3 +168,66 @@ async def test_a_stream_cut_by_the_end_of_the_grace_gets_the_shutdown_error_even
         assert raw.endswith(b"0\r\n\r\n")  # a complete chunked body
         await s.aclose()
         gate.open()
+
+
+async def test_a_half_close_after_a_complete_request_still_gets_the_answer(loaded):
+    async with live_server(loaded) as live:
+        for body in (COMPLETION, COMPLETION | {"stream": True}):
+            s = await connect(live.port)
+            await s.send_all(request("/v1/completions", body))
+            await s.send_eof()  # shutdown(SHUT_WR): "that was all; now answer"
+            raw = await read_to_eof(s)  # no fix: EOF at once, the request cancelled
+            # The server asked "still there?" with an interim 100 (RFC 9110 15.2: a
+            # client must skip 1xx responses it did not expect), then answered.
+            interim, _, raw = raw.partition(b"\r\n\r\n")
+            assert interim == b"HTTP/1.1 100 "
+            assert status_of(raw) == 200
+            if body.get("stream"):
+                assert sse_payloads(body_of(raw))[-1] == "[DONE]"
+            else:
+                assert json.loads(body_of(raw))["usage"]["completion_tokens"] == 4
+            await s.aclose()
+        # A half-close in the middle of the body is a client that left: nothing runs.
+        s = await connect(live.port)
+        raw_req = request("/v1/completions", COMPLETION)
+        await s.send_all(raw_req[:-5])
+        await s.send_eof()
+        raw = await read_to_eof(s)
+        assert raw == b"" or 400 <= status_of(raw) < 500
+        await s.aclose()
+        await live.service.wait_until(lambda: live.stack.app.in_flight == 0)
+        assert live.pool_is_idle()
+
+
+async def test_a_slowloris_that_never_finishes_its_headers_is_hung_up_on(loaded):
+    async with live_server(loaded) as live:
+        s = await connect(live.port)
+        head = request("/v1/completions", COMPLETION)
+        closed = False
+        with trio.fail_after(HANG_S):
+            for byte in head[:-4]:  # never the blank line that ends the headers
+                try:
+                    await s.send_all(bytes([byte]))
+                except trio.BrokenResourceError:
+                    closed = True
+                    break
+                with trio.move_on_after(0.2):  # a client trickling a byte every 0.2 s
+                    if await s.receive_some(1024) == b"":
+                        closed = True
+                        break
+        # hypercorn's keep-alive timer runs until a request's headers are complete.
+        assert closed
+        await s.aclose()
+        assert live.stack.app.in_flight == 0
+
+
+async def test_headers_with_no_body_are_answered_408_after_the_body_timeout(loaded):
+    async with live_server(loaded, body_timeout_s=1.0) as live:
+        s = await connect(live.port)
+        head, _, _ = request("/v1/completions", COMPLETION).partition(b"\r\n\r\n")
+        await s.send_all(head + b"\r\n\r\n")  # Content-Length promised, nothing sent
+        raw = await read_to_eof(s)
+        assert status_of(raw) == 408
+        assert json.loads(body_of(raw))["error"]["code"] == "request_timeout"
+        await s.aclose()
+        assert live.pool_is_idle()

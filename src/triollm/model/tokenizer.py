@@ -27,8 +27,11 @@ of generated ids into a stream of complete characters. Tests:
 
 from __future__ import annotations
 
+import contextvars
 import json
 import os
+import re
+import time
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
@@ -114,9 +117,107 @@ class _GenerationTag(jinja2.ext.Extension):
         return str(caller())
 
 
+class TemplateRefusal(jinja2.exceptions.TemplateError):
+    """The template called ``raise_exception``: it refuses *these messages* (the client's
+    problem, a 400). Any other failure of a template is the model's (see ChatTemplateError)."""
+
+
+class ChatTemplateError(Exception):
+    """The model's chat template failed (it crashed, tried an unsafe operation, or ran
+    past its time or size bound). A server configuration problem, not the client's:
+    the HTTP edge answers 500 ``chat_template_error``, and the start-up probe reports it."""
+
+
 def _raise_exception(message: str) -> None:
     # Templates call this to refuse a conversation ("roles must alternate ...").
-    raise jinja2.exceptions.TemplateError(message)
+    raise TemplateRefusal(message)
+
+
+# Bounds on one rendering (a template is code shipped with a download: a loop over
+# range(3000) x range(3000) or "x" * 10**9 must not hold the server). Operations are
+# counted at every call, attribute/item access, range() step and output piece.
+RENDER_TIME_LIMIT_S = 2.0
+RENDER_OPERATION_LIMIT = 1_000_000
+RENDER_OUTPUT_LIMIT_CHARS = 16 * 1024 * 1024
+
+
+class _RenderBudget:
+    def __init__(self, output_limit: int) -> None:
+        self.deadline = time.monotonic() + RENDER_TIME_LIMIT_S
+        self.operations = 0
+        self.output_limit = output_limit
+
+    def tick(self, n: int = 1) -> None:
+        self.operations += n
+        if self.operations > RENDER_OPERATION_LIMIT:
+            raise ChatTemplateError(
+                f"the chat template ran past {RENDER_OPERATION_LIMIT} operations in one rendering"
+            )
+        if self.operations % 1024 < n and time.monotonic() > self.deadline:
+            raise ChatTemplateError(
+                f"the chat template ran past {RENDER_TIME_LIMIT_S:g} s in one rendering"
+            )
+
+
+_budget: contextvars.ContextVar[_RenderBudget | None] = contextvars.ContextVar(
+    "triollm_render_budget", default=None
+)
+
+
+def _tick(n: int = 1) -> None:
+    budget = _budget.get()
+    if budget is not None:
+        budget.tick(n)
+
+
+class _BoundedSandbox(ImmutableSandboxedEnvironment):
+    """The sandbox, with every call, lookup and ``*``/``**`` counted against the budget."""
+
+    intercepted_binops = frozenset({"*", "**"})
+
+    def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:
+        _tick()
+        return super().call(__context, __obj, *args, **kwargs)
+
+    def getattr(self, obj: Any, attribute: str) -> Any:
+        _tick()
+        return super().getattr(obj, attribute)
+
+    def getitem(self, obj: Any, argument: Any) -> Any:
+        _tick()
+        return super().getitem(obj, argument)
+
+    def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+        _tick()
+        size = None
+        if operator == "*":
+            for seq, n in ((left, right), (right, left)):
+                if isinstance(seq, str | list | tuple) and isinstance(n, int):
+                    size = len(seq) * n
+        elif isinstance(left, int) and isinstance(right, int) and abs(left) > 1:
+            size = max(right, 0) * abs(left).bit_length() // 8  # bytes of the power
+        if size is not None and size > RENDER_OUTPUT_LIMIT_CHARS:
+            raise ChatTemplateError(
+                f"the chat template built a value of ~{size} items, past the limit of "
+                f"{RENDER_OUTPUT_LIMIT_CHARS}"
+            )
+        return super().call_binop(context, operator, left, right)
+
+
+def _bounded_range(*args: int) -> Iterable[int]:
+    r = range(*args)
+    if len(r) > jinja2.sandbox.MAX_RANGE:
+        raise ChatTemplateError(
+            f"the chat template asked for range() of {len(r)} items, past the sandbox's "
+            f"{jinja2.sandbox.MAX_RANGE}"
+        )
+    for i in r:
+        _tick()
+        yield i
+
+
+# The conversation rendered at load: a template that cannot render it is broken.
+PROBE_CONVERSATION = ({"role": "user", "content": "Hello"},)
 
 
 def _tojson(
@@ -144,7 +245,7 @@ def compile_chat_template(source: str) -> jinja2.Template:
     stray newlines in the prompt. Raises ``jinja2.TemplateSyntaxError`` for a broken
     template (the caller turns it into a ModelLoadError naming the file).
     """
-    env = ImmutableSandboxedEnvironment(
+    env = _BoundedSandbox(
         trim_blocks=True,
         lstrip_blocks=True,
         extensions=[_GenerationTag, jinja2.ext.loopcontrols],
@@ -152,6 +253,7 @@ def compile_chat_template(source: str) -> jinja2.Template:
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
+    env.globals["range"] = _bounded_range
     return env.from_string(source)
 
 
@@ -196,6 +298,21 @@ class Tokenizer:
         self._compiled: dict[str, jinja2.Template] = {}
         self._special_strings = dict(special_token_strings)
         self._source = source
+        # Why the chat template failed its probe at load (None: it works, or there is none).
+        self.chat_template_problem: str | None = None
+        # The special (control) tokens' strings, and a copy of the pipeline that reads
+        # them as plain text: user-written text must never become a control token.
+        self._control_strings = sorted(
+            {a.content for a in hf.get_added_tokens_decoder().values() if a.special},
+            key=len,
+            reverse=True,
+        )
+        self._control_re = (
+            re.compile("|".join(re.escape(c) for c in self._control_strings))
+            if self._control_strings
+            else None
+        )
+        self._plain: _HFTokenizer | None = None
         # Ids that decode(skip_special_tokens=True) drops: the detokenizer skips them too.
         self.special_token_ids: frozenset[int] = frozenset(
             tid for tid, added in hf.get_added_tokens_decoder().items() if added.special
@@ -289,7 +406,19 @@ class Tokenizer:
         )
         for name in templates:  # compile now: a broken template is a load error, not a 500
             tokenizer._template(name)
+        tokenizer.chat_template_problem = tokenizer._probe_chat_template()
         return tokenizer
+
+    def _probe_chat_template(self) -> str | None:
+        """Render a one-message conversation: why it fails (a server configuration
+        problem to report at start-up), or None when the template works."""
+        if not self.has_chat_template:
+            return None
+        try:
+            self.apply_chat_template([dict(m) for m in PROBE_CONVERSATION])
+        except (ChatTemplateError, UserError) as exc:
+            return f"the model's chat template cannot render a one-message conversation: {exc}"
+        return None
 
     # -- encode / decode -------------------------------------------------------------------
 
@@ -380,10 +509,14 @@ class Tokenizer:
                 "use a plain prompt instead of chat"
             )
         template = self._template("default")
+        budget = _RenderBudget(RENDER_OUTPUT_LIMIT_CHARS)
+        token = _budget.set(budget)
         # The token variables come from tokenizer_config.json only, as in transformers:
         # a BOS known only from config.json's id is not something the template says.
         try:
-            return template.render(
+            out: list[str] = []
+            size = 0
+            for piece in template.generate(
                 messages=messages,
                 add_generation_prompt=add_generation_prompt,
                 tools=None,
@@ -392,18 +525,125 @@ class Tokenizer:
                 eos_token=self._special_strings.get("eos_token", ""),
                 unk_token=self._special_strings.get("unk_token", ""),
                 pad_token=self._special_strings.get("pad_token", ""),
-            )
-        except jinja2.exceptions.SecurityError as exc:
-            raise UserError(f"the chat template tried an unsafe operation: {exc}") from None
-        except jinja2.TemplateError as exc:
+            ):
+                size += len(piece)
+                if size > budget.output_limit:
+                    raise ChatTemplateError(
+                        f"the chat template's output passed {budget.output_limit} characters"
+                    )
+                budget.tick()
+                out.append(piece)
+            return "".join(out)
+        except TemplateRefusal as exc:
+            # The one failure that is the client's: the template says why it refuses.
             raise UserError(f"the chat template refused these messages: {exc}") from None
+        except ChatTemplateError:
+            raise
+        except jinja2.exceptions.SecurityError as exc:
+            raise ChatTemplateError(
+                f"the chat template tried an unsafe operation: {_cut(str(exc))}"
+            ) from None
+        except Exception as exc:  # a crash inside the model's template code
+            raise ChatTemplateError(
+                f"the chat template failed: {type(exc).__name__}: {_cut(str(exc))}"
+            ) from None
+        finally:
+            _budget.reset(token)
 
     def encode_chat(
         self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True
     ) -> list[int]:
-        """Token ids of the rendered conversation, with exactly one BOS when the model has one."""
+        """Token ids of the rendered conversation, with exactly one BOS when the model has one.
+
+        Control tokens come from the template only. A message whose text spells one
+        (``<|im_end|>`` typed by a user, to forge a system turn) gets it as plain text:
+        the characters the user typed, tokenized as text, as OpenAI treats it
+        (transformers, vLLM and llama-server turn it into the control token). A raw
+        ``/v1/completions`` prompt is different: its writer does the templating, so
+        :meth:`encode` keeps reading control tokens there.
+        """
         text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
-        return self.encode(text, add_special_tokens=True)
+        forged = [
+            i
+            for i, m in enumerate(messages)
+            if isinstance(m.get("content"), str)
+            and self._control_re is not None
+            and self._control_re.search(m["content"])
+        ]
+        if not forged:
+            return self.encode(text, add_special_tokens=True)
+        spans = self._content_spans(messages, text, add_generation_prompt)
+        if spans is None:
+            i = forged[0]
+            found = self._control_re.search(messages[i]["content"])  # type: ignore[union-attr]
+            raise UserError(
+                f"'messages[{i}].content' holds the control token "
+                f"{found.group(0) if found else ''!r}, and this model's chat template "
+                "changes the text it is given, so it cannot be kept as plain text: "
+                "remove it from the message"
+            )
+        enc = self._hf.encode(text, add_special_tokens=False)
+        ids: list[int] = []
+        for tid, (start, end) in zip(enc.ids, enc.offsets, strict=True):
+            if tid in self.special_token_ids and any(a <= start and end <= b for a, b in spans):
+                ids.extend(
+                    self._plain_pipeline().encode(text[start:end], add_special_tokens=False).ids
+                )
+            else:
+                ids.append(tid)
+        if (
+            self.add_bos
+            and self.bos_token_id is not None
+            and (not ids or ids[0] != self.bos_token_id)
+        ):
+            ids.insert(0, self.bos_token_id)
+        return ids
+
+    def _plain_pipeline(self) -> _HFTokenizer:
+        """The same tokenizer with ``encode_special_tokens`` on: control strings are text."""
+        if self._plain is None:
+            plain = _HFTokenizer.from_str(self._hf.to_str())
+            plain.encode_special_tokens = True
+            self._plain = plain
+        return self._plain
+
+    def _content_spans(
+        self, messages: list[dict[str, Any]], text: str, add_generation_prompt: bool
+    ) -> list[tuple[int, int]] | None:
+        """Where each message's text sits in the rendered ``text``, as character spans;
+        None when the template does not copy the messages' text verbatim.
+
+        Found by rendering again with each text replaced by a unique marker: if putting
+        the texts back in place of the markers gives ``text`` exactly, the spans are known.
+        """
+        marks = [f"\ue000{i}\ue001" for i in range(len(messages))]
+        marked = [
+            {**m, "content": marks[i]} if isinstance(m.get("content"), str) else m
+            for i, m in enumerate(messages)
+        ]
+        try:
+            skeleton = self.apply_chat_template(marked, add_generation_prompt=add_generation_prompt)
+        except (UserError, ChatTemplateError):
+            return None
+        pattern = re.compile("\ue000(\\d+)\ue001")
+        spans: list[tuple[int, int]] = []
+        out: list[str] = []
+        pos = 0
+        length = 0
+        for m in pattern.finditer(skeleton):
+            out.append(skeleton[pos : m.start()])
+            length += m.start() - pos
+            content = messages[int(m.group(1))]["content"]
+            spans.append((length, length + len(content)))
+            out.append(content)
+            length += len(content)
+            pos = m.end()
+        out.append(skeleton[pos:])
+        return spans if "".join(out) == text else None
+
+
+def _cut(text: str, limit: int = 300) -> str:
+    return text if len(text) <= limit else text[:limit] + f"... ({len(text)} characters)"
 
 
 def _post_processor_adds(hf: _HFTokenizer, bos_id: int | None) -> bool:

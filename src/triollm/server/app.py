@@ -46,6 +46,7 @@ from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 
 from triollm.admission import QueueClosed, Refusal
 from triollm.errors import FieldError, UserError
+from triollm.model.tokenizer import ChatTemplateError
 from triollm.outcomes import Refused
 from triollm.scheduler import Infeasible
 from triollm.server import sse
@@ -67,6 +68,7 @@ __all__ = ["DEFAULT_MAX_BODY_BYTES", "ServedModel", "create_app", "http_error"]
 log = logging.getLogger("triollm.server")
 
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024  # 8 MiB: a long prompt is ~100 KB of JSON
+DEFAULT_BODY_TIMEOUT_S = 60.0  # headers sent, body never finished: 408 after this
 
 
 def http_error(err: HTTPException) -> ApiError:
@@ -84,10 +86,12 @@ def create_app(
     metrics: Metrics,
     *,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
 ) -> Lifetime:
     """The ASGI application: quart-trio routes wrapped in :class:`Lifetime`."""
     app = QuartTrio("triollm")
     app.config["MAX_CONTENT_LENGTH"] = max_body_bytes
+    app.config["BODY_TIMEOUT"] = body_timeout_s  # a body that stops arriving: 408
     app.config["RESPONSE_TIMEOUT"] = None  # a 60 s default would silently cut long streams
     app.config["PROVIDE_AUTOMATIC_OPTIONS"] = False
 
@@ -230,6 +234,15 @@ def _prompt_ids(req: GenerationRequest, model: ServedModel) -> list[int]:
             ids = list(tokenizer.encode_chat(messages))
         except UserError as exc:
             raise ApiError(400, str(exc), param="messages") from None
+        except ChatTemplateError as exc:
+            # The model's template broke: the server's configuration, not the request.
+            raise ApiError(
+                500,
+                f"{exc} (a server configuration problem: the served model's chat template "
+                "is broken; the request itself may be fine)",
+                type="server_error",
+                code="chat_template_error",
+            ) from None
         what = "encodes to token id"
     bad = [t for t in ids if not 0 <= t < limit]
     if bad:

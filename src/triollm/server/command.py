@@ -36,7 +36,12 @@ import trio
 from triollm.errors import UserError
 from triollm.policies import Policy, policy_name
 from triollm.scheduler import Scheduler
-from triollm.server.app import DEFAULT_MAX_BODY_BYTES, ServedModel, create_app
+from triollm.server.app import (
+    DEFAULT_BODY_TIMEOUT_S,
+    DEFAULT_MAX_BODY_BYTES,
+    ServedModel,
+    create_app,
+)
 from triollm.server.frontend import HttpConfig, serve_http
 from triollm.server.metrics import Metrics
 from triollm.service import Service, ServiceConfig
@@ -224,6 +229,7 @@ def build_stack(
     *,
     model_name: str | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
 ) -> Stack:
     """Scheduler + Batch + Service + app for ``loaded``, sized by ``sizing.py``.
 
@@ -291,7 +297,9 @@ def build_stack(
         ),
     )
     warm = list(tokenizer.encode("Hello")) or [0]
-    app = create_app(service, served, metrics, max_body_bytes=max_body_bytes)
+    app = create_app(
+        service, served, metrics, max_body_bytes=max_body_bytes, body_timeout_s=body_timeout_s
+    )
     return Stack(service, app, metrics, served, report, warm)
 
 
@@ -426,6 +434,13 @@ def run(args: argparse.Namespace) -> int:
         + "\n".join(f"  {line}" for line in stack.report.describe().splitlines()),
         file=sys.stderr,
     )
+    problem = getattr(stack.served.tokenizer, "chat_template_problem", None)
+    if problem:
+        print(
+            f"triollm: WARNING: {problem}\n  /v1/chat/completions will answer 500 "
+            "chat_template_error (fix the template, or use /v1/completions)",
+            file=sys.stderr,
+        )
     http = HttpConfig(
         host=args.host,
         port=args.port,

@@ -25,6 +25,17 @@ quart-trio cancels moments later; the timer never starts, so an idle keep-alive
 connection is never closed -- and at shutdown it holds the server for the whole
 grace period. The guard shields that (brief) timer restart.
 
+A third, the same cancellation again: the ``Closed`` event that ends a connection
+which must not be kept (``Connection: close``, HTTP/1.0, a request answered during
+the drain) can be cut between "response written" and "socket closed"; the socket
+then stays open, an HTTP/1.0 client (whose body ends with the connection) waits
+forever, and the drain waits for the whole grace period. The guard shields it too.
+
+A fourth: a client that sends a complete request and then closes its write half
+still waits for its answer; stock hypercorn reports that EOF as a disconnect and
+the request is cancelled unanswered. The guard holds such an EOF back until the
+response has ended. Tests: tests/server/test_raw_sockets.py.
+
 It also lets a deployment shrink the kernel's send buffer (``SO_SNDBUF``) so a
 stalled reader backs up into our bounded per-request channel after kilobytes
 rather than megabytes, and keeps a set of live connections so shutdown can
@@ -32,8 +43,9 @@ abort the ones still open after the grace period.
 
 How it is installed: ``hypercorn.trio.run.worker_serve`` builds connections by
 calling the module-global name ``TCPServer``. :func:`install` replaces that name
-with :class:`GuardedTCPServer`, a subclass that changes only ``run`` (register,
-buffer size) and the ``RawData`` branch of ``protocol_send``. It does so only for
+with :class:`GuardedTCPServer`, a subclass that changes ``run`` (register, buffer
+size), ``_read_data`` (the half-close) and ``protocol_send`` (the deadline, the
+shields). It does so only for
 the hypercorn versions in :data:`PINNED_VERSIONS`, whose ``protocol_send`` it was
 written against and tested on; the options live on the hypercorn ``Config``, so a
 config without them behaves exactly as stock hypercorn.
@@ -48,16 +60,18 @@ from __future__ import annotations
 import contextlib
 import importlib.metadata
 import logging
+import math
 import socket
 import struct
 from collections.abc import Callable
 from typing import Any
 
+import h11
 import hypercorn.trio.run as hypercorn_run
 import trio
 from hypercorn.config import Config
 from hypercorn.events import Closed, Event, RawData, Updated
-from hypercorn.trio.tcp_server import TCPServer
+from hypercorn.trio.tcp_server import MAX_RECV, TCPServer
 
 log = logging.getLogger("triollm.server")
 
@@ -69,6 +83,10 @@ CONNECTIONS_ATTR = "triollm_connections"
 ON_ABORT_ATTR = "triollm_on_abort"
 # Closing a connection (socket close + telling the app) is brief; a bound, not a timing.
 CLOSE_BOUND_S = 5.0
+# A half-closed connection waiting for its answer: how often the kernel is asked
+# whether the client has in fact gone (its RST). Cost: one getsockopt per period.
+HALF_CLOSE_POLL_S = 0.05
+TCP_CLOSE = 7  # tcp_info.tcpi_state of a connection the peer reset (linux/tcp_states.h)
 
 
 class GuardedTCPServer(TCPServer):
@@ -91,7 +109,75 @@ class GuardedTCPServer(TCPServer):
             if connections is not None:
                 connections.discard(self)
 
+    # Set when the response in progress has ended (the connection went idle or closed).
+    _answered: trio.Event | None = None
+
+    def _h11(self) -> Any:
+        return getattr(getattr(self.protocol, "protocol", None), "connection", None)
+
+    def _awaiting_answer(self) -> bool:
+        """A complete HTTP/1.1 request whose response has not started yet."""
+        conn = self._h11()
+        return (
+            getattr(conn, "their_state", None) is h11.DONE
+            and getattr(conn, "our_state", None) is h11.SEND_RESPONSE
+            and getattr(conn, "their_http_version", None) == b"1.1"
+        )
+
+    def _peer_reset(self) -> bool:
+        """The kernel has seen the peer's RST (TCP_INFO state CLOSE)."""
+        sock = getattr(self.stream, "socket", None)
+        if sock is None:
+            return True
+        try:
+            return sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 1)[0] == TCP_CLOSE
+        except OSError:
+            return True
+
+    async def _read_data(self) -> None:
+        # Hazard 4 (measured): a client that sends its whole request and then closes
+        # its write half (``shutdown(SHUT_WR)``, ``nc -N``, scripted clients) still
+        # waits for the answer. Stock hypercorn reports that EOF as a disconnect and
+        # the request is cancelled unanswered. But an EOF reads the same whether the
+        # client half-closed or left for good, and a client that left must be let go
+        # at once (docs/cancellation.md). So: an EOF after a complete HTTP/1.1
+        # request, before the response starts, is answered with an interim
+        # "100 Continue" (which every HTTP/1.1 client must accept and skip). A client
+        # that left answers it with a RST, seen by the kernel (TCP_INFO), and is let
+        # go; one that half-closed keeps its request, and its EOF is held until the
+        # response has ended. Any other EOF is a disconnect, as upstream.
+        while True:
+            try:
+                with trio.fail_after(self.config.read_timeout or math.inf):
+                    data = await self.stream.receive_some(MAX_RECV)
+            except (trio.ClosedResourceError, trio.BrokenResourceError, trio.TooSlowError):
+                break
+            if data == b"" and self._awaiting_answer():
+                await self._hold_half_close()
+            await self.protocol.handle(RawData(bytes(data)))
+            if data == b"":
+                break
+        await self.protocol.handle(Closed())
+
+    async def _hold_half_close(self) -> None:
+        self._answered = answered = trio.Event()
+        with contextlib.suppress(h11.LocalProtocolError):
+            await self.protocol.protocol._send_h11_event(  # type: ignore[union-attr]
+                h11.InformationalResponse(status_code=100, headers=[])
+            )
+        # Until the response ends: watch for the RST of a client that left (loopback
+        # delivers it within the write above; a remote one within a round trip).
+        while not answered.is_set() and not self._peer_reset() and not self.aborted:
+            with trio.move_on_after(HALF_CLOSE_POLL_S):
+                await answered.wait()
+
+    def _response_ended(self) -> None:
+        if self._answered is not None:
+            self._answered.set()
+
     async def protocol_send(self, event: Event) -> None:
+        if isinstance(event, Updated | Closed):
+            self._response_ended()
         if isinstance(event, Updated):
             # Hazard 2 (measured): with quart-trio, the Updated(idle=True) that starts the
             # keep-alive timer is sent from inside the app's last send(); that same send
@@ -140,6 +226,7 @@ class GuardedTCPServer(TCPServer):
         if self.aborted:
             return
         self.aborted = True
+        self._response_ended()
         on_abort = getattr(self.config, ON_ABORT_ATTR, None)
         if count and on_abort is not None:
             on_abort()
