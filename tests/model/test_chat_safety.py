@@ -113,7 +113,7 @@ def test_a_working_template_passes_the_probe(chatml):
     [
         (
             "{% for i in range(3000) %}{% for j in range(3000) %}{% endfor %}{% endfor %}",
-            "operations",
+            "ran past",  # its operation count or its time, whichever comes first
         ),
         ("{{ 'x' * 10**9 }}", "past the limit"),
         ("{{ 2 ** 200000000 }}", "past the limit"),
