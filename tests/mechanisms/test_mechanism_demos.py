@@ -9,11 +9,22 @@ import trio
 import trio.testing
 
 from triollm.cli import main
-from triollm.mechanisms import DEMOS, chunked_prefill, deadlock, lost_wakeup, slow_client
+from triollm.mechanisms import (
+    DEMOS,
+    chunked_prefill,
+    deadlock,
+    disconnect,
+    lost_wakeup,
+    overload,
+    slow_client,
+)
 from triollm.scheduler import Policy
 
+# These start a real server on the demo model; their own tests below run them once.
+LIVE = {"disconnect", "overload"}
 
-@pytest.mark.parametrize("name", sorted(DEMOS))
+
+@pytest.mark.parametrize("name", sorted(set(DEMOS) - LIVE))
 def test_every_demo_runs_to_the_end_through_the_cli(
     name: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -80,3 +91,25 @@ def test_chunks_bound_the_decode_gap_by_one_chunk_and_not_the_whole_prompt() -> 
     assert (
         whole.long_prompt_ttft_ms <= chunked.long_prompt_ttft_ms < 1.2 * whole.long_prompt_ttft_ms
     )
+
+
+async def test_a_client_leaving_frees_its_blocks_at_once_queued_in_prefill_and_in_decode() -> None:
+    lines = await disconnect.main(lambda line: None)
+    total = lines[0].split("blocks free ")[1].split(",")[0].split("/")[1]
+    by_moment = {line.split(":")[0].strip(): line for line in lines}
+    assert "waiting 0" in by_moment["B hung up while queued"]
+    for moment in ("A hung up in prefill", "C hung up in decode"):
+        # before any further step ran (the loop is held): every block is back
+        assert f"blocks free {total}/{total}, running 0" in by_moment[moment]
+    assert lines[-1].endswith(": 3")  # three client_closed endings, none an error
+
+
+async def test_a_burst_past_the_queue_is_429_at_once_and_the_wait_budget_429_not_499() -> None:
+    lines = await overload.main(lambda line: None)
+    refusals = {line.split(":")[0].strip(): line for line in lines if ": 429" in line}
+    for name in "DEF":
+        assert "429 queue_full, Retry-After: 2" in refusals[name]
+    for name in "BC":
+        assert "429 queue_timeout, Retry-After: 2" in refusals[name]
+    assert "  (all three answered at once: nobody waited)" in lines
+    assert lines[-2] == "A, released, completes: 200, finish_reason length"

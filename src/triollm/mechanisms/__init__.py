@@ -26,6 +26,14 @@ DEMOS: dict[str, tuple[str, str]] = {
         "triollm.mechanisms.chunked_prefill",
         "a long prompt among decoding streams: their longest gap, chunk 128 vs one chunk",
     ),
+    "disconnect": (
+        "triollm.mechanisms.disconnect",
+        "a client leaving while queued, in prefill, in decode: its blocks back at once (499)",
+    ),
+    "overload": (
+        "triollm.mechanisms.overload",
+        "a burst past the bounded queue: 429 + Retry-After at once; the wait budget: 429, not 499",
+    ),
     "lost-wakeup": (
         "triollm.mechanisms.lost_wakeup",
         "one driver vs every waiter reading the capacity channel: the stall, measured",
