@@ -13,7 +13,10 @@ the PNGs before committing them.
 - ``request-timeline.png``: each request's life: queued, prefilling, decoding, with its
   first token (TTFT) and the gaps between tokens (ITL) marked;
 - ``block-table.png``: one moment's block tables: each running sequence's positions
-  mapped, block by block, onto blocks scattered through the shared pool.
+  mapped, block by block, onto blocks scattered through the shared pool;
+- ``cancel-path.png``: the path from a closed socket to freed blocks and the next
+  admission (not a run: the one drawing here, kept beside the others so the file and
+  function names in it are checked with them).
 """
 
 from __future__ import annotations
@@ -216,7 +219,7 @@ def block_table(at_step: int = 24) -> Path:
             ax.text(
                 x + 0.5,
                 y + 0.35,
-                f"{lo}-{hi}\n→ {b}",
+                f"{lo}-{hi}\n→ {{b}}",
                 ha="center",
                 va="center",
                 fontsize=7,
@@ -247,6 +250,68 @@ def block_table(at_step: int = 24) -> Path:
     return _save(fig, "block-table.png")
 
 
+# The cancel path, in the order it happens; (where it lives, what happens there).
+CANCEL_PATH: tuple[tuple[str, str], ...] = (
+    ("the client", "closes the socket mid-stream (or while queued)"),
+    ("hypercorn (transport)", "its reader sees EOF and puts http.disconnect on the queue"),
+    (
+        "quart-trio",
+        "cancels the request's nursery: the handler gets Cancelled\n"
+        "at its next checkpoint, mid-write or waiting on its channel",
+    ),
+    (
+        "Lifetime (server/lifetime.py)",
+        "its finally runs, synchronously (an await would raise):\n"
+        "RequestStream.close(EndCode.CLIENT_CLOSED), access log 499",
+    ),
+    (
+        "Service._end (service.py)",
+        "scheduler.cancel(seq): the blocks are back in the pool now;\n"
+        "the Batch drops the sequence at the next step boundary",
+    ),
+    (
+        "AdmissionQueue (admission.py)",
+        "queue.signal(): the one driver wakes and admits the next\n"
+        "waiter that fits, from the state, in FCFS order",
+    ),
+)
+
+
+def cancel_path() -> Path:
+    fig, ax = plt.subplots(figsize=(11, 5.4))
+    n = len(CANCEL_PATH)
+    for i, (where, what) in enumerate(CANCEL_PATH):
+        y = n - 1 - i
+        colour = COLOURS[i % len(COLOURS)]
+        ax.add_patch(
+            Rectangle((0, y * 1.15), 3.1, 0.85, facecolor=colour, alpha=0.25, edgecolor=colour)
+        )
+        ax.text(0.12, y * 1.15 + 0.42, where, va="center", fontsize=10, weight="bold")
+        ax.add_patch(Rectangle((3.3, y * 1.15), 7.6, 0.85, facecolor="white", edgecolor="grey"))
+        ax.text(3.45, y * 1.15 + 0.42, what, va="center", fontsize=9)
+        if i < n - 1:
+            ax.add_patch(
+                FancyArrowPatch(
+                    (1.55, y * 1.15),
+                    (1.55, (y - 1) * 1.15 + 0.85),
+                    arrowstyle="-|>",
+                    mutation_scale=12,
+                    color="black",
+                )
+            )
+    ax.set_xlim(-0.1, 11)
+    ax.set_ylim(-0.2, n * 1.15)
+    ax.axis("off")
+    ax.set_title(
+        "From a closed socket to freed blocks: every step runs on the event loop, "
+        "in the same instant, with no step of the model in between",
+        fontsize=10,
+        loc="left",
+    )
+    fig.tight_layout()
+    return _save(fig, "cancel-path.png")
+
+
 def _save(fig: plt.Figure, name: str) -> Path:
     OUT.mkdir(parents=True, exist_ok=True)
     path = OUT / name
@@ -257,7 +322,8 @@ def _save(fig: plt.Figure, name: str) -> Path:
 
 def main() -> int:
     reserve = simulate(seed_scenario(), Policy.RESERVE)
-    for path in (pool_deadlock(), step_rows(reserve), request_timeline(reserve), block_table()):
+    figures = (pool_deadlock(), step_rows(reserve), request_timeline(reserve), block_table())
+    for path in (*figures, cancel_path()):
         print(path.relative_to(OUT.parents[1]))
     return 0
 
