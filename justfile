@@ -42,6 +42,8 @@ train-demo:
 
 # build the docs site strictly (broken links fail) into site/; `just docs serve` previews it
 docs *ARGS="build":
+    # KaTeX renders the formulas; fetched from npm once into docs/vendor (gitignored)
+    test -f docs/vendor/katex/katex.min.js || { d=$(mktemp -d) && (cd "$d" && npm pack katex@0.16 --silent >/dev/null && tar xzf katex-*.tgz) && mkdir -p docs/vendor && rm -rf docs/vendor/katex && cp -r "$d/package/dist" docs/vendor/katex && rm docs/vendor/katex/README.md; }
     NO_MKDOCS_2_WARNING=1 mkdocs {{ARGS}} --strict
 
 # redraw the teaching pictures in docs/img from real scheduler runs (needs matplotlib: the `fixtures` extra)
