@@ -460,3 +460,77 @@ async def test_shutdown_refuses_new_work_and_lets_running_streams_finish(autojum
         with pytest.raises(QueueClosed):
             await service.submit([5], params=None, max_tokens=3)
         nursery.cancel_scope.cancel()
+
+
+# ----------------------------------------------------------------------------- preemption
+
+
+async def test_a_preempted_sequence_readmitted_by_the_driver_wakes_the_parked_loop(
+    autojump_clock,
+):
+    """Waiters [H, P]: P overtook H, then was preempted; A finishes and the loop parks
+    (P cannot come back in a plan while H is the head). H's client leaves and the
+    driver admits P. P is not a waiter of the queue (its request never stopped
+    streaming), so only a wake for re-admissions gets a step to run for it."""
+    sched = Scheduler(
+        SchedulerConfig(
+            num_blocks=4,
+            block_size=4,
+            slots=2,
+            chunk_tokens=16,
+            step_rows=24,
+            context_tokens=32,
+            policy="preempt",
+        )
+    )
+    ex = FakeExecutor(gated=True)
+    service = Service(
+        sched, ex, detokenizer=LetterDetok, eos_token_ids=frozenset(), step_runner=ex.run_step
+    )
+
+    async def manual_driver(*, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()  # the test calls service.queue.drive() itself, at exact points
+        await trio.sleep_forever()
+
+    service.queue.run = manual_driver  # type: ignore[method-assign]
+    outcomes: dict[str, object] = {}
+
+    async def client(name: str, prompt: list[int], max_tokens: int) -> None:
+        stream = await service.submit(prompt, params=None, max_tokens=max_tokens)
+        try:
+            await read_all(stream)
+        finally:
+            stream.close()
+        outcomes[name] = stream.outcome
+
+    with trio.fail_after(600):  # mock time: a stall shows as TooSlowError, not a hang
+        async with trio.open_nursery() as nursery:
+            await nursery.start(service.run)
+            nursery.start_soon(client, "A", [2] * 4, 8)
+            await trio.testing.wait_all_tasks_blocked()
+            service.queue.drive()  # A: admitted
+            h_scope = trio.CancelScope()
+
+            async def h_client() -> None:
+                with h_scope:
+                    await client("H", [3] * 12, 1)
+
+            nursery.start_soon(h_client)
+            await trio.testing.wait_all_tasks_blocked()
+            assert service.queue.drive() == ()  # H does not fit beside A
+            nursery.start_soon(client, "P", [4] * 4, 8)
+            await trio.testing.wait_all_tasks_blocked()
+            (p,) = service.queue.drive()  # P fits: it overtakes H
+            while "A" not in outcomes:  # A and P grow; P (the latest) is preempted
+                ex.release()
+                await trio.testing.wait_all_tasks_blocked()
+            assert sched.state(p) is SeqState.WAITING and sched.statistics().running == 0
+            assert ex.inflight is None  # the loop has parked on an empty plan
+            h_scope.cancel()  # H's client leaves before the driver's next pass
+            await trio.testing.wait_all_tasks_blocked()
+            assert service.queue.drive() == (p,)  # the driver re-admits P
+            ex.release(32)
+            await service.wait_until(lambda: "P" in outcomes)
+            assert isinstance(outcomes["P"], Completed)
+            assert outcomes["P"].completion_tokens == 8
+            nursery.cancel_scope.cancel()

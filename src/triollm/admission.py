@@ -116,9 +116,12 @@ class AdmissionQueue:
 
     ``on_admit(seq_id)`` is called (sync, from the driver) for each sequence the
     moment it is admitted, before its waiter wakes: the service uses it to put the
-    sequence into the batch before the next step can plan it. ``on_release(seq_id)``
-    is called when a sequence that was admitted is given back here (its client
-    left in the race above).
+    sequence into the batch before the next step can plan it. ``on_readmit(seq_id)``
+    is called instead for a sequence the pass admitted that is not a waiter here: a
+    preempted one coming back (policy preempt), whose request never stopped
+    streaming; the service only has to wake its batch loop, which may be parked.
+    ``on_release(seq_id)`` is called when a sequence that was admitted is given back
+    here (its client left in the race above).
 
     Trap: :meth:`signal` must be called after *every* change that could admit
     someone (a finish, a cancel, a step). Forgetting one is not a crash but a stall:
@@ -132,6 +135,7 @@ class AdmissionQueue:
         max_waiters: int,
         wait_s: float,
         on_admit: Callable[[int], None] = lambda seq_id: None,
+        on_readmit: Callable[[int], None] = lambda seq_id: None,
         on_release: Callable[[int], None] = lambda seq_id: None,
     ) -> None:
         if max_waiters < 1:
@@ -142,6 +146,7 @@ class AdmissionQueue:
         self.max_waiters = max_waiters
         self.wait_s = wait_s
         self._on_admit = on_admit
+        self._on_readmit = on_readmit
         self._on_release = on_release
         # Invariant: every key is a WAITING sequence in the scheduler.
         self._waiters: dict[int, _Waiter] = {}
@@ -203,6 +208,9 @@ class AdmissionQueue:
             if waiter is None:
                 # Not a waiter of ours: a preempted sequence (policy preempt) re-entering.
                 # Its request is still streaming; the service never stopped owning it.
+                # Hazard: the batch loop may be parked on an empty plan (the head in
+                # front of it has just left), and nothing else would wake it.
+                self._on_readmit(seq_id)
                 continue
             waiter.state = WaiterState.ADMITTED
             self._on_admit(seq_id)

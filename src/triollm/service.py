@@ -214,6 +214,7 @@ class Service:
             max_waiters=slots * self.config.queue_depth_per_slot,
             wait_s=self.config.queue_wait_s,
             on_admit=self._on_admit,
+            on_readmit=self._on_readmit,
             on_release=self._on_release,
         )
         # Invariant: _live holds exactly the requests with no outcome yet.
@@ -366,6 +367,13 @@ class Service:
         self._work.set()
         self.notify()
 
+    def _on_readmit(self, seq_id: int) -> None:
+        """A preempted sequence the driver let back in. It is still in the batch and
+        its request still streams (so not ``_on_admit``: that would add it twice);
+        only the loop, which may have parked on an empty plan, must wake."""
+        self._work.set()
+        self.notify()
+
     def _on_release(self, seq_id: int) -> None:
         """An admitted sequence whose client left before taking its slot (the race)."""
         live = self._live.pop(seq_id, None)
@@ -382,6 +390,9 @@ class Service:
         del self._live[live.seq_id]
         if cancel:
             self.scheduler.cancel(live.seq_id)  # blocks back in the pool now
+            # The freed blocks may let a running sequence the pool had starved
+            # (free-slot) grow again; a loop parked on an empty plan must look.
+            self._work.set()
         live.outcome = outcome  # before close(): the reader drains, then reads this
         live.send.close()
         if live.in_batch:
