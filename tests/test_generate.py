@@ -222,6 +222,8 @@ def test_a_broken_tokenizer_config_names_the_file(tmp_path: Path) -> None:
         (["--prompt", "hi", "--stop", ""], "--stop"),
         (["--prompt", "hi", "--context", "1"], "--context"),
         (["--prompt", "hi", "--context", "100000"], "--context"),
+        (["--prompt", "hi", "--context", "0"], "--context: context_tokens must be >= 2"),
+        (["--prompt", "hi", "--context", "-4"], "--context: context_tokens must be >= 2"),
         (["--prompt", "hi", "--context", "16", "--max-tokens", "20"], "--max-tokens"),
         (["--prompt-ids", ",".join(["5"] * 600)], "prompt (600 tokens)"),
     ],

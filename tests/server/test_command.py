@@ -193,3 +193,40 @@ def test_a_negative_timeout_or_grace_is_refused_naming_the_flag(capsys, flag, va
     assert run_cli(str(MODEL_DIR), flag, value) == 2
     err = capsys.readouterr().err
     assert flag in err and ">= 0" in err
+
+
+@pytest.mark.parametrize("context", [0, -5])
+def test_a_zero_or_negative_context_is_refused_naming_the_flag(loaded, context):
+    # `--context 0` used to mean "the default" (an `or` where `is None` belongs).
+    with pytest.raises(UserError, match="--context must be >= 2") as info:
+        stack_for(loaded, context_tokens=context)
+    assert "context_tokens" not in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("flags", "needle"),
+    [
+        (["--context", "0"], "--context must be >= 2"),
+        (["--kv-blocks", "0"], "--kv-blocks"),
+        (["--kv-memory", "0"], "--kv-memory"),
+        (["--kv-memory", ""], "--kv-memory: cannot read ''"),
+        (["--step-rows", "0"], "--step-rows"),
+        (["--chunk", "-1"], "--chunk"),
+        (["--slots", "0"], "--slots"),
+        (["--block-size", "0"], "--block-size"),
+        (["--max-tokens-default", "-3"], "--max-tokens-default"),
+        (["--model-name", ""], "--model-name must not be empty"),
+        (["--model", ""], "must not be empty"),
+    ],
+)
+def test_a_zero_or_empty_flag_never_silently_means_its_default(flags, needle, capsys, monkeypatch):
+    from triollm.server import command
+
+    async def would_serve(*args: object) -> None:
+        raise AssertionError(f"{flags} was accepted: the server would have started")
+
+    monkeypatch.setattr(command, "_main", would_serve)  # a regression fails, never hangs
+    model = [] if flags[0] == "--model" else [str(MODEL_DIR)]
+    assert run_cli(*model, *flags) == 2
+    err = capsys.readouterr().err
+    assert needle in err, err

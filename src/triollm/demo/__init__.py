@@ -29,7 +29,9 @@ def resolve_model_dir(chosen: str | os.PathLike[str] | None) -> Path:
     when there is nothing to load. Caller's trap: a chosen directory is returned
     unchecked; the loader names what is wrong with it.
     """
-    if chosen:
+    if chosen is not None:
+        if not str(chosen):
+            raise UserError("the model directory must not be empty (leave it out for the demo)")
         return Path(chosen)
     path = default_model_dir()
     if not path.is_dir():  # a trimmed install without the package data

@@ -168,12 +168,18 @@ def parse_size(text: str) -> int:
 DEMO_MODEL_NAME = "triollm-demo"
 
 
-def _model_dir(args: argparse.Namespace) -> Path:
-    if args.model_dir and args.model_opt and args.model_dir != args.model_opt:
+def _chosen_model_dir(args: argparse.Namespace) -> str | None:
+    """MODEL_DIR or --model, whichever was given (None: neither)."""
+    given = {d for d in (args.model_dir, args.model_opt) if d is not None}
+    if len(given) > 1:
         raise UserError("give the model once: MODEL_DIR or --model, not both")
+    return given.pop() if given else None
+
+
+def _model_dir(args: argparse.Namespace) -> Path:
     from triollm.demo import resolve_model_dir
 
-    return resolve_model_dir(args.model_dir or args.model_opt)
+    return resolve_model_dir(_chosen_model_dir(args))
 
 
 @dataclass
@@ -427,7 +433,8 @@ def run(args: argparse.Namespace) -> int:
         capacity,
         service_config,
         model_name=args.model_name
-        or (None if args.model_dir or args.model_opt else DEMO_MODEL_NAME),
+        if args.model_name is not None
+        else (None if _chosen_model_dir(args) is not None else DEMO_MODEL_NAME),
     )
     print(
         f"triollm: loaded {model_dir} in {time.monotonic() - started:.1f} s\n"
