@@ -230,3 +230,22 @@ async def test_a_sampling_value_out_of_range_is_a_400_naming_the_field(loaded):
             error = r.json()["error"]
             assert error["param"] == field and field in error["message"], error
         assert live.stack.metrics.rejection_count(Refused.BAD_REQUEST) == len(cases)
+
+
+async def test_health_says_503_once_the_batch_loop_has_failed(loaded):
+    """Orchestrators copied from other servers probe /health, not /ready: a process
+    whose batch loop is gone must fail that probe too, or it is never replaced."""
+    async with live_server(loaded) as live:
+        assert (await get(live.url + "/health")).status_code == 200
+
+        def broken_record(plan, result):
+            raise RuntimeError("the recorder broke")  # outside the step: the loop fails
+
+        live.service.recorder.record = broken_record
+        r = await post(live.url + "/v1/completions", b'{"prompt": "Hi", "max_tokens": 2}')
+        assert r.status_code == 500
+        await live.service.wait_until(lambda: live.service.failed is not None)
+        health = await get(live.url + "/health")
+        assert health.status_code == 503 and health.json()["status"] == "failed"
+        assert "the recorder broke" in health.json()["reason"]
+        assert (await get(live.url + "/ready")).status_code == 503

@@ -121,6 +121,10 @@ def create_app(
 
     @app.get("/health")
     async def health() -> Any:
+        # Liveness. A process whose batch loop has failed is alive but useless, and
+        # orchestrators copied from other servers probe /health, not /ready: say so.
+        if service.failed is not None:
+            return {"status": "failed", "reason": service.failed}, 503
         return {"status": "ok"}
 
     @app.get("/ready")
