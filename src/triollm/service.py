@@ -268,7 +268,8 @@ class Service:
 
     async def warm_up(self, prompt_ids: Sequence[int], params: Any) -> None:
         """Run one tiny request through the whole path (prefill and decode), so the
-        kernels are compiled before /ready says yes. Not counted in the metrics.
+        kernels are compiled before /ready says yes; then the service is ready. Not
+        counted in the metrics.
 
         Raises RuntimeError if it does not complete: a server whose first step
         fails must not report itself ready."""
@@ -283,6 +284,7 @@ class Service:
         if not isinstance(stream.outcome, Completed):
             detail = stream.outcome.message if stream.outcome else "no outcome"
             raise RuntimeError(f"the warm-up request failed: {detail}")
+        self.ready = not self.closing and self.failed is None
 
     def begin_shutdown(self) -> None:
         """Stop admitting (waiters get 503); running streams continue."""

@@ -64,7 +64,7 @@ class Detok:
         return ""
 
 
-def make_app() -> tuple[Any, Service, Metrics]:
+def make_app(nursery: trio.Nursery) -> tuple[Any, Service, Metrics]:
     fake = SlowFake()
     metrics = Metrics()
     service = Service(
@@ -77,7 +77,7 @@ def make_app() -> tuple[Any, Service, Metrics]:
         observer=metrics,
     )
     served = ServedModel("m", FakeTokenizer(), 64, 0, make_params=lambda **kw: kw)
-    return create_app(service, served, metrics), service, metrics
+    return create_app(service, served, metrics, drain_nursery=nursery), service, metrics
 
 
 def scope(path: str = "/v1/completions") -> dict[str, Any]:
@@ -99,7 +99,6 @@ def scope(path: str = "/v1/completions") -> dict[str, Any]:
 
 
 async def test_a_stream_longer_than_quart_response_timeout_is_not_cut(autojump_clock):
-    app, service, _ = make_app()
     body = json.dumps({"model": "m", "prompt": "hi", "max_tokens": 6, "stream": True}).encode()
     sent: list[dict[str, Any]] = []
     disconnect = trio.Event()
@@ -115,6 +114,7 @@ async def test_a_stream_longer_than_quart_response_timeout_is_not_cut(autojump_c
         sent.append(message)
 
     async with trio.open_nursery() as nursery:
+        app, service, _ = make_app(nursery)
         await nursery.start(service.run)
         start = trio.current_time()
         await app(scope(), receive, send)
@@ -130,7 +130,6 @@ async def test_a_stream_longer_than_quart_response_timeout_is_not_cut(autojump_c
 
 
 async def test_a_disconnect_while_blocked_on_the_channel_cancels_at_once(autojump_clock):
-    app, service, metrics = make_app()
     body = json.dumps({"model": "m", "prompt": "hi", "max_tokens": 50, "stream": True}).encode()
     sent: list[dict[str, Any]] = []
     disconnect = trio.Event()
@@ -149,6 +148,7 @@ async def test_a_disconnect_while_blocked_on_the_channel_cancels_at_once(autojum
             first_body.set()
 
     async with trio.open_nursery() as nursery:
+        app, service, metrics = make_app(nursery)
         await nursery.start(service.run)
         nursery.start_soon(app, scope(), receive, send)
         await first_body.wait()
@@ -166,7 +166,6 @@ async def test_a_disconnect_while_blocked_on_the_channel_cancels_at_once(autojum
 
 
 async def test_a_disconnect_while_queued_is_499_not_429(autojump_clock):
-    app, service, metrics = make_app()
 
     def request(max_tokens: int) -> tuple[Any, Any, trio.Event]:
         body = json.dumps(
@@ -188,6 +187,7 @@ async def test_a_disconnect_while_queued_is_499_not_429(autojump_clock):
         return receive, send, gone
 
     async with trio.open_nursery() as nursery:
+        app, service, metrics = make_app(nursery)
         await nursery.start(service.run)
         r1, s1, gone1 = request(40)
         nursery.start_soon(app, scope(), r1, s1)
@@ -203,3 +203,48 @@ async def test_a_disconnect_while_queued_is_499_not_429(autojump_clock):
         await service.wait_until(lambda: service.live_requests == 0)
         nursery.cancel_scope.cancel()
     assert math.isfinite(trio.current_time())
+
+
+def test_the_app_cannot_be_built_without_the_nursery_its_drainers_run_in() -> None:
+    """hypercorn 0.18 deadlocks closing a connection whose refused body nobody reads;
+    Lifetime's drainers prevent it and must outlive the request. When the nursery was
+    injected after construction, an app mounted any other way ran without them."""
+    import inspect
+
+    from triollm.server.lifetime import Lifetime
+
+    for build in (create_app, Lifetime):
+        param = inspect.signature(build).parameters["drain_nursery"]
+        assert param.default is inspect.Parameter.empty, build
+        assert "None" not in str(param.annotation), build
+
+
+async def test_a_refused_body_is_drained_by_the_apps_own_nursery(autojump_clock):
+    """A 404 answered before the body was read: the rest of the body is read to the
+    disconnect by a task in the app's drain nursery, after the request has ended."""
+    received: list[str] = []
+    disconnect = trio.Event()
+
+    async def receive() -> dict[str, Any]:
+        if len(received) < 3:
+            received.append("body")
+            return {"type": "http.request", "body": b"x" * 10, "more_body": True}
+        await disconnect.wait()
+        received.append("disconnect")
+        return {"type": "http.disconnect"}
+
+    sent: list[dict[str, Any]] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    async with trio.open_nursery() as drainers:
+        app, _, _ = make_app(drainers)
+        post = scope("/v1/nowhere")
+        post["headers"] = [*post["headers"], (b"content-length", b"1000")]
+        await app(post, receive, send)  # the request ends; its body is still coming
+        assert sent[0]["status"] == 404
+        assert (b"connection", b"close") in sent[0]["headers"]
+        await trio.testing.wait_all_tasks_blocked()
+        disconnect.set()  # the drainer, still alive, reads on to the disconnect
+    assert received[-1] == "disconnect"

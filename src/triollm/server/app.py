@@ -40,6 +40,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+import trio
 from quart import Response, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
@@ -85,10 +86,14 @@ def create_app(
     model: ServedModel,
     metrics: Metrics,
     *,
+    drain_nursery: trio.Nursery,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
 ) -> Lifetime:
-    """The ASGI application: quart-trio routes wrapped in :class:`Lifetime`."""
+    """The ASGI application: quart-trio routes wrapped in :class:`Lifetime`.
+
+    ``drain_nursery`` outlives every request (Lifetime's refused-body drainers run
+    there); ``frontend.serve_http`` passes its own."""
     app = QuartTrio("triollm")
     app.config["MAX_CONTENT_LENGTH"] = max_body_bytes
     app.config["BODY_TIMEOUT"] = body_timeout_s  # a body that stops arriving: 408
@@ -216,7 +221,7 @@ def create_app(
         body, status = await writer.whole()
         return Response(json_text(body), status=status, mimetype="application/json")
 
-    return Lifetime(app, metrics, service)
+    return Lifetime(app, metrics, service, drain_nursery)
 
 
 # --------------------------------------------------------------------------- request -> model

@@ -26,6 +26,7 @@ import re
 import signal
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -42,7 +43,8 @@ from triollm.server.app import (
     ServedModel,
     create_app,
 )
-from triollm.server.frontend import HttpConfig, serve_http
+from triollm.server.frontend import HttpConfig, Serving, serve_http
+from triollm.server.lifetime import Lifetime
 from triollm.server.metrics import Metrics
 from triollm.service import Service, ServiceConfig
 from triollm.sizing import DEFAULT_CONTEXT_CAP, Capacity, MemoryReport, default_of
@@ -184,14 +186,18 @@ def _model_dir(args: argparse.Namespace) -> Path:
 
 @dataclass
 class Stack:
-    """Everything one server holds, built from a loaded model (tests build it too)."""
+    """Everything one server holds, built from a loaded model (tests build it too).
+
+    The ASGI app is built by the frontend inside its own nursery (``make_app``), the
+    one its refused-body drainers need; ``app`` is that app once serving started."""
 
     service: Service
-    app: Any
+    make_app: Callable[[trio.Nursery], Lifetime]
     metrics: Metrics
     served: ServedModel
     report: MemoryReport
     warm_prompt: list[int]
+    app: Lifetime | None = None  # set by serve_stack while it serves
 
 
 # The configs name their own fields; a user typed flags. Longest names first, so
@@ -303,10 +309,19 @@ def build_stack(
         ),
     )
     warm = list(tokenizer.encode("Hello")) or [0]
-    app = create_app(
-        service, served, metrics, max_body_bytes=max_body_bytes, body_timeout_s=body_timeout_s
+    make_app = partial(
+        create_app,
+        service,
+        served,
+        metrics,
+        max_body_bytes=max_body_bytes,
+        body_timeout_s=body_timeout_s,
     )
-    return Stack(service, app, metrics, served, report, warm)
+
+    def app_in(nursery: trio.Nursery) -> Lifetime:
+        return make_app(drain_nursery=nursery)
+
+    return Stack(service, app_in, metrics, served, report, warm)
 
 
 async def serve_stack(
@@ -322,11 +337,11 @@ async def serve_stack(
     from triollm.model.sampling import SamplingParams
 
     async with trio.open_nursery() as nursery:
-        frontend = partial(serve_http, stack.service, stack.app, http, shutdown)
-        binds = await nursery.start(stack.service.run, frontend)
+        frontend = partial(serve_http, stack.service, stack.make_app, http, shutdown)
+        serving: Serving = await nursery.start(stack.service.run, frontend)
+        stack.app = serving.app
         await stack.service.warm_up(stack.warm_prompt, SamplingParams(temperature=0.0))
-        stack.service.ready = True
-        task_status.started(binds)
+        task_status.started(serving.binds)
 
 
 async def _main(stack: Stack, http: HttpConfig) -> None:

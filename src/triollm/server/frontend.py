@@ -11,6 +11,7 @@ are aborted. Read with ``transport.py`` (the per-write deadline it installs) and
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 
@@ -45,15 +46,26 @@ def _aborted(metrics: Metrics, service: Service) -> None:
     service.notify()
 
 
+@dataclass(frozen=True)
+class Serving:
+    """What :func:`serve_http` reports once it listens: the addresses and the app."""
+
+    binds: list[str]
+    app: Lifetime
+
+
 async def serve_http(
     service: Service,
-    app: Lifetime,
+    make_app: Callable[[trio.Nursery], Lifetime],
     config: HttpConfig,
     shutdown: trio.Event,
     *,
-    task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
+    task_status: trio.TaskStatus[Serving] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Run hypercorn until ``shutdown`` is set, then drain gracefully."""
+    """Run hypercorn until ``shutdown`` is set, then drain gracefully.
+
+    ``make_app(nursery)`` builds the ASGI app around this function's nursery, the one
+    that outlives every request (``lifetime.py``'s drainers need it)."""
     if not transport.install():
         log.warning("the slow-client write guard is off (unsupported hypercorn version)")
     hconfig = HyperConfig()
@@ -63,14 +75,14 @@ async def serve_http(
     hconfig.graceful_timeout = config.grace_s + FINAL_EVENT_S
     hconfig.accesslog = None  # Lifetime logs each request, with 499s
     hconfig.errorlog = log
-    connections = transport.configure(
-        hconfig,
-        write_timeout_s=config.write_timeout_s,
-        send_buffer_bytes=config.send_buffer_bytes,
-        on_abort=partial(_aborted, app.metrics, service),
-    )
-
     async with trio.open_nursery() as nursery:
+        app = make_app(nursery)
+        connections = transport.configure(
+            hconfig,
+            write_timeout_s=config.write_timeout_s,
+            send_buffer_bytes=config.send_buffer_bytes,
+            on_abort=partial(_aborted, app.metrics, service),
+        )
 
         async def watchdog() -> None:
             await shutdown.wait()
@@ -94,6 +106,5 @@ async def serve_http(
             nursery.cancel_scope.cancel()  # served and drained: stop the watchdog
 
         nursery.start_soon(watchdog)
-        app.drain_nursery = nursery
         binds = await nursery.start(run_server)
-        task_status.started(binds)
+        task_status.started(Serving(binds, app))

@@ -15,6 +15,9 @@ Traps it designs around (read with ``transport.py``, the third one):
   says ``Connection: close``.
 - hypercorn 0.18 deadlocks closing such a connection unless someone keeps reading
   the request (``_drain_until_disconnect``, in a nursery that outlives the request).
+  That nursery is a required argument: a Lifetime cannot be built without it, so the
+  guard cannot be silently off however the app is mounted (``frontend.py`` builds
+  the app inside its own nursery; an in-process test passes its own).
 """
 
 from __future__ import annotations
@@ -66,14 +69,15 @@ class RequestLife:
 class Lifetime:
     """ASGI middleware: records disconnects and ends every request synchronously."""
 
-    def __init__(self, app: Any, metrics: Metrics, service: Service) -> None:
+    def __init__(
+        self, app: Any, metrics: Metrics, service: Service, drain_nursery: trio.Nursery
+    ) -> None:
         self.app = app
         self.metrics = metrics
         self.service = service
         self.in_flight = 0  # HTTP requests whose handler task has not ended
-        # Where drainers of refused bodies run (serve_http sets it): they must outlive
-        # the request's own task.
-        self.drain_nursery: trio.Nursery | None = None
+        # Where drainers of refused bodies run: they must outlive the request's own task.
+        self.drain_nursery = drain_nursery
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -111,8 +115,7 @@ class Lifetime:
                     # an ``http.disconnect`` through a bounded queue that the unread
                     # body has filled, and the app has stopped reading: the close
                     # deadlocks. A drainer task keeps receiving until that disconnect.
-                    if self.drain_nursery is not None:
-                        self.drain_nursery.start_soon(_drain_until_disconnect, receive)
+                    self.drain_nursery.start_soon(_drain_until_disconnect, receive)
             elif message["type"] == "http.response.body" and not message.get("more_body"):
                 life.response_done = True
                 if life.closes_connection:
