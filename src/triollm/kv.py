@@ -1,35 +1,69 @@
-"""The paged KV block pool: the one owner of block ownership.
+"""The paged KV block pool: the one owner of block ownership, and of the prefix cache.
 
 The KV cache is cut into ``num_blocks`` blocks of ``block_size`` positions each.
 A sequence holds a *block table* (block ids in position order); position ``p`` of
 that sequence lives in block ``table[p // block_size]`` at offset
-``p % block_size``. This module decides which block ids are free and who holds
-how many references to each; it knows nothing about sequences, tokens or arrays.
-The Batch owns the float32 arrays those ids index; the Scheduler owns the tables.
+``p % block_size``. This module decides which block ids are free, who holds how
+many references to each, and which blocks are known by their content; it knows
+nothing about sequences or arrays. The Batch owns the float32 arrays those ids
+index; the Scheduler owns the tables.
+
+Every block is in exactly one of three states:
+
+- **free**: reference count 0, no content anyone can find;
+- **cached**: reference count 0, but its content hash is still indexed, so a
+  later prompt with the same opening finds it; it sits in an LRU;
+- **held**: reference count >= 1 (one per block table that names it).
 
 Rules:
 
-1. ``allocate(n)`` is all-or-nothing: it returns ``n`` distinct free block ids, or
+1. ``allocate(n)`` is all-or-nothing: it returns ``n`` distinct blocks, or
    ``None`` having taken nothing. Admission relies on this: a request's prompt and
    its reserved answer are taken *together*, so a half-admitted request can never
    sit on blocks while it waits for the rest (the hold-and-wait half of a deadlock).
+   Free blocks go first (lowest id first, which makes simulations and test
+   failures reproducible); then cached blocks, **least recently released first**,
+   each losing its hash as it is taken (an *eviction*). A cached block is therefore
+   as good as a free one for admission: ``available = free + cached``.
 2. Every block has a reference count. ``allocate`` sets it to 1, ``retain`` adds
-   one (a later prefix cache shares a block between sequences this way), ``free``
-   drops one. A block returns to the free list exactly when its count reaches 0.
-3. Freeing a block whose count is already 0 is a bug in the caller (a double
-   free would hand one block to two sequences later) and raises ``ValueError``.
-4. Free blocks are handed out lowest id first. Nothing depends on it for
-   correctness; it makes simulations and test failures reproducible and easy to read.
+   one (a cached block retained becomes held again: a prefix-cache hit), ``free``
+   drops one. At 0 a block with a content hash becomes cached, one without
+   becomes free.
+3. ``publish(block, hash)`` names a held block by its content, once its K/V is
+   fully written. From then on the block is never written again: only full
+   blocks are published, and a writer only ever writes positions past the full
+   blocks it shares. A hash already naming another block is not published twice
+   (two sequences computed the same block at once); the second copy stays private
+   and is simply free when released.
+4. ``acquire(shared, n)`` is admission's one call: hold every block of ``shared``
+   (found by ``lookup``) and allocate ``n`` more, all together or none.
+5. Freeing a block whose count is already 0 is a bug in the caller (a double
+   free would hand one block to two sequences later) and raises ``ValueError``;
+   every call is checked whole before anything changes.
 
-Invariant: ``free + held == total`` at every moment, where ``held`` counts blocks
-with a reference count above zero. The property tests check it after every rule.
+Invariant: ``free + cached + held == total`` at every moment. The property tests
+check it after every rule (``property_tests/pool_machine.py`` for the pool alone,
+``property_tests/scheduler_machine.py`` with the Scheduler on top).
+
+The hash chain: block ``i``'s hash digests block ``i - 1``'s hash and block ``i``'s
+token ids, and the chain starts from a digest of the salt. So a hash names a block
+*and everything before it*: two prompts that differ anywhere before block ``i``
+never share block ``i``, and two salts never share anything
+(:func:`prefix_hashes`; SHA-256 from the standard library, so the scheduler stays
+pure).
 """
 
 from __future__ import annotations
 
+import hashlib
 import heapq
-from collections.abc import Iterable
+import struct
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+
+# Versioned, so a change to the encoding can never match hashes made by the old one.
+_HASH_LABEL = b"triollm/prefix/v1\x00"
 
 
 def blocks_for(positions: int, block_size: int) -> int:
@@ -39,14 +73,60 @@ def blocks_for(positions: int, block_size: int) -> int:
     return -(-positions // block_size)
 
 
+def prefix_hashes(
+    token_ids: Sequence[int],
+    block_size: int,
+    salt: str = "",
+    *,
+    known: Sequence[bytes] = (),
+) -> tuple[bytes, ...]:
+    """The chained content hash of every *full* block of ``token_ids``.
+
+    ``hashes[i]`` digests ``hashes[i - 1]`` (or, for block 0, a digest of
+    ``salt``) and the ``block_size`` token ids of block ``i`` as fixed-width
+    integers, so it names the block together with everything before it. A
+    partial last block has no hash: only full blocks are ever shared.
+
+    ``known`` is a leading run already computed for these same ids (a sequence
+    extends its chain as it grows); only the rest is hashed. Trap: ``known`` is
+    trusted, not re-checked; pass only what this function returned for a prefix
+    of the same ``token_ids``, ``block_size`` and ``salt``.
+    """
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    full = len(token_ids) // block_size
+    out = list(known[:full])
+    if len(out) < full:
+        pack = struct.Struct(f"<{block_size}I").pack  # token ids are < 2**32
+        parent = out[-1] if out else _root(salt)
+        for i in range(len(out), full):
+            tokens = token_ids[i * block_size : (i + 1) * block_size]
+            parent = hashlib.sha256(parent + pack(*tokens)).digest()
+            out.append(parent)
+    return tuple(out)
+
+
+def _root(salt: str) -> bytes:
+    """The chain's starting point: the salt, length-prefixed so no salt is another's prefix."""
+    raw = salt.encode("utf-8")
+    return hashlib.sha256(_HASH_LABEL + struct.pack("<Q", len(raw)) + raw).digest()
+
+
 @dataclass(frozen=True, slots=True)
 class PoolStatistics:
-    """A snapshot of the pool. ``free + held == total`` always."""
+    """A snapshot of the pool. ``free + cached + held == total`` always."""
 
     total: int  # blocks in the pool
-    free: int  # blocks with reference count 0, ready to allocate
-    held: int  # blocks with reference count >= 1
+    free: int  # reference count 0, no findable content: ready to allocate
+    cached: int  # reference count 0, content still findable; allocated after the free ones
+    held: int  # reference count >= 1
     block_size: int  # positions per block
+    evictions: int = 0  # cached blocks taken for new content since the pool was made
+
+    @property
+    def available(self) -> int:
+        """Blocks ``allocate`` can hand out now: the free and the cached ones."""
+        return self.free + self.cached
 
     @property
     def utilisation(self) -> float:
@@ -55,7 +135,8 @@ class PoolStatistics:
 
 
 class BlockPool:
-    """``num_blocks`` KV blocks of ``block_size`` positions, with reference counts.
+    """``num_blocks`` KV blocks of ``block_size`` positions, with reference counts
+    and a content-addressed cache of released full blocks.
 
     Trap: the pool hands out ids, not memory. A caller that keeps using a block id
     after freeing its reference is reading a block someone else may now own; the
@@ -69,40 +150,96 @@ class BlockPool:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        # Invariant: block b is in _free_heap exactly when _refs[b] == 0.
         self._refs = [0] * num_blocks
+        # Invariant: b is in _free_heap exactly when _refs[b] == 0 and b has no hash.
         self._free_heap = list(range(num_blocks))  # already a valid min-heap
+        # Invariant: b is in _cached exactly when _refs[b] == 0 and b has a hash.
+        # Insertion order is release order: the first entry is the least recently used.
+        self._cached: OrderedDict[int, None] = OrderedDict()
+        # Invariant: _hash_of and _block_of are inverse maps (published blocks only).
+        self._hash_of: dict[int, bytes] = {}
+        self._block_of: dict[bytes, int] = {}
+        self._evictions = 0
+        self._held = 0  # blocks with a reference count above 0, counted as they change
+
+    # -- taking ---------------------------------------------------------------------
 
     def allocate(self, n: int) -> tuple[int, ...] | None:
-        """Take ``n`` free blocks, all together, or none (``None``).
+        """Take ``n`` blocks, all together, or none (``None``).
 
-        ``allocate(0)`` succeeds with ``()``. Trap: ``None`` is not an error; the
-        caller must leave its state exactly as it was (nothing was taken).
+        Free blocks first, lowest id first; then cached blocks, least recently
+        released first, each forgetting its content (rule 1). ``allocate(0)``
+        succeeds with ``()``. Trap: ``None`` is not an error; the caller must leave
+        its state exactly as it was (nothing was taken).
         """
         if n < 0:
             raise ValueError(f"cannot allocate a negative number of blocks ({n})")
-        if n > len(self._free_heap):
+        if n > len(self._free_heap) + len(self._cached):
             return None
-        taken = tuple(heapq.heappop(self._free_heap) for _ in range(n))
+        taken = []
+        for _ in range(n):
+            if self._free_heap:
+                taken.append(heapq.heappop(self._free_heap))
+            else:
+                block, _ = self._cached.popitem(last=False)  # the least recently used
+                del self._block_of[self._hash_of.pop(block)]
+                self._evictions += 1
+                taken.append(block)
         for b in taken:
             self._refs[b] = 1
-        return taken
+        self._held += n
+        return tuple(taken)
 
     def retain(self, blocks: Iterable[int]) -> None:
-        """Add one reference to each held block (sharing, e.g. a prefix cache)."""
+        """Add one reference to each block; a cached block becomes held again (a hit).
+
+        A free block (no content) cannot be retained: nobody could know what it holds.
+        """
         blocks = tuple(blocks)
         for b in blocks:
             self._check_id(b)
-            if self._refs[b] == 0:
+            if self._refs[b] == 0 and b not in self._cached:
                 raise ValueError(f"cannot retain block {b}: it is free")
         for b in blocks:
+            if self._refs[b] == 0:
+                del self._cached[b]
+                self._held += 1
             self._refs[b] += 1
 
-    def free(self, blocks: Iterable[int]) -> None:
-        """Drop one reference to each block; a block at zero goes back to the free list.
+    def acquire(self, shared: Sequence[int], n: int) -> tuple[int, ...] | None:
+        """Hold every block of ``shared`` and allocate ``n`` more, together or none.
 
-        The whole call is checked before anything changes, so a bad id leaves the
-        pool untouched.
+        Returns the ``n`` new blocks (the caller's table is ``shared`` + them), or
+        ``None`` having changed nothing. ``shared`` comes from :meth:`lookup`: held
+        or cached blocks; the cached ones among them stop being available, which
+        :meth:`available` accounts for.
+        """
+        if n > self.available(holding=shared):
+            return None
+        self.retain(shared)
+        got = self.allocate(n)
+        if got is None:  # cannot happen: available() counted exactly this
+            raise RuntimeError(f"acquire({len(shared)} shared, {n}) found blocks gone")
+        return got
+
+    def available(self, holding: Sequence[int] = ()) -> int:
+        """Blocks ``allocate`` could hand out after ``holding`` were retained.
+
+        Free + cached, minus the cached blocks in ``holding`` (a hit on a cached
+        block takes it out of the LRU, so it can no longer be evicted for someone else).
+        """
+        hit_cached = sum(1 for b in set(holding) if b in self._cached)
+        return len(self._free_heap) + len(self._cached) - hit_cached
+
+    # -- giving back ----------------------------------------------------------------
+
+    def free(self, blocks: Iterable[int]) -> None:
+        """Drop one reference to each block; at zero it becomes cached or free (rule 2).
+
+        Pass a block table in position order: its blocks are released last-first,
+        so a table's opening block is the most recently used and the LRU takes its
+        tail before its head (a chain is useless without its head). The whole call
+        is checked before anything changes, so a bad id leaves the pool untouched.
         """
         blocks = tuple(blocks)
         drops: dict[int, int] = {}
@@ -114,23 +251,69 @@ class BlockPool:
                 raise ValueError(
                     f"block {b} freed {k} time(s) but holds {self._refs[b]} reference(s)"
                 )
-        for b in blocks:
+        for b in reversed(blocks):
             self._refs[b] -= 1
             if self._refs[b] == 0:
-                heapq.heappush(self._free_heap, b)
+                self._held -= 1
+                if b in self._hash_of:
+                    self._cached[b] = None  # the most recently used end
+                else:
+                    heapq.heappush(self._free_heap, b)
+
+    # -- content --------------------------------------------------------------------
+
+    def publish(self, block: int, content: bytes) -> bool:
+        """Name a held, fully written block by its chained hash (rule 3).
+
+        Returns False, changing nothing, when another block already has this
+        content (this copy stays private). Publishing a block twice is a bug.
+        """
+        self._check_id(block)
+        if self._refs[block] == 0:
+            raise ValueError(f"cannot publish block {block}: nobody holds it")
+        if block in self._hash_of:
+            raise ValueError(f"block {block} is already published; a cached block is never written")
+        if content in self._block_of:
+            return False
+        self._hash_of[block] = content
+        self._block_of[content] = block
+        return True
+
+    def lookup(self, hashes: Iterable[bytes]) -> tuple[int, ...]:
+        """The blocks holding the longest leading run of ``hashes``. Changes nothing."""
+        found = []
+        for h in hashes:
+            block = self._block_of.get(h)
+            if block is None:
+                break
+            found.append(block)
+        return tuple(found)
+
+    def content(self, block: int) -> bytes | None:
+        """The hash ``block`` was published under, or None (free, or private)."""
+        self._check_id(block)
+        return self._hash_of.get(block)
+
+    # -- looking --------------------------------------------------------------------
 
     def refcount(self, block: int) -> int:
-        """How many references ``block`` holds (0 = free)."""
+        """How many references ``block`` holds (0 = free or cached)."""
         self._check_id(block)
         return self._refs[block]
 
+    def cached_blocks(self) -> tuple[int, ...]:
+        """Cached blocks, least recently used first (the order eviction takes them)."""
+        return tuple(self._cached)
+
     def statistics(self) -> PoolStatistics:
-        free = len(self._free_heap)
+        free, cached = len(self._free_heap), len(self._cached)
         return PoolStatistics(
             total=self.num_blocks,
             free=free,
-            held=self.num_blocks - free,
+            cached=cached,
+            held=self._held,
             block_size=self.block_size,
+            evictions=self._evictions,
         )
 
     def _check_id(self, block: int) -> None:
