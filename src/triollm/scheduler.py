@@ -46,6 +46,15 @@ Rules (docs/scheduling.md teaches each one, with the test that proves it):
    the waiters' order, the decoders' order) is asked of ``config.policy``
    (policies.py), and every answer is checked before it is acted on
    (:class:`~triollm.policies.PolicyError`).
+9. **Prefix cache** (``prefix_cache=True``). Admission first finds the leading
+   full blocks of the sequence's token ids (chained hashes, salted, ``kv.py``)
+   that the pool still has, holds them, and takes only the rest of what the
+   policy asks for, all together or not at all; the prefill then starts at the
+   first uncached position. At least one token is always computed (see
+   ``_cache_hits_for``). After each ``commit`` a sequence's newly full blocks are
+   published; on release they stay findable (cached) until the pool needs them.
+   Cached blocks count as available to every admission rule above, which is why
+   none of them changes: a block anybody holds is never evicted or rewritten.
 
 Theory of operation (one turn of the batch loop)::
 
@@ -73,7 +82,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from triollm.errors import FieldError
-from triollm.kv import BlockPool, blocks_for
+from triollm.kv import BlockPool, blocks_for, prefix_hashes
 from triollm.plan import ChunkPlan, Finished, FinishReason, StepPlan, StepResult
 from triollm.policies import (
     Claim,
@@ -156,6 +165,9 @@ class SchedulerConfig:
     preempt_watermark_blocks: int = (
         1  # preempt: free blocks an admission must leave, against thrash
     )
+    # Share full KV blocks between prompts with the same opening (rule 9). Off here so
+    # the pure core's default is the plain paged pool; the server turns it on.
+    prefix_cache: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.policy, str):  # let callers and JSON files say "free-slot"
@@ -244,6 +256,7 @@ class SequenceInfo:
     blocks: tuple[int, ...]  # its block table
     first_token_step: int | None  # the step whose commit gave its first token; None before
     preemptions: int
+    cached_tokens: int = 0  # prompt tokens its first admission found in the prefix cache
 
 
 @dataclass(frozen=True, slots=True)
@@ -289,13 +302,16 @@ class SchedulerStatistics:
     decoding: int
     free_slots: int
     blocks_total: int
-    blocks_free: int
-    blocks_held: int
+    blocks_free: int  # blocks admission may take: free ones plus cached ones (rule 9)
+    blocks_held: int  # blocks_free + blocks_held == blocks_total
+    blocks_cached: int  # of blocks_free, those whose content a later prompt can still hit
     deadlocked: bool
     admitted_total: int  # admissions, counting each readmission after a preemption
     finished_total: int
     cancelled_total: int
     preemptions_total: int
+    prefix_cache_queries_total: int = 0  # prompt tokens looked up at admission (vLLM's name)
+    prefix_cache_hits_total: int = 0  # of those, tokens whose K/V was found in the cache
 
 
 class _Seq:
@@ -304,8 +320,10 @@ class _Seq:
     __slots__ = (
         "admission",
         "blocks",
+        "cached_tokens",
         "computed",
         "first_token_step",
+        "hashes",
         "left_out",
         "max_tokens",
         "overtaken",
@@ -313,6 +331,8 @@ class _Seq:
         "preemptions",
         "priority",
         "prompt_len",
+        "published",
+        "salt",
         "seq_id",
         "state",
         "stop_ids",
@@ -328,6 +348,7 @@ class _Seq:
         max_tokens: int,
         stop: frozenset[int],
         priority: int,
+        salt: str = "",
     ) -> None:
         self.seq_id = seq_id
         self.ticket = ticket
@@ -348,6 +369,13 @@ class _Seq:
         self.passed = 0  # times overtaken while it was the head of the queue
         self.overtaken = 0  # later arrivals admitted while it waited (a policy may age by it)
         self.preemptions = 0
+        self.salt = salt  # the prefix cache's domain: only equal salts share blocks
+        # Invariant: hashes[i] is prefix_hashes(token_ids, ...)[i] (computed as needed).
+        self.hashes: tuple[bytes, ...] = ()
+        # Invariant: blocks[:published] are full and never written again (shared or
+        # published); every write of this sequence lands at or past published * block_size.
+        self.published = 0
+        self.cached_tokens: int | None = None  # set by the first admission
 
     @property
     def n_generated(self) -> int:
@@ -382,6 +410,8 @@ class Scheduler:
         self._finished_total = 0
         self._cancelled_total = 0
         self._preemptions_total = 0
+        self._cache_queries = 0
+        self._cache_hits = 0
 
     # -- the door ---------------------------------------------------------------
 
@@ -430,11 +460,15 @@ class Scheduler:
         max_tokens: int | None,
         stop_token_ids: frozenset[int] = frozenset(),
         priority: int = 0,
+        *,
+        cache_salt: str = "",
     ) -> int:
         """Queue a request as a WAITING sequence with the next arrival ticket.
 
         ``max_tokens=None`` means the rest of the context. ``priority`` is only read by
-        a policy that orders by it (smaller first). Raises :class:`Infeasible`
+        a policy that orders by it (smaller first). ``cache_salt`` is the prefix
+        cache's domain: only sequences with equal salts share blocks (rule 9).
+        Raises :class:`Infeasible`
         (nothing queued) when it could never run. Trap: ``add`` never admits; call
         ``admit_waiting``.
         """
@@ -444,7 +478,9 @@ class Scheduler:
         answer = self.config.context_tokens - len(prompt_ids) if max_tokens is None else max_tokens
         seq_id = self._next_id
         self._next_id += 1
-        seq = _Seq(seq_id, seq_id, prompt_ids, answer, frozenset(stop_token_ids), priority)
+        seq = _Seq(
+            seq_id, seq_id, prompt_ids, answer, frozenset(stop_token_ids), priority, cache_salt
+        )
         self._seqs[seq_id] = seq
         bisect.insort(self._waiting, (seq.ticket, seq_id))
         return seq_id
@@ -470,7 +506,7 @@ class Scheduler:
         return SchedulerView(
             block_size=cfg.block_size,
             total_blocks=cfg.num_blocks,
-            free_blocks=self.pool.statistics().free,
+            free_blocks=self.pool.available(),  # cached blocks count: allocate evicts them
             slots=cfg.slots,
             running=len(self._running),
             watermark_blocks=cfg.preempt_watermark_blocks,
@@ -498,13 +534,34 @@ class Scheduler:
             )
         return take, max(keep_free, 0)
 
+    def _cache_hits_for(self, seq: _Seq) -> tuple[int, ...]:
+        """The cached blocks this sequence's admission would share (rule 9). Changes nothing.
+
+        At most ``(n - 1) // block_size`` blocks of its ``n`` token ids: at least one
+        token is always computed, so the last one has logits to sample from. A prompt
+        of exactly ``k`` full blocks therefore recomputes its whole last block, not
+        just its last token: that token's K/V belongs in block ``k - 1``, which is
+        shared, and a shared block is never written (one writer per block, no
+        copy-on-write). The price is at most ``block_size`` rows of prefill.
+        """
+        if not self.config.prefix_cache:
+            return ()
+        bs = self.config.block_size
+        usable = (len(seq.token_ids) - 1) // bs
+        if len(seq.hashes) < usable:
+            seq.hashes = prefix_hashes(seq.token_ids, bs, seq.salt, known=seq.hashes)
+        return self.pool.lookup(seq.hashes[:usable])
+
     def _can_admit(self, seq: _Seq) -> bool:
         if len(self._running) >= self.config.slots:
             return False
         if not self.policy.admits_now(self._scheduler_view()):
             return False
         take, keep_free = self._admission_blocks(seq)
-        return take + keep_free <= self.pool.statistics().free
+        hits = self._cache_hits_for(seq)
+        # Cached-but-free blocks count as available: allocate evicts them on demand.
+        # The hits themselves are not counted twice (available(holding=...)).
+        return take - len(hits) + keep_free <= self.pool.available(holding=hits)
 
     def _ordered_waiting(self) -> list[_Seq]:
         """The waiters in the policy's order (rule 3's head first); checked."""
@@ -519,8 +576,9 @@ class Scheduler:
 
     def _admit(self, seq: _Seq) -> None:
         take, _ = self._admission_blocks(seq)
-        blocks = self.pool.allocate(take)
-        if blocks is None:  # _can_admit said yes a moment ago; nothing ran in between
+        hits = self._cache_hits_for(seq)
+        fresh = self.pool.acquire(hits, take - len(hits))  # hits + the rest, or nothing
+        if fresh is None:  # _can_admit said yes a moment ago; nothing ran in between
             raise RuntimeError(f"admission of seq {seq.seq_id} found {take} blocks gone")
         self._waiting.remove((seq.ticket, seq.seq_id))
         for ticket, sid in self._waiting:  # sorted by ticket: the ones it passed come first
@@ -528,9 +586,16 @@ class Scheduler:
                 break
             self._seqs[sid].overtaken += 1
         seq.overtaken = 0
-        seq.blocks = list(blocks)
+        seq.blocks = [*hits, *fresh]
         seq.state = SeqState.PREFILLING
-        seq.computed = 0
+        # The prefill starts at the first uncached position; the engine needs nothing else.
+        seq.published = len(hits)
+        seq.computed = len(hits) * self.config.block_size
+        if self.config.prefix_cache:
+            self._cache_queries += len(seq.token_ids)
+            self._cache_hits += seq.computed
+        if seq.cached_tokens is None:
+            seq.cached_tokens = min(seq.computed, seq.prompt_len)
         seq.passed = 0
         seq.left_out = False
         seq.admission = self._next_admission
@@ -713,7 +778,7 @@ class Scheduler:
         # Recompute, not swap: drop the K/V, keep the token ids and the ticket.
         self._release(seq)
         seq.state = SeqState.WAITING
-        seq.computed = 0
+        seq.computed = seq.published = 0
         seq.preemptions += 1
         seq.left_out = False
         bisect.insort(self._waiting, (seq.ticket, seq.seq_id))
@@ -756,6 +821,7 @@ class Scheduler:
         for chunk in live:
             seq = self._seqs[chunk.seq_id]
             seq.computed = chunk.start + chunk.n_rows
+            self._publish_full_blocks(seq)
             if not chunk.sample:
                 continue
             token = sampled[seq.seq_id].token_id
@@ -768,6 +834,24 @@ class Scheduler:
             elif seq.n_generated >= seq.max_tokens:
                 finished.append(self._end(seq, SeqState.FINISHED, FinishReason.LENGTH))
         return tuple(finished)
+
+    def _publish_full_blocks(self, seq: _Seq) -> None:
+        """Name every block this sequence has now filled by its content (rule 9).
+
+        Only after ``commit``: a block's K/V is written only once its step has run,
+        and a hash over tokens never computed would hand a later prompt garbage.
+        """
+        if not self.config.prefix_cache:
+            return
+        bs = self.config.block_size
+        full = seq.computed // bs
+        if full <= seq.published:
+            return
+        if len(seq.hashes) < full:
+            seq.hashes = prefix_hashes(seq.token_ids[: full * bs], bs, seq.salt, known=seq.hashes)
+        for i in range(seq.published, full):
+            self.pool.publish(seq.blocks[i], seq.hashes[i])  # False: a twin holds it; fine
+        seq.published = full
 
     def discard_step(self) -> None:
         """Forget the plan in flight without applying it (its run failed).
@@ -859,6 +943,7 @@ class Scheduler:
             blocks=tuple(seq.blocks),
             first_token_step=seq.first_token_step,
             preemptions=seq.preemptions,
+            cached_tokens=seq.cached_tokens or 0,
         )
 
     def token_ids(self, seq_id: int) -> tuple[int, ...]:
@@ -896,7 +981,7 @@ class Scheduler:
             step=self._step,
             holders=holders,
             waiting=self.waiting_ids(),
-            free_blocks=self.pool.statistics().free,
+            free_blocks=self.pool.available(),
         )
 
     def statistics(self) -> SchedulerStatistics:
@@ -911,11 +996,14 @@ class Scheduler:
             decoding=states.count(SeqState.DECODING),
             free_slots=self.config.slots - len(self._running),
             blocks_total=pool.total,
-            blocks_free=pool.free,
+            blocks_free=pool.available,
             blocks_held=pool.held,
+            blocks_cached=pool.cached,
             deadlocked=self._deadlock is not None,
             admitted_total=self._admitted_total,
             finished_total=self._finished_total,
             cancelled_total=self._cancelled_total,
             preemptions_total=self._preemptions_total,
+            prefix_cache_queries_total=self._cache_queries,
+            prefix_cache_hits_total=self._cache_hits,
         )
