@@ -24,6 +24,15 @@ TestPreempt = machine_for(Policy.PREEMPT).TestCase
 TestPreemptUnderPressure = machine_for(Policy.PREEMPT, ends_early=False).TestCase
 TestFreeSlotSafety = machine_for(Policy.FREE_SLOT).TestCase
 
+# The same claims with the prefix cache on (shared openings, salts, hits on cached
+# blocks), plus its own: refcounts = live holders, one writer, hashes match content.
+TestReservePrefixCache = machine_for(Policy.RESERVE, prefix_cache=True).TestCase
+TestPreemptPrefixCache = machine_for(Policy.PREEMPT, prefix_cache=True).TestCase
+TestPreemptUnderPressurePrefixCache = machine_for(
+    Policy.PREEMPT, ends_early=False, prefix_cache=True
+).TestCase
+TestFreeSlotSafetyPrefixCache = machine_for(Policy.FREE_SLOT, prefix_cache=True).TestCase
+
 # Cancelling can only break a deadlock, so the search leaves it out.
 FreeSlotClaimingNoDeadlock = machine_for(
     Policy.FREE_SLOT, FreeSlot.claims | {Claim.NO_DEADLOCK}, ends_early=False

@@ -28,7 +28,7 @@ from hypothesis import event, note
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from triollm.kv import blocks_for
+from triollm.kv import blocks_for, prefix_hashes
 from triollm.plan import SampledToken, StepPlan, StepResult
 from triollm.policies import Claim, Policy, SchedulingPolicy, builtin
 from triollm.scheduler import (
@@ -41,6 +41,15 @@ from triollm.scheduler import (
 )
 
 STOP = 0  # the stop token id every request is given; other tokens are 1..9
+
+# The prefix cache's alphabet: three openings that agree on their first tokens and
+# then part, and two salts, so hits (and near misses, and salt misses) are frequent.
+OPENINGS = (
+    (1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2, 3, 4, 5, 6),
+    (1, 2, 3, 4, 5, 6, 9, 9, 9, 9, 9, 9, 8, 8, 8, 8, 8, 8, 7, 7, 7, 7, 7, 7),
+    (3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4, 6, 2, 6, 4),
+)
+SALTS = ("", "tenant-b")
 
 
 class ClaimViolated(AssertionError):
@@ -79,6 +88,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     POLICY: Policy | SchedulingPolicy = Policy.RESERVE
     CLAIMS: frozenset[Claim] | None = None  # None: exactly what the policy claims
     ENDS_EARLY = True  # cancel / finish rules; the deadlock search drops them (they only unblock)
+    PREFIX_CACHE = False  # share full blocks between sequences (Scheduler rule 9)
 
     def __init__(self) -> None:
         super().__init__()
@@ -91,6 +101,16 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.turns = 0  # _one_step calls: the simulator's clock, for a replay
         impl = self.POLICY if not isinstance(self.POLICY, Policy) else builtin(self.POLICY)
         self.claims = impl.claims if self.CLAIMS is None else self.CLAIMS
+        if self.PREFIX_CACHE:
+            # Sharing is the point: blocks have several owners. What replaces the claim
+            # is checked for every policy: refcounts equal the live holders, a shared
+            # block is full and published, one writer per block (see the invariants).
+            self.claims = self.claims - {Claim.EXCLUSIVE_BLOCKS}
+        self.salt: dict[int, str] = {}  # seq_id -> its cache salt
+        # model: block -> offset -> the token history whose K/V the Batch wrote there
+        # (K/V at position p is a function of tokens 0..p, RoPE included).
+        self.written: dict[int, dict[int, tuple[int, ...]]] = {}
+        self.expected: dict[int, bytes] = {}  # model: block -> hash of what was written last
 
     # -- claims -----------------------------------------------------------------------
 
@@ -136,6 +156,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             policy=self.POLICY,
             overtake_limit=min(overtake, slots),
             preempt_watermark_blocks=watermark,
+            prefix_cache=self.PREFIX_CACHE,
         )
         self.s = Scheduler(cfg)
         self.say(
@@ -179,6 +200,32 @@ class SchedulerMachine(RuleBasedStateMachine):
             self.say(
                 f"seq {seq} arrives: prompt {prompt}, max_tokens {max_tokens}"
                 + (f", priority {priority}" if priority else "")
+            )
+            self.issued.append(seq)
+
+    @rule(
+        data=st.data(),
+        opening=st.sampled_from(OPENINGS),
+        salt=st.sampled_from(SALTS),
+        n=st.integers(1, 3),
+    )
+    def arrive_sharing(
+        self, data: st.DataObject, opening: tuple[int, ...], salt: str, n: int
+    ) -> None:
+        """Arrivals whose prompts start with a shared opening, so the cache hits."""
+        cfg = self.s.config
+        most = min(cfg.context_tokens, cfg.num_blocks * cfg.block_size)
+        if most < 2:
+            return
+        for _ in range(n):
+            prompt = data.draw(st.integers(1, most - 1), label="prompt")
+            max_tokens = data.draw(st.integers(1, most - prompt), label="max_tokens")
+            ids = [*opening, *(1 + i % 7 for i in range(max(0, prompt - len(opening))))]
+            seq = self.s.add(ids[:prompt], max_tokens, frozenset({STOP}), cache_salt=salt)
+            self.salt[seq] = salt
+            self.say(
+                f"seq {seq} arrives: prompt {prompt} opening with {opening[:3]}..., "
+                f"salt {salt!r}, max_tokens {max_tokens}"
             )
             self.issued.append(seq)
 
@@ -229,6 +276,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             self.say(f"readmit (preempted earlier): {self._holdings(readmitted)}")
         self._check_fcfs(queue, tuple(sorted(readmitted, key=order.index)))
         self._check_plan(plan)
+        self._record_writes(plan)
         if plan.is_empty:
             if s.running_ids():
                 admissible = any(s.would_admit(w) for w in s.waiting_ids())
@@ -323,11 +371,11 @@ class SchedulerMachine(RuleBasedStateMachine):
             return
         s = self.s
         st_ = s.pool.statistics()
-        held_by_tables = sum(len(s.sequence(q).blocks) for q in s.running_ids())
+        held_by_tables = len({b for q in s.running_ids() for b in s.sequence(q).blocks})
         self.check(
             Claim.BLOCKS_CONSERVED,
-            st_.free + st_.held == st_.total,
-            f"{st_.free} free + {st_.held} held != {st_.total}",
+            st_.free + st_.cached + st_.held == st_.total,
+            f"{st_.free} free + {st_.cached} cached + {st_.held} held != {st_.total}",
         )
         self.check(
             Claim.BLOCKS_CONSERVED,
@@ -368,6 +416,49 @@ class SchedulerMachine(RuleBasedStateMachine):
                 )
 
     @invariant()
+    def refcounts_equal_the_live_holders(self) -> None:
+        """Every block's reference count is the number of live tables naming it, and a
+        block named twice is full and published (nobody will ever write it again)."""
+        if not hasattr(self, "s"):
+            return
+        s = self.s
+        holders: dict[int, int] = {}
+        for q in s.running_ids():
+            for b in s.sequence(q).blocks:
+                holders[b] = holders.get(b, 0) + 1
+        for b in range(s.config.num_blocks):
+            assert s.pool.refcount(b) == holders.get(b, 0), (
+                f"block {b} has {s.pool.refcount(b)} reference(s) but "
+                f"{holders.get(b, 0)} live table(s) name it"
+            )
+            if holders.get(b, 0) > 1:
+                assert s.pool.content(b) is not None, f"block {b} is shared but not published"
+        if not s.config.prefix_cache:
+            assert s.pool.statistics().cached == 0, "with the cache off nothing is cached"
+
+    @invariant()
+    def every_published_block_holds_what_its_hash_says(self) -> None:
+        """A cached (or shared) block's hash is the hash of what was written into it
+        and into the blocks before it, and every sequence attends over its own tokens."""
+        if not hasattr(self, "s"):
+            return
+        s = self.s
+        for b in range(s.config.num_blocks):
+            h = s.pool.content(b)
+            if h is not None:
+                assert h == self.expected.get(b), f"block {b}'s hash is not what was written"
+        bs = s.config.block_size
+        for q in s.running_ids():
+            info = s.sequence(q)
+            ids = s.token_ids(q)
+            for p in range(info.n_computed):
+                fed = self.written.get(info.blocks[p // bs], {}).get(p % bs)
+                assert fed == ids[: p + 1], (
+                    f"seq {q} position {p} (block {info.blocks[p // bs]}) holds the K/V of "
+                    f"history {fed}, not of its own {ids[: p + 1]}"
+                )
+
+    @invariant()
     def ended_and_waiting_sequences_hold_nothing(self) -> None:
         if not hasattr(self, "s"):
             return
@@ -388,7 +479,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         s = self.s
         held = " ".join(f"{q}:{list(s.sequence(q).blocks)}" for q in s.running_ids())
         waiting = list(s.waiting_ids())
-        return f"blocks {held or 'none held'}, {s.pool.statistics().free} free" + (
+        pool = s.pool.statistics()
+        cached = f" ({pool.cached} cached)" if pool.cached else ""
+        return f"blocks {held or 'none held'}, {pool.available} free{cached}" + (
             f"; waiting {waiting}" if waiting else ""
         )
 
@@ -399,6 +492,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert len(ids) == len(set(ids)), "one chunk per sequence per step"
         kinds = [c.prefill for c in plan.chunks]
         assert kinds == sorted(kinds, reverse=True), "prefill chunks come before decode rows"
+        written_by: dict[int, int] = {}
         for c in plan.chunks:
             info = self.s.sequence(c.seq_id)
             assert info.state in RUNNING_STATES
@@ -407,6 +501,31 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert c.start + c.n_rows <= len(c.block_table) * cfg.block_size
             assert c.block_table == info.blocks
             assert c.start + c.n_rows <= cfg.context_tokens
+            # One writer per block: a block this chunk writes is held by it alone and
+            # unpublished; a shared or cached block is never written.
+            bs = cfg.block_size
+            for b in {c.block_table[p // bs] for p in range(c.start, c.start + c.n_rows)}:
+                assert b not in written_by, (
+                    f"block {b} written by seq {written_by[b]} and {c.seq_id}"
+                )
+                written_by[b] = c.seq_id
+                assert self.s.pool.refcount(b) == 1, f"seq {c.seq_id} writes shared block {b}"
+                assert self.s.pool.content(b) is None, f"seq {c.seq_id} writes published block {b}"
+
+    def _record_writes(self, plan: StepPlan) -> None:
+        """Model the Batch: each row's K/V lands in its block; a block whose last offset
+        is written now holds the chain hash of everything its table fed so far."""
+        bs = self.s.config.block_size
+        for c in plan.chunks:
+            ids = self.s.token_ids(c.seq_id)
+            for i, token in enumerate(c.token_ids):
+                p = c.start + i
+                assert ids[p] == token, f"seq {c.seq_id} fed {token} at {p}, not {ids[p]}"
+                block = c.block_table[p // bs]
+                self.written.setdefault(block, {})[p % bs] = ids[: p + 1]
+                if p % bs == bs - 1:
+                    salt = self.salt.get(c.seq_id, "")
+                    self.expected[block] = prefix_hashes(ids[: p + 1], bs, salt)[-1]
 
     def _check_fcfs(self, queue: list[int], admitted: tuple[int, ...]) -> None:
         """Replay admissions against a model queue in arrival order: each admission of
@@ -462,11 +581,18 @@ def machine_for(
     claims: frozenset[Claim] | None = None,
     *,
     ends_early: bool = True,
+    prefix_cache: bool = False,
 ) -> type[SchedulerMachine]:
-    """A state machine class that checks ``policy`` against ``claims`` (default: its own)."""
+    """A state machine class that checks ``policy`` against ``claims`` (default: its own),
+    with the Scheduler's prefix cache on or off."""
     name = policy.value if isinstance(policy, Policy) else policy.name
     return type(
-        f"Machine_{name}",
+        f"Machine_{name}{'_prefix_cache' if prefix_cache else ''}",
         (SchedulerMachine,),
-        {"POLICY": policy, "CLAIMS": claims, "ENDS_EARLY": ends_early},
+        {
+            "POLICY": policy,
+            "CLAIMS": claims,
+            "ENDS_EARLY": ends_early,
+            "PREFIX_CACHE": prefix_cache,
+        },
     )
