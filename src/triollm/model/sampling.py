@@ -295,5 +295,7 @@ def _with_logprobs(token: int, x: np.ndarray, top_n: int) -> Sample:
         n = min(top_n, x.shape[0])
         idx = np.argpartition(x, -n)[-n:]
         idx = idx[np.argsort(-x[idx], kind="stable")]
-        best = tuple((int(i), logprob(int(i))) for i in idx)
+        # A grammar's mask leaves forbidden tokens at -inf: they are not alternatives
+        # (and -inf is not a JSON number).
+        best = tuple((int(i), logprob(int(i))) for i in idx if np.isfinite(x[i]))
     return Sample(token, logprob(token), best)

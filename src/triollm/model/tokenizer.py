@@ -448,6 +448,11 @@ class Tokenizer:
         """
         return str(self._hf.decode(list(ids), skip_special_tokens=skip_special_tokens))
 
+    def to_json(self) -> str:
+        """The whole tokenizer as ``tokenizer.json`` text (what llguidance builds its
+        vocabulary from; also right for a tokenizer that was built in memory)."""
+        return str(self._hf.to_str())
+
     def token_text(self, token_id: int) -> str | None:
         """The vocabulary string of one id (``"Ġthe"``, ``"▁the"``, ``"<0xF0>"``), or None."""
         return self._hf.id_to_token(token_id)

@@ -1,0 +1,313 @@
+"""Constrained decoding: a grammar decides which tokens may come next, the sampler obeys.
+
+Structured output (``response_format``, the extras ``guided_regex`` /
+``guided_choice`` / ``guided_grammar``, and tool calls with ``tool_choice``
+``required`` or a named function) all reduce to one mechanism: a grammar, a
+*matcher* per sequence that tracks how far the answer has come through it, and
+each step a *token mask*, one bit per vocabulary entry, that says which next
+tokens keep the answer inside the grammar. Every piece of grammar work is done by
+``llguidance`` (the engine llama.cpp and vLLM use): JSON Schema and Lark
+compilation, the lexer/parser, the token trie, the parallel mask fill. This
+module only connects it to our tokenizer and our step.
+
+Theory of operation, for one constrained sequence in one step (``batch.py``):
+
+1. **Fill** (:meth:`MaskFiller.fill`): the matchers of every constrained sequence
+   that samples this step write their masks into one preallocated bitmask,
+   ``(rows, ceil(vocab / 32))`` int32, with the GIL released, in a thread of its
+   own that runs beside the forward pass. Many rows go through ``llguidance``'s
+   parallel executor; a few are filled one after another, which measured faster
+   (see :data:`PARALLEL_MIN_ROWS`).
+2. **Apply** (:meth:`MaskFiller.apply`): the disallowed logits of that
+   sequence's row become ``-inf`` *before* the sampler sees the row, so
+   penalties, temperature, top-k/top-p/min-p, the seeded draw and greedy argmax
+   all choose among allowed tokens only, and log-probabilities are those of the
+   masked distribution (the one the token was drawn from).
+3. **Advance** (:meth:`SequenceMatcher.advance`): the sampled token moves the
+   matcher on. When no further token can extend the answer the grammar is
+   *complete*: the sequence ends with ``stop``.
+
+Unconstrained sequences have no matcher and never touch any of this.
+
+Failure is per sequence. A grammar the library refuses is a
+:class:`GrammarError` (the client's fault, with ``.field``) raised when the
+request is compiled, before it is queued. A matcher that fails *during*
+generation (a parser limit hit, or a token it refuses) raises
+:class:`MatcherFailed` for that sequence alone; the others in the step go on.
+
+Replay: a matcher is a function of the tokens generated so far, so one rebuilt
+for a sequence that already has tokens (re-added after recompute) is brought up
+to date with :meth:`SequenceMatcher.replay` instead of restarting the grammar.
+
+Tests: ``tests/model/test_constrained.py``; the cost per step:
+``bench/bench_constrained.py``.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import llguidance
+import llguidance.numpy as llnp
+import numpy as np
+
+from triollm.errors import UserError
+
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions
+
+# JSON is generated compact but with the separators of Python's json.dumps (", ",
+# ": "), the spelling most training data uses. Flexible whitespace (llguidance's
+# default) lets a model spend its whole max_tokens on spaces and newlines between
+# two keys, which a small model on a CPU will do; one fixed spelling cannot loop.
+JSON_OPTIONS: JsonCompileOptions = {
+    "whitespace_flexible": False,
+    "item_separator": ", ",
+    "key_separator": ": ",
+}
+
+
+class GrammarError(UserError, ValueError):
+    """A grammar the constraint library refuses: bad regex, unknown Lark rule, a JSON
+    Schema keyword it does not implement. ``field`` names the request field it came
+    from (the HTTP 400's ``param``); the message is the library's, prefixed by it."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+class MatcherFailed(RuntimeError):
+    """One sequence's matcher failed mid-generation (a parser limit, a refused token).
+
+    The sequence cannot go on under its grammar; the others in the step are unaffected.
+    """
+
+
+class GrammarKind(enum.Enum):
+    """What a request's constraint is written in."""
+
+    JSON_OBJECT = "json_object"  # any JSON object (response_format json_object)
+    JSON_SCHEMA = "json_schema"  # a JSON Schema (response_format json_schema, guided_json)
+    REGEX = "regex"  # a regular expression (guided_regex)
+    CHOICE = "choice"  # one of a list of strings (guided_choice)
+    LARK = "lark"  # a Lark grammar, llguidance's dialect (guided_grammar, tool calls)
+
+
+@dataclass(frozen=True, slots=True)
+class GrammarSpec:
+    """A request's constraint as plain data, before compilation.
+
+    ``source`` is the schema (a dict), the regex or Lark text, or the list of choices;
+    ``field`` is the request field it came from, for a 400 that names it.
+    """
+
+    kind: GrammarKind
+    source: Any
+    field: str
+
+
+def grammar_text(spec: GrammarSpec) -> str:
+    """The llguidance grammar for ``spec`` (not yet checked: :func:`compile_grammar` does)."""
+    try:
+        if spec.kind is GrammarKind.JSON_OBJECT:
+            return str(
+                llguidance.LLMatcher.grammar_from_json_schema(
+                    {"type": "object"}, defaults=JSON_OPTIONS
+                )
+            )
+        if spec.kind is GrammarKind.JSON_SCHEMA:
+            return str(
+                llguidance.LLMatcher.grammar_from_json_schema(spec.source, defaults=JSON_OPTIONS)
+            )
+        if spec.kind is GrammarKind.REGEX:
+            return str(llguidance.LLMatcher.grammar_from_regex(spec.source))
+        if spec.kind is GrammarKind.CHOICE:
+            # Each choice is a Lark string literal; json.dumps escapes it the way Lark reads.
+            lark = "start: " + " | ".join(json.dumps(c) for c in spec.source)
+            return str(llguidance.LLMatcher.grammar_from_lark(lark))
+        return str(llguidance.LLMatcher.grammar_from_lark(spec.source))
+    except (ValueError, TypeError) as exc:  # a schema that is not a JSON object
+        raise GrammarError(spec.field, f"'{spec.field}' is not a valid grammar: {exc}") from None
+
+
+class ConstraintTokenizer:
+    """The vocabulary as llguidance sees it: every token's bytes, built once per model.
+
+    Built from the ``tokenizer.json`` text itself (no transformers). ``vocab_size``
+    is the width of the model's logits, which may exceed the tokenizer's (padded
+    embedding tables): ids past the tokenizer are never allowed. ``eos_token_ids``
+    are the ids that end a complete answer (the model's whole stop set).
+    """
+
+    def __init__(
+        self, tokenizer_json: str, *, vocab_size: int, eos_token_ids: Iterable[int]
+    ) -> None:
+        eos = sorted(eos_token_ids)
+        self.ll = llguidance.LLTokenizer(
+            tokenizer_json, n_vocab=vocab_size, eos_token=eos if eos else None
+        )
+        self.vocab_size = vocab_size
+
+    @classmethod
+    def from_tokenizer(cls, tokenizer: Any, vocab_size: int | None = None) -> ConstraintTokenizer:
+        """From a :class:`~triollm.model.tokenizer.Tokenizer` (``vocab_size``: the model's)."""
+        return cls(
+            tokenizer.to_json(),
+            vocab_size=vocab_size or tokenizer.vocab_size,
+            eos_token_ids=tokenizer.eos_token_ids,
+        )
+
+
+class Grammar:
+    """A compiled, validated grammar: immutable, shared by every sequence that uses it.
+
+    :meth:`start` gives each sequence its own matcher (a copy of a prototype built
+    at compile time, so the expensive construction happens once, where the caller
+    chose to run it: off the event loop).
+    """
+
+    def __init__(self, spec: GrammarSpec, tokenizer: ConstraintTokenizer, text: str) -> None:
+        self.spec = spec
+        self.tokenizer = tokenizer
+        self.text = text
+        # Construction drops the GIL and may take 100+ ms for a large schema.
+        self._prototype = llguidance.LLMatcher(tokenizer.ll, text, log_level=0)
+        if self._prototype.is_error():
+            raise GrammarError(spec.field, f"'{spec.field}': {self._prototype.get_error()}")
+
+    def start(self) -> SequenceMatcher:
+        """A fresh matcher at the grammar's start, for one sequence."""
+        return SequenceMatcher(self._prototype.deep_copy())
+
+
+def compile_grammar(spec: GrammarSpec, tokenizer: ConstraintTokenizer) -> Grammar:
+    """Compile and validate ``spec`` against the model's vocabulary.
+
+    Raises :class:`GrammarError` naming ``spec.field`` for anything the library
+    refuses (it lists unsupported JSON Schema keywords by name). Blocking and
+    possibly slow: call it in a worker thread, never on the event loop.
+    """
+    text = grammar_text(spec)
+    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(text, tokenizer.ll)
+    if is_error:
+        raise GrammarError(spec.field, f"'{spec.field}' is not supported: {messages[0].strip()}")
+    return Grammar(spec, tokenizer, text)
+
+
+class SequenceMatcher:
+    """Where one sequence stands in its grammar. Not thread-safe: one step at a time.
+
+    Trap: :meth:`advance` only with the token actually sampled for this sequence and
+    committed by the scheduler; a token advanced for a step that is then discarded
+    puts the matcher one token ahead of the sequence.
+    """
+
+    def __init__(self, ll: llguidance.LLMatcher) -> None:
+        self.ll = ll
+        self.n_consumed = 0
+
+    @property
+    def complete(self) -> bool:
+        """No token can extend the answer: the grammar is satisfied and the sequence ends."""
+        return bool(self.ll.is_stopped()) and not self.ll.is_error()
+
+    def check(self) -> None:
+        """Raise :class:`MatcherFailed` if the matcher is in its (permanent) error state."""
+        if self.ll.is_error():
+            raise MatcherFailed(f"the grammar matcher failed: {self.ll.get_error()}")
+
+    def advance(self, token_id: int) -> bool:
+        """Consume the sampled token; True when it completed the grammar.
+
+        Raises :class:`MatcherFailed` when the matcher refuses it (it was not allowed:
+        a mask was not applied) or fails on it.
+        """
+        if not self.ll.consume_token(token_id):
+            self.check()
+            raise MatcherFailed(f"the grammar matcher refused token {token_id}")
+        self.n_consumed += 1
+        return self.complete
+
+    def replay(self, token_ids: Sequence[int]) -> None:
+        """Bring a fresh matcher up to date with tokens the sequence already generated."""
+        if self.n_consumed:
+            self.ll.reset()
+            self.n_consumed = 0
+        if token_ids and not self.ll.consume_tokens(list(token_ids)):
+            self.check()
+            raise MatcherFailed("the grammar matcher refused the replayed tokens")
+        self.n_consumed = len(token_ids)
+
+
+# From this many constrained rows in one step, masks are filled by llguidance's
+# parallel executor; below it, one after another on the calling thread. Measured with
+# bench/bench_constrained.py on the 2-core test machine (SmolLM2's 49k vocabulary, a
+# JSON schema, fresh grammar states each step): at 4 and 16 rows the parallel fill
+# took 6-8x longer than filling one at a time (16 rows: ~10 ms against ~1.6 ms), with
+# 1 or 2 executor threads alike. vLLM measured its own threshold at 128 requests. On
+# a many-core machine, measure with the benchmark and lower it.
+PARALLEL_MIN_ROWS = 64
+
+
+class MaskFiller:
+    """Computes and applies the masks of every constrained sequence in a step.
+
+    One per Batch: it owns the bitmask buffer (grown to the widest step seen) and
+    llguidance's executor (its thread pool for parallel fills).
+
+    Trap: :meth:`fill` writes into the buffer with the GIL released; nothing may read
+    or resize the buffer until it returns.
+    """
+
+    def __init__(
+        self,
+        vocab_size: int,
+        *,
+        threads: int | None = None,
+        parallel_min_rows: int = PARALLEL_MIN_ROWS,
+    ) -> None:
+        self.vocab_size = vocab_size
+        self.words = (vocab_size + 31) // 32
+        self.parallel_min_rows = parallel_min_rows
+        self._executor = llguidance.LLExecutor(threads)
+        self._mask = llnp.allocate_token_bitmask(1, vocab_size)  # (rows, words) int32
+
+    def fill(self, matchers: Sequence[SequenceMatcher]) -> None:
+        """Compute the mask of ``matchers[i]`` into row ``i`` (blocking; GIL released).
+
+        From ``parallel_min_rows`` matchers on, llguidance's executor fills them in
+        parallel on its own threads.
+        """
+        if len(matchers) > self._mask.shape[0]:
+            self._mask = llnp.allocate_token_bitmask(len(matchers), self.vocab_size)
+        if len(matchers) >= max(2, self.parallel_min_rows):
+            llnp.fill_next_token_bitmask_par(
+                self._executor, [(m.ll, i) for i, m in enumerate(matchers)], self._mask
+            )
+            return
+        for i, m in enumerate(matchers):
+            llnp.fill_next_token_bitmask(m.ll, self._mask, i)
+
+    def allowed(self, row: int) -> np.ndarray:
+        """Row ``row``'s mask as booleans, ``(vocab,)``."""
+        bits = np.unpackbits(
+            self._mask[row].view(np.uint8), bitorder="little", count=self.vocab_size
+        )
+        return bits.view(np.bool_)
+
+    def apply(self, row: int, logits: np.ndarray) -> None:
+        """Set every logit that mask row ``row`` forbids to -inf, in place.
+
+        ``logits`` is one sequence's ``(vocab,)`` float32 row. Raises
+        :class:`MatcherFailed` if the mask allows nothing (a matcher in its error
+        state fills an empty mask): sampling from it would pick an arbitrary token.
+        """
+        allowed = self.allowed(row)
+        if not allowed.any():
+            raise MatcherFailed("the grammar allows no next token")
+        np.putmask(logits, ~allowed, np.float32(-np.inf))
