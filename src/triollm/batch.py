@@ -10,7 +10,15 @@ the two pieces of state the model needs across steps:
   scheduler's ``BlockPool``, the Batch only stores what the tables point at;
 - one :class:`~triollm.model.sampling.SequenceSampler` per live sequence (its
   seeded random generator and token counts), so a request's seed reproduces the
-  same tokens whatever else shares the batch.
+  same tokens whatever else shares the batch;
+- beside it, for a sequence whose params carry a grammar (structured output, a
+  forced tool call), its :class:`~triollm.model.constrained.SequenceMatcher`.
+  Each step the constrained rows' token masks are filled in a helper thread
+  *while the forward pass runs* (both release the GIL), applied to their logits
+  rows before sampling, and advanced with the sampled tokens. A grammar that is
+  complete ends its sequence (``SampledToken.completes``); a matcher that fails
+  costs its own sequence only (``StepResult.failed``). Unconstrained rows never
+  touch any of it.
 
 The Batch knows nothing of trio: :meth:`Batch.run` is a plain blocking call that
 the service runs in a worker thread. The kernels release the GIL, so the event
@@ -24,11 +32,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 
+from triollm.model.constrained import MaskFiller, MatcherFailed, SequenceMatcher
 from triollm.model.llama import LlamaModel, PagedKVCache
 from triollm.model.loader import LoadedModel
-from triollm.model.sampling import SamplingParams, SequenceSampler
-from triollm.plan import SampledToken, StepPlan, StepResult
+from triollm.model.sampling import Sample, SamplingParams, SequenceSampler
+from triollm.plan import SampledToken, SequenceFailure, StepPlan, StepResult
 
 
 class BadChunks(ValueError):
@@ -58,13 +68,29 @@ class Batch:
     scheduler ignores the token).
     """
 
-    def __init__(self, loaded: LoadedModel | LlamaModel, *, num_blocks: int, block_size: int):
+    def __init__(
+        self,
+        loaded: LoadedModel | LlamaModel,
+        *,
+        num_blocks: int,
+        block_size: int,
+        overlap_masks: bool = True,
+    ):
         self.model = loaded if isinstance(loaded, LlamaModel) else loaded.model
         self.config = self.model.config
         self.kv = PagedKVCache(self.config, num_blocks, block_size)
         self.kv_bytes_per_position = self.config.kv_bytes_per_position()
         self.kv_bytes_total = self.kv.nbytes
         self._samplers: dict[int, SequenceSampler] = {}  # seq_id -> its sampling state
+        # Invariant: a key of _matchers is a key of _samplers (added and removed together).
+        self._matchers: dict[int, SequenceMatcher] = {}  # seq_id -> its grammar's matcher
+        # Built on the first constrained step: a server that never sees a grammar
+        # never starts the thread or allocates the mask.
+        self._masks: MaskFiller | None = None
+        self._mask_thread: ThreadPoolExecutor | None = None
+        # False: fill the masks after the forward pass instead of beside it (the
+        # benchmark compares the two; see docs/constrained-decoding.md).
+        self.overlap_masks = overlap_masks
 
     @property
     def num_blocks(self) -> int:
@@ -74,15 +100,34 @@ class Batch:
     def block_size(self) -> int:
         return self.kv.block_size
 
-    def add(self, seq_id: int, prompt_ids: Sequence[int], params: SamplingParams) -> None:
-        """Start the sampling state of a new sequence (seeded, penalties see ``prompt_ids``)."""
+    def add(
+        self,
+        seq_id: int,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        generated: Sequence[int] = (),
+    ) -> None:
+        """Start the sampling state of a new sequence (seeded, penalties see ``prompt_ids``).
+
+        ``generated``: tokens the sequence already has (it is re-added after its state
+        was lost); its grammar matcher is replayed over them and its sampler counts
+        them, so both stand where the sequence does.
+        """
         if seq_id in self._samplers:
             raise ValueError(f"sequence {seq_id} is already in the batch")
-        self._samplers[seq_id] = SequenceSampler(params, prompt_ids)
+        sampler = SequenceSampler(params, prompt_ids)
+        for t in generated:
+            sampler.accept(t)
+        if params.grammar is not None:
+            matcher = params.grammar.start()
+            matcher.replay(generated)  # raises MatcherFailed: the tokens break the grammar
+            self._matchers[seq_id] = matcher
+        self._samplers[seq_id] = sampler
 
     def remove(self, seq_id: int) -> None:
         """Forget a sequence's sampling state. Idempotent: cancel paths may race to it."""
         self._samplers.pop(seq_id, None)
+        self._matchers.pop(seq_id, None)
 
     def __contains__(self, seq_id: int) -> bool:
         return seq_id in self._samplers
@@ -130,23 +175,70 @@ class Batch:
         if plan.is_empty:
             return StepResult(step=plan.step, sampled=(), n_rows=0, seconds=0.0)
         self.check(plan)
-        # Take the samplers now: a remove() from the event loop during the
-        # forward pass must not turn into a KeyError halfway through sampling.
-        samplers = []
+        # Take the samplers and matchers now: a remove() from the event loop during
+        # the forward pass must not turn into a KeyError halfway through sampling.
+        rows: list[tuple[int, SequenceSampler, SequenceMatcher | None]] = []
         for chunk in plan.chunks:
             if chunk.sample:
                 sampler = self._samplers.get(chunk.seq_id)
                 if sampler is None:
                     raise ValueError(f"sequence {chunk.seq_id} is sampled but was never added")
-                samplers.append((chunk.seq_id, sampler))
-        logits = self.model.forward(plan.chunks, self.kv)  # (n_sampled, vocab) float32
-        sampled = []
-        for (seq_id, sampler), row in zip(samplers, logits, strict=True):
-            s = sampler.sample(row)
-            sampled.append(SampledToken(seq_id, s.token_id, s.logprob, s.top_logprobs))
+                rows.append((chunk.seq_id, sampler, self._matchers.get(chunk.seq_id)))
+        matchers = [m for _, _, m in rows if m is not None]
+        filling = self._start_masks(matchers)
+        try:
+            logits = self.model.forward(plan.chunks, self.kv)  # (n_sampled, vocab) float32
+        finally:
+            # Hazard: the fill writes the mask buffer with the GIL released; it must
+            # end before anything reads the buffer or a later step refills it.
+            if filling is not None:
+                filling.result()
+        if filling is None and matchers:
+            self._fill(matchers)
+        samples: list[tuple[int, Sample, SequenceMatcher | None]] = []
+        failed: list[SequenceFailure] = []
+        mask_row = 0
+        for (seq_id, sampler, matcher), row in zip(rows, logits, strict=True):
+            if matcher is not None:
+                assert self._masks is not None  # the fill above built it
+                try:
+                    matcher.check()  # a fill can leave a matcher in its error state
+                    self._masks.apply(mask_row, row)
+                except MatcherFailed as exc:
+                    failed.append(SequenceFailure(seq_id, str(exc)))
+                    continue
+                finally:
+                    mask_row += 1
+            samples.append((seq_id, sampler.sample(row), matcher))
+        # Matchers advance only once every row is sampled: a step that raises before
+        # this point is discarded by the caller, and must leave no matcher ahead.
+        sampled: list[SampledToken] = []
+        for seq_id, s, matcher in samples:
+            completes = False
+            if matcher is not None:
+                try:
+                    completes = matcher.advance(s.token_id)
+                except MatcherFailed as exc:
+                    failed.append(SequenceFailure(seq_id, str(exc)))
+                    continue
+            sampled.append(SampledToken(seq_id, s.token_id, s.logprob, s.top_logprobs, completes))
         return StepResult(
             step=plan.step,
             sampled=tuple(sampled),
             n_rows=plan.n_rows,
             seconds=time.perf_counter() - t0,
+            failed=tuple(failed),
         )
+
+    def _fill(self, matchers: list[SequenceMatcher]) -> None:
+        if self._masks is None:
+            self._masks = MaskFiller(self.config.vocab_size)
+        self._masks.fill(matchers)
+
+    def _start_masks(self, matchers: list[SequenceMatcher]) -> Future[None] | None:
+        """Start filling the constrained rows' masks beside the forward pass (or not)."""
+        if not matchers or not self.overlap_masks:
+            return None
+        if self._mask_thread is None:
+            self._mask_thread = ThreadPoolExecutor(1, thread_name_prefix="triollm-masks")
+        return self._mask_thread.submit(self._fill, matchers)

@@ -30,6 +30,7 @@ from collections.abc import Generator, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from triollm.batch import Batch
+from triollm.model.constrained import MatcherFailed
 from triollm.model.loader import LoadedModel
 from triollm.model.sampling import SamplingParams
 from triollm.plan import Finished, FinishReason, SampledToken
@@ -196,6 +197,10 @@ class Engine:
                     self.scheduler.discard_step()  # else the next plan_step refuses to plan
                     raise
                 finished = self.scheduler.commit(result)
+                if result.failed:
+                    # Offline there is one caller: its grammar failing is its error.
+                    bad = result.failed[0]
+                    raise MatcherFailed(f"sequence {bad.seq_id}: {bad.message}")
                 for token in result.sampled:
                     if token.seq_id in live:
                         yield token

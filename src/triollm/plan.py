@@ -87,6 +87,21 @@ class SampledToken:
     token_id: int
     logprob: float | None = None  # log-probability of token_id, when the request asked
     top_logprobs: tuple[tuple[int, float], ...] = ()  # (token_id, logprob), best first
+    # The token completed the sequence's grammar (structured output): nothing can
+    # follow it, so the sequence ends with STOP, whatever its stop ids say.
+    completes: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class SequenceFailure:
+    """A sequence the Batch could not sample this step (its grammar matcher failed).
+
+    Its rows were computed but it got no token; the others in the step are unaffected.
+    The caller ends it (an error event) and gives its blocks back.
+    """
+
+    seq_id: int
+    message: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +112,7 @@ class StepResult:
     sampled: tuple[SampledToken, ...]
     n_rows: int = 0  # rows the forward pass computed (for the step recorder / metrics)
     seconds: float = 0.0  # wall time of the forward + sampling (measured by the Batch)
+    failed: tuple[SequenceFailure, ...] = ()  # sampled chunks that got no token, and why
 
 
 class FinishReason(enum.Enum):

@@ -797,7 +797,8 @@ class Scheduler:
     def commit(self, result: StepResult) -> tuple[Finished, ...]:
         """Apply one step's result: advance positions, append tokens, end sequences.
 
-        A sequence ends on a stop token id (``STOP``) or on reaching ``max_tokens``
+        A sequence ends on a stop token id or a token that completes its grammar
+        (``STOP``), or on reaching ``max_tokens``
         (``LENGTH``; the context can never be the tighter limit, rule 1). Its blocks
         are back in the pool before this returns. Results for sequences no longer
         running (cancelled or finished while the step ran) are ignored.
@@ -808,28 +809,37 @@ class Scheduler:
         if result.step != plan.step:
             raise ValueError(f"result for step {result.step}, but step {plan.step} is in flight")
         sampled = {t.seq_id: t for t in result.sampled}
+        failed = {f.seq_id for f in result.failed}
         live = [
             c
             for c in plan.chunks
             if (s := self._seqs.get(c.seq_id)) is not None and s.state in RUNNING_STATES
         ]
-        missing = [c.seq_id for c in live if c.sample and c.seq_id not in sampled]
+        missing = [
+            c.seq_id
+            for c in live
+            if c.sample and c.seq_id not in sampled and c.seq_id not in failed
+        ]
         if missing:  # checked before anything changes, so a bad result leaves no trace
             raise ValueError(f"step {plan.step} sampled no token for sequence(s) {missing}")
         self._inflight = None
         finished: list[Finished] = []
         for chunk in live:
             seq = self._seqs[chunk.seq_id]
+            if seq.seq_id in failed:
+                # No token: nothing advances, so if its owner did not cancel it the
+                # same rows would simply be planned again.
+                continue
             seq.computed = chunk.start + chunk.n_rows
             self._publish_full_blocks(seq)
             if not chunk.sample:
                 continue
-            token = sampled[seq.seq_id].token_id
-            seq.token_ids.append(token)
+            tok = sampled[seq.seq_id]
+            seq.token_ids.append(tok.token_id)
             seq.state = SeqState.DECODING
             if seq.first_token_step is None:
                 seq.first_token_step = plan.step
-            if token in seq.stop_ids:
+            if tok.token_id in seq.stop_ids or tok.completes:
                 finished.append(self._end(seq, SeqState.FINISHED, FinishReason.STOP))
             elif seq.n_generated >= seq.max_tokens:
                 finished.append(self._end(seq, SeqState.FINISHED, FinishReason.LENGTH))

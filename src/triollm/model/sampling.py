@@ -32,10 +32,14 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from triollm.errors import FieldError
+
+if TYPE_CHECKING:
+    from triollm.model.constrained import Grammar
 
 _SEED_SPACE = 2**64  # numpy's generators take a non-negative seed; any int is folded into it
 MAX_LOGPROBS = 20  # OpenAI's limit for top_logprobs
@@ -73,6 +77,9 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # OpenAI semantics over the answer
     seed: int | None = None  # None = OS entropy
     logprobs: int | None = None  # None = none; 0 = the chosen token's only; n = plus top-n
+    # Structured output: the answer must follow this compiled grammar; the Batch masks
+    # each row with it before sampling (model/constrained.py). None = unconstrained.
+    grammar: Grammar | None = None
 
     def __post_init__(self) -> None:
         _check_number("temperature", self.temperature, 0.0, 2.0, lo_open=False)
