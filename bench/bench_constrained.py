@@ -14,9 +14,11 @@ it there); otherwise the demo model's 970-token vocabulary, which says so in the
 output. Each of the ``--batch`` sequences decodes its own JSON document under one
 schema, so the rows sit at different places in the grammar, as in a real batch.
 
-The figures are medians over the steps, in microseconds; compare them with the
-forward pass of the same model (``bench/bench_engine.py``: tens of milliseconds per
-step on this machine), and with each other within one run.
+The figures are medians over the steps, in microseconds. ``--through-batch`` also
+times whole steps of the real :class:`~triollm.batch.Batch` on a SmolLM2-135M-shaped
+model with random weights (``bench_engine.py``'s), the same rows unconstrained,
+constrained with the masks filled beside the forward pass, and constrained with the
+masks filled after it, alternating the three step by step.
 """
 
 from __future__ import annotations
@@ -150,11 +152,65 @@ def run(ctok: ConstraintTokenizer, batch: int, steps: int, threads: int | None) 
     return med
 
 
+def through_batch(ctok: ConstraintTokenizer, batch: int, steps: int) -> dict[str, float]:
+    """Median milliseconds per decode step of ``batch`` rows through the real Batch."""
+    from bench_engine import SMOLLM2_135M, random_weights
+
+    from triollm.batch import Batch
+    from triollm.model import kernels
+    from triollm.model.config import ModelConfig
+    from triollm.model.llama import LlamaModel
+    from triollm.plan import ChunkPlan, StepPlan
+
+    config = ModelConfig.from_dict(SMOLLM2_135M, "bench-constrained")
+    kernels.warm_up()
+    model = LlamaModel(config, random_weights(config, "f32"))
+    grammar = compile_grammar(GrammarSpec(GrammarKind.JSON_SCHEMA, SCHEMA, "bench"), ctok)
+    block, prompt = 16, [1, 2, 3, 4, 5, 6, 7, 8]
+    per_seq = (len(prompt) + steps + block) // block + 1
+    modes = {"plain": (False, True), "overlapped": (True, True), "after": (True, False)}
+    state = {}
+    for mode, (constrained, overlap) in modes.items():
+        b = Batch(model, num_blocks=batch * per_seq, block_size=block, overlap_masks=overlap)
+        seqs = []
+        for i in range(batch):
+            params = SamplingParams(seed=i, grammar=grammar if constrained else None)
+            b.add(i, prompt, params)
+            table = tuple(range(i * per_seq, (i + 1) * per_seq))
+            seqs.append({"ids": list(prompt), "table": table, "computed": 0})
+        state[mode] = (b, seqs)
+    times: dict[str, list[float]] = {m: [] for m in modes}
+    for step in range(steps + 1):
+        order = list(modes) if step % 2 else list(reversed(modes))
+        for mode in order:
+            b, seqs = state[mode]
+            chunks = []
+            for i, s in enumerate(seqs):
+                ids = tuple(s["ids"][s["computed"] :])
+                chunks.append(ChunkPlan(i, ids, s["computed"], s["table"], True, step == 0))
+            result = b.run(StepPlan(step, tuple(chunks)))
+            by_seq = {t.seq_id: t for t in result.sampled}
+            for i, s in enumerate(seqs):
+                s["computed"] = len(s["ids"])
+                tok = by_seq.get(i)
+                if tok is not None and not tok.completes:
+                    s["ids"].append(tok.token_id)
+                else:  # the document ended (or failed): this row starts another one
+                    b.remove(i)
+                    b.add(i, prompt, SamplingParams(seed=step, grammar=grammar))
+                    s["ids"].append(prompt[0])
+            if step:  # the first step is the prompts' prefill
+                times[mode].append(result.seconds)
+    return {m: statistics.median(v) * 1e3 for m, v in times.items()}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--threads", type=int, default=None, help="llguidance executor threads")
+    ap.add_argument("--through-batch", action="store_true", help="also time whole Batch steps")
+    ap.add_argument("--batch-steps", type=int, default=30, help="decode steps per mode")
     args = ap.parse_args()
     ctok, name = build_tokenizer()
     print(f"vocabulary: {name}, {ctok.vocab_size} tokens; load average {os.getloadavg()[0]:.2f}")
@@ -171,7 +227,13 @@ def main() -> None:
             f" {m['advance']:>7.0f}u {total:>7.0f}u {total / b:>7.0f}u"
             f"   (grammar compiled once per request: {m['compile']:.0f}u)"
         )
-    print("u = microseconds, medians over the steps; the forward pass is bench_engine.py's")
+    print("u = microseconds, medians over the steps")
+    if args.through_batch:
+        print("whole decode steps through the Batch, SmolLM2-135M shape, random f32 weights:")
+        print(f"{'rows':>5} {'plain':>9} {'constrained, fill beside':>25} {'fill after':>11}")
+        for b in args.batches:
+            m = through_batch(ctok, b, args.batch_steps)
+            print(f"{b:>5} {m['plain']:>7.1f}ms {m['overlapped']:>23.1f}ms {m['after']:>9.1f}ms")
 
 
 if __name__ == "__main__":

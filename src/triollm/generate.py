@@ -209,7 +209,9 @@ def _emit(piece: str, text: list[str], out: TextIO | None) -> None:
 def _sampling_params(args: argparse.Namespace) -> Any:
     from triollm.model.sampling import SamplingParams
 
-    fields = {f.name for f in dataclasses.fields(SamplingParams)}
+    # Every sampling field is a flag, except the grammar (structured output is a
+    # server feature: it arrives in a request body, not on a command line).
+    fields = {f.name for f in dataclasses.fields(SamplingParams)} - {"grammar"}
     values = {name: getattr(args, name) for name in fields}
     try:
         return SamplingParams(**values)

@@ -143,6 +143,12 @@ def test_a_lark_grammar_constrains_the_answer() -> None:
     assert done and re.fullmatch(r"\([1-9][0-9]?(\+[1-9][0-9]?)*\)", text), text
 
 
+def test_a_llama_cpp_gbnf_grammar_is_accepted_too() -> None:
+    gbnf = 'root ::= "on" | "off"'
+    text, done = generate(GrammarSpec(GrammarKind.LARK, gbnf, "guided_grammar"), SamplingParams())
+    assert done and text in ("on", "off")
+
+
 @pytest.mark.parametrize(
     ("kind", "source", "needle"),
     [

@@ -95,7 +95,7 @@ class GrammarKind(enum.Enum):
     JSON_SCHEMA = "json_schema"  # a JSON Schema (response_format json_schema, guided_json)
     REGEX = "regex"  # a regular expression (guided_regex)
     CHOICE = "choice"  # one of a list of strings (guided_choice)
-    LARK = "lark"  # a Lark grammar, llguidance's dialect (guided_grammar, tool calls)
+    LARK = "lark"  # a Lark grammar (llguidance's dialect) or a GBNF one (guided_grammar)
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,7 +130,8 @@ def grammar_text(spec: GrammarSpec) -> str:
             # Each choice is a Lark string literal; json.dumps escapes it the way Lark reads.
             lark = "start: " + " | ".join(json.dumps(c) for c in spec.source)
             return str(llguidance.LLMatcher.grammar_from_lark(lark))
-        return str(llguidance.LLMatcher.grammar_from_lark(spec.source))
+        # Lark (llguidance's dialect), or llama.cpp's GBNF, which the library converts.
+        return str(llguidance.grammar_from("grammar", spec.source))
     except (ValueError, TypeError) as exc:  # a schema that is not a JSON object
         raise GrammarError(spec.field, f"'{spec.field}' is not a valid grammar: {exc}") from None
 
