@@ -55,7 +55,7 @@ import llguidance
 import llguidance.numpy as llnp
 import numpy as np
 
-from triollm.errors import UserError
+from triollm.errors import FieldError
 
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions
@@ -71,14 +71,10 @@ JSON_OPTIONS: JsonCompileOptions = {
 }
 
 
-class GrammarError(UserError, ValueError):
+class GrammarError(FieldError):
     """A grammar the constraint library refuses: bad regex, unknown Lark rule, a JSON
     Schema keyword it does not implement. ``field`` names the request field it came
     from (the HTTP 400's ``param``); the message is the library's, prefixed by it."""
-
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(message)
-        self.field = field
 
 
 class MatcherFailed(RuntimeError):

@@ -25,6 +25,7 @@ agent with plain text it cannot act on would be a silent failure.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import json
 from collections.abc import Mapping
@@ -100,16 +101,21 @@ def _response_format(value: Any) -> GrammarSpec | None:
         )
     name = inner.get("name")
     if name is not None and not isinstance(name, str):
-        raise FieldError(f"{field}.json_schema.name", "'response_format.json_schema.name' must be a string")
+        raise FieldError(
+            f"{field}.json_schema.name", "'response_format.json_schema.name' must be a string"
+        )
     strict = inner.get("strict")
     if strict is not None and not isinstance(strict, bool):
         raise FieldError(
-            f"{field}.json_schema.strict", "'response_format.json_schema.strict' must be true or false"
+            f"{field}.json_schema.strict",
+            "'response_format.json_schema.strict' must be true or false",
         )
     # OpenAI lets 'schema' be absent (any JSON); we treat that as any JSON object.
     schema = inner.get("schema", {"type": "object"})
     where = f"{field}.json_schema.schema"
-    return GrammarSpec(GrammarKind.JSON_SCHEMA, _source(GrammarKind.JSON_SCHEMA, schema, where), where)
+    return GrammarSpec(
+        GrammarKind.JSON_SCHEMA, _source(GrammarKind.JSON_SCHEMA, schema, where), where
+    )
 
 
 def grammar_spec(body: Mapping[str, Any]) -> GrammarSpec | None:
@@ -181,11 +187,14 @@ def _tool(index: int, item: Any) -> dict[str, Any]:
         raise FieldError(f"{field}.function", f"'{field}.function' must be an object")
     name = fn.get("name")
     if not isinstance(name, str) or not name:
-        raise FieldError(f"{field}.function.name", f"'{field}.function.name' must be a non-empty string")
+        raise FieldError(
+            f"{field}.function.name", f"'{field}.function.name' must be a non-empty string"
+        )
     params = fn.get("parameters")
     if params is not None and not isinstance(params, dict):
         raise FieldError(
-            f"{field}.function.parameters", f"'{field}.function.parameters' must be a JSON Schema object"
+            f"{field}.function.parameters",
+            f"'{field}.function.parameters' must be a JSON Schema object",
         )
     return {"type": "function", "function": fn}
 
@@ -226,10 +235,15 @@ def tools(body: Mapping[str, Any]) -> Tools | None:
                 '{"type": "function", "function": {"name": ...}}',
             )
         if named not in names:
-            raise FieldError("tool_choice", f"'tool_choice' names {named!r}, which is not in 'tools'")
+            raise FieldError(
+                "tool_choice", f"'tool_choice' names {named!r}, which is not in 'tools'"
+            )
         choice = ToolChoice.NAMED
     else:
-        raise FieldError("tool_choice", f"'tool_choice' must be none, auto, required or a function; got {choice_raw!r}")
+        raise FieldError(
+            "tool_choice",
+            f"'tool_choice' must be none, auto, required or a function; got {choice_raw!r}",
+        )
     return Tools(definitions, choice, named, True if parallel is None else parallel)
 
 
@@ -252,7 +266,9 @@ def message_tool_fields(param: str, role: str, item: Mapping[str, Any]) -> dict[
     if role == "tool":
         call_id = item.get("tool_call_id")
         if not isinstance(call_id, str) or not call_id:
-            raise FieldError(f"{param}.tool_call_id", f"'{param}.tool_call_id' is required for a tool result")
+            raise FieldError(
+                f"{param}.tool_call_id", f"'{param}.tool_call_id' is required for a tool result"
+            )
         out["tool_call_id"] = call_id
     calls = item.get("tool_calls")
     if calls is not None and role == "assistant":
@@ -266,10 +282,9 @@ def message_tool_fields(param: str, role: str, item: Mapping[str, Any]) -> dict[
                 raise FieldError(where, f"'{where}' must be a function call with a 'name'")
             args = fn.get("arguments", "{}")
             if isinstance(args, str):
-                try:
+                # Not JSON: the template gets the text as it is.
+                with contextlib.suppress(json.JSONDecodeError):
                     args = json.loads(args) if args.strip() else {}
-                except json.JSONDecodeError:
-                    pass  # the template gets the text as it is
             rendered.append(
                 {
                     "id": call.get("id"),
