@@ -20,6 +20,7 @@ from typing import Protocol
 
 from triollm.outcomes import EndCode, Unfinished
 from triollm.plan import FinishReason, StepPlan, StepResult
+from triollm.toolcalls import ToolCallDelta
 
 # --------------------------------------------------------------------------- stream events
 
@@ -40,6 +41,7 @@ class Delta:
 
     text: str
     tokens: tuple[TokenInfo, ...]
+    tool_calls: tuple[ToolCallDelta, ...] = ()  # pieces of tool calls (toolcalls.py)
 
 
 @dataclass(frozen=True, slots=True)

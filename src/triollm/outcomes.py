@@ -25,6 +25,7 @@ class EndCode(enum.Enum):
     TOO_SLOW = "too_slow"  # the client fell stream_buffer_steps behind; it was cut
     SHUTDOWN = "shutdown"  # the grace period of a shutdown ran out
     INTERNAL = "internal"  # the server's fault: a failed step, or the batch loop itself
+    GRAMMAR_FAILED = "grammar_failed"  # its grammar's matcher failed mid-answer (a parser limit)
 
 
 class Refused(enum.Enum):

@@ -121,6 +121,7 @@ class FinishReason(enum.Enum):
 
     STOP = "stop"  # EOS, a stop token id, or a stop string
     LENGTH = "length"  # max_tokens reached, or the context is full
+    TOOL_CALLS = "tool_calls"  # ended on its own after calling tools (textstream.py decides)
     CANCELLED = "cancelled"  # the client left, or was too slow; never sent as a finish_reason
 
 

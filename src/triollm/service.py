@@ -57,9 +57,17 @@ from triollm.events import (
     TokenInfo,
 )
 from triollm.outcomes import EndCode
-from triollm.plan import Finished, FinishReason, SampledToken, StepPlan, StepResult
+from triollm.plan import (
+    Finished,
+    FinishReason,
+    SampledToken,
+    SequenceFailure,
+    StepPlan,
+    StepResult,
+)
 from triollm.scheduler import Scheduler
 from triollm.textstream import Detokenizer, TextStream
+from triollm.toolcalls import ToolCallParser
 
 __all__ = [
     "Completed",
@@ -311,6 +319,7 @@ class Service:
         ignore_eos: bool = False,
         want_logprobs: bool = False,
         internal: bool = False,
+        tools: ToolCallParser | None = None,
     ) -> RequestStream:
         """Queue a request and wait for its admission; returns its stream.
 
@@ -330,7 +339,7 @@ class Service:
                 max_tokens = room if max_tokens is None else min(max_tokens, room)
         stop_ids = frozenset() if ignore_eos else self.eos_token_ids
         # Everything that can fail is built before enqueue: after it, a sequence exists.
-        text = TextStream(self._detokenizer(prompt_ids), stops=stop, stop_ids=stop_ids)
+        text = TextStream(self._detokenizer(prompt_ids), stops=stop, stop_ids=stop_ids, tools=tools)
         seq_id = self.queue.enqueue(prompt_ids, max_tokens, stop_ids)
         send, recv = trio.open_memory_channel[Delta](self.config.stream_buffer_steps)
         live = _Live(
@@ -519,6 +528,7 @@ class Service:
             if not self._only_internal(plan):  # the warm-up's steps stay out of the metrics
                 self.observer.step(rec.rows, rec.width)
             self._dispatch(result.sampled, finished)
+            self._fail_sequences(result.failed)
             self.queue.signal()  # a step may have freed a slot (and a signal is cheap)
             self.notify()
             await trio.lowlevel.checkpoint()  # let handlers write before the next step
@@ -526,6 +536,19 @@ class Service:
     async def run_in_thread(self, plan: StepPlan) -> StepResult:
         # Not abandon_on_cancel: the thread writes the KV pool; shutdown waits for the step.
         return await trio.to_thread.run_sync(self.executor.run, plan)
+
+    def _fail_sequences(self, failures: Sequence[SequenceFailure]) -> None:
+        """Sequences the Batch could not sample (their grammar failed): each ends
+        alone, with an error event; the scheduler did not advance them."""
+        for failure in failures:
+            log.warning("seq %d: %s", failure.seq_id, failure.message)
+            live = self._live.get(failure.seq_id)
+            if live is not None:
+                self._end(
+                    live, self._failed(live, EndCode.GRAMMAR_FAILED, failure.message), cancel=True
+                )
+            else:
+                self.scheduler.cancel(failure.seq_id)
 
     def _dispatch(self, sampled: Sequence[SampledToken], finished: dict[int, Finished]) -> None:
         now = trio.current_time()
@@ -554,18 +577,19 @@ class Service:
         if piece.finish is not None:  # a stop id or a stop string ended the text
             if fin is None:  # a stop string: the scheduler does not know yet
                 self.scheduler.finish(live.seq_id, FinishReason.STOP)
-            self._complete(live, piece.finish, Delta(piece.text, info))
+            self._complete(live, piece.finish, Delta(piece.text, info, piece.tool_calls))
             return
         text = piece.text
-        if fin is not None:  # the scheduler ended it (length)
+        if fin is not None:  # the scheduler ended it (length, or a complete grammar)
             end = live.text.finish(fin.reason)
             assert end.finish is not None
-            self._complete(live, end.finish, Delta(text + end.text, info))
+            calls = piece.tool_calls + end.tool_calls
+            self._complete(live, end.finish, Delta(text + end.text, info, calls))
             return
-        if not text and not info:
+        if not text and not info and not piece.tool_calls:
             return  # held back: nothing to say yet
         try:
-            live.send.send_nowait(Delta(text, info))
+            live.send.send_nowait(Delta(text, info, piece.tool_calls))
         except trio.WouldBlock:
             self._too_slow(live)
 

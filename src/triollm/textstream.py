@@ -18,6 +18,10 @@ the text a client may see:
    the detokenizer's ``flush()`` may release text it held back; that tail goes
    through the matcher like any other piece, and a match there turns the finish
    reason into ``stop`` (it would otherwise be ``length``).
+5. **Tool calls are not text.** With a :class:`~triollm.toolcalls.ToolCallParser`
+   (the request gave tools), what the stop matcher releases goes through it: the
+   calls in the model's syntax come out as ``tool_calls`` pieces, the rest as text,
+   and an answer that made a call and ended on its own finishes ``tool_calls``.
 
 The interface is two calls, each returning a frozen :class:`TextPiece`::
 
@@ -38,6 +42,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from triollm.plan import FinishReason
+from triollm.toolcalls import ToolCallDelta, ToolCallParser
 
 
 class Detokenizer(Protocol):
@@ -59,6 +64,7 @@ class TextPiece:
 
     text: str
     finish: FinishReason | None = None
+    tool_calls: tuple[ToolCallDelta, ...] = ()  # pieces of calls parsed out of the text
 
 
 class StopMatcher:
@@ -119,9 +125,13 @@ class TextStream:
         *,
         stops: Sequence[str] = (),
         stop_ids: frozenset[int] = frozenset(),
+        tools: ToolCallParser | None = None,
     ) -> None:
         self._detok = detokenizer
         self._matcher = StopMatcher(stops)
+        # Rule 5: with tools, the text past the stop matcher goes through the model
+        # family's tool-call parser; calls become tool_calls, the rest stays text.
+        self._tools = tools
         self.stop_ids = frozenset(stop_ids)
         self.finish_reason: FinishReason | None = None  # set once the text has ended
 
@@ -134,9 +144,11 @@ class TextStream:
             return self.finish(FinishReason.STOP)
         text, matched = self._matcher.feed(self._detok.push(token_id))
         if matched:
-            self.finish_reason = FinishReason.STOP
-            return TextPiece(text, FinishReason.STOP)
-        return TextPiece(text)
+            return self._end(text, FinishReason.STOP)
+        if self._tools is None:
+            return TextPiece(text)
+        parsed = self._tools.feed(text)
+        return TextPiece(parsed.content, None, parsed.tool_calls)
 
     def finish(self, reason: FinishReason) -> TextPiece:
         """The sequence ended for ``reason`` (``length``, or ``stop`` on a stop id):
@@ -144,8 +156,19 @@ class TextStream:
         completed a stop string (rule 4), else ``reason``."""
         self._check_open()
         text, matched = self._matcher.finish(self._detok.flush())
-        self.finish_reason = FinishReason.STOP if matched else reason
-        return TextPiece(text, self.finish_reason)
+        return self._end(text, FinishReason.STOP if matched else reason)
+
+    def _end(self, text: str, reason: FinishReason) -> TextPiece:
+        """The last piece. An answer that ended on its own after calling a tool ends
+        with ``tool_calls`` (OpenAI's reason); cut by ``length`` it stays ``length``."""
+        if self._tools is None:
+            self.finish_reason = reason
+            return TextPiece(text, reason)
+        a, b = self._tools.feed(text), self._tools.finish()
+        if self._tools.called and reason is FinishReason.STOP:
+            reason = FinishReason.TOOL_CALLS
+        self.finish_reason = reason
+        return TextPiece(a.content + b.content, reason, a.tool_calls + b.tool_calls)
 
     def _check_open(self) -> None:
         if self.finish_reason is not None:

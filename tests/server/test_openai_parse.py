@@ -130,7 +130,7 @@ def test_chat_messages_and_logprobs():
     assert refused(chat, messages=[{"role": "robot", "content": "x"}]).param == ("messages[0].role")
     image = [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]
     assert refused(chat, messages=image).param == "messages[0].content"
-    assert refused(chat, tools=[{"type": "function"}]).param == "tools"
+    assert refused(chat, tools=[{"type": "function"}]).param == "tools[0].function"
 
 
 def test_error_body_is_openai_shaped():

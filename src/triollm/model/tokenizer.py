@@ -498,13 +498,20 @@ class Tokenizer:
         return compiled
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> str:
         """Render ``messages`` (``[{"role": ..., "content": ...}]``) with the model's template.
 
         ``add_generation_prompt`` appends the assistant header so the model answers rather
-        than continuing the user's turn. Raises :class:`~triollm.errors.UserError` when the
-        model has no chat template (a base model) or the template refuses the messages.
+        than continuing the user's turn. ``tools`` are OpenAI function tools, passed to
+        the template as transformers passes them (``tools=``; a message's own tool fields,
+        ``tool_calls`` / ``tool_call_id``, stay in the message). Raises
+        :class:`~triollm.errors.UserError` when the model has no chat template (a base
+        model) or the template refuses the messages.
         """
         if not self.has_chat_template:
             names = sorted(self.chat_templates)
@@ -524,7 +531,7 @@ class Tokenizer:
             for piece in template.generate(
                 messages=messages,
                 add_generation_prompt=add_generation_prompt,
-                tools=None,
+                tools=tools or None,  # as transformers: no tools is None, not []
                 documents=None,
                 bos_token=self._special_strings.get("bos_token", ""),
                 eos_token=self._special_strings.get("eos_token", ""),
@@ -556,7 +563,11 @@ class Tokenizer:
             _budget.reset(token)
 
     def encode_chat(
-        self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
         """Token ids of the rendered conversation, with exactly one BOS when the model has one.
 
@@ -567,7 +578,9 @@ class Tokenizer:
         ``/v1/completions`` prompt is different: its writer does the templating, so
         :meth:`encode` keeps reading control tokens there.
         """
-        text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        text = self.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt, tools=tools
+        )
         forged = [
             i
             for i, m in enumerate(messages)
@@ -577,7 +590,7 @@ class Tokenizer:
         ]
         if not forged:
             return self.encode(text, add_special_tokens=True)
-        spans = self._content_spans(messages, text, add_generation_prompt)
+        spans = self._content_spans(messages, text, add_generation_prompt, tools)
         if spans is None:
             i = forged[0]
             found = self._control_re.search(messages[i]["content"])  # type: ignore[union-attr]
@@ -604,6 +617,11 @@ class Tokenizer:
             ids.insert(0, self.bos_token_id)
         return ids
 
+    def special_token_id(self, text: str) -> int | None:
+        """The id of ``text`` if it is one special token (``[TOOL_CALLS]``), else None."""
+        tid = self._hf.token_to_id(text)
+        return tid if tid is not None and tid in self.special_token_ids else None
+
     def _plain_pipeline(self) -> _HFTokenizer:
         """The same tokenizer with ``encode_special_tokens`` on: control strings are text."""
         if self._plain is None:
@@ -613,7 +631,11 @@ class Tokenizer:
         return self._plain
 
     def _content_spans(
-        self, messages: list[dict[str, Any]], text: str, add_generation_prompt: bool
+        self,
+        messages: list[dict[str, Any]],
+        text: str,
+        add_generation_prompt: bool,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[tuple[int, int]] | None:
         """Where each message's text sits in the rendered ``text``, as character spans;
         None when the template does not copy the messages' text verbatim.
@@ -627,7 +649,9 @@ class Tokenizer:
             for i, m in enumerate(messages)
         ]
         try:
-            skeleton = self.apply_chat_template(marked, add_generation_prompt=add_generation_prompt)
+            skeleton = self.apply_chat_template(
+                marked, add_generation_prompt=add_generation_prompt, tools=tools
+            )
         except (UserError, ChatTemplateError):
             return None
         pattern = re.compile("\ue000(\\d+)\ue001")

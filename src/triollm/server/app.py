@@ -47,6 +47,7 @@ from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 
 from triollm.admission import QueueClosed, Refusal
 from triollm.errors import FieldError, UserError
+from triollm.model.constrained import JSON_OPTIONS, GrammarKind, GrammarSpec, compile_grammar
 from triollm.model.tokenizer import ChatTemplateError
 from triollm.outcomes import Refused
 from triollm.scheduler import Infeasible
@@ -62,7 +63,9 @@ from triollm.server.openai import (
     parse_completion,
 )
 from triollm.server.responses import ResponseWriter, ServedModel, error_response, json_text
+from triollm.server.structured import ToolChoice
 from triollm.service import Service
+from triollm.toolcalls import ToolCallFormat, ToolCallParser, tool_grammar
 
 __all__ = ["DEFAULT_MAX_BODY_BYTES", "ServedModel", "create_app", "http_error"]
 
@@ -180,7 +183,15 @@ def create_app(
                 code="model_not_found",
             )
         prompt_ids = _prompt_ids(req, model)
-        params = _sampling_params(req, model)
+        tool_format = _tool_format(req, model)
+        spec = _constraint(req, model, tool_format)
+        grammar = None
+        if spec is not None:
+            # Compiling may take many milliseconds for a large schema: off the loop.
+            # A grammar the library refuses is a GrammarError (a FieldError): 400.
+            grammar = await trio.to_thread.run_sync(compile_grammar, spec, model.constraints)
+        params = _sampling_params(req, model, grammar)
+        parser = ToolCallParser(tool_format) if tool_format is not None else None
         life.stage = Stage.QUEUED
         try:
             stream = await service.submit(
@@ -190,6 +201,7 @@ def create_app(
                 stop=req.stop,
                 ignore_eos=req.ignore_eos,
                 want_logprobs=req.logprobs is not None,
+                tools=parser,
             )
         except Infeasible as exc:
             life.stage = Stage.REFUSED
@@ -238,9 +250,10 @@ def _prompt_ids(req: GenerationRequest, model: ServedModel) -> list[int]:
         what = "encodes to token id"
     else:
         assert req.messages is not None
-        messages = [{"role": m.role, "content": m.content} for m in req.messages]
+        messages = [m.for_template() for m in req.messages]
+        tools = list(req.tools.definitions) if req.tools is not None else None
         try:
-            ids = list(tokenizer.encode_chat(messages))
+            ids = list(tokenizer.encode_chat(messages, tools=tools))
         except UserError as exc:
             raise ApiError(400, str(exc), param="messages") from None
         except ChatTemplateError as exc:
@@ -265,7 +278,43 @@ def _prompt_ids(req: GenerationRequest, model: ServedModel) -> list[int]:
     return ids
 
 
-def _sampling_params(req: GenerationRequest, model: ServedModel) -> Any:
+def _tool_format(req: GenerationRequest, model: ServedModel) -> ToolCallFormat | None:
+    """The format to parse tool calls in, or None when the request's calls are not
+    parsed (no tools, or ``tool_choice: none``). Tools on a model whose format is
+    unknown are refused: its calls would come back as text the client cannot act on."""
+    if req.tools is None or req.tools.choice is ToolChoice.NONE:
+        return None
+    if model.tool_format is None:
+        raise ApiError(
+            400,
+            "this model's chat template shows no tool-call format this server reads "
+            f"({', '.join(f.value for f in ToolCallFormat)}); start it with "
+            "--tool-call-parser to name one",
+            param="tools",
+        )
+    return model.tool_format
+
+
+def _constraint(
+    req: GenerationRequest, model: ServedModel, tool_format: ToolCallFormat | None
+) -> GrammarSpec | None:
+    """The grammar the answer must follow: the request's own, or, for ``tool_choice``
+    ``required`` or a named function, one that forces a call in the model's syntax."""
+    forced = req.tools.forced() if req.tools is not None else ()
+    if not forced:
+        return req.grammar
+    assert req.tools is not None and tool_format is not None  # _tool_format said so
+    lark = tool_grammar(
+        tool_format,
+        forced,
+        parallel=req.tools.parallel and req.tools.choice is ToolChoice.REQUIRED,
+        special_token_id=model.tokenizer.special_token_id,
+        json_options=JSON_OPTIONS,
+    )
+    return GrammarSpec(GrammarKind.LARK, lark, "tools")
+
+
+def _sampling_params(req: GenerationRequest, model: ServedModel, grammar: Any = None) -> Any:
     """The request's SamplingParams; a value out of range raises its FieldError,
     which the app's handler answers with 400 and ``param`` (the one owner of the
     ranges is ``SamplingParams``)."""
@@ -279,4 +328,5 @@ def _sampling_params(req: GenerationRequest, model: ServedModel) -> Any:
         frequency_penalty=req.frequency_penalty,
         seed=req.seed,
         logprobs=req.logprobs,
+        grammar=grammar,
     )

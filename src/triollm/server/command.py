@@ -48,6 +48,7 @@ from triollm.server.lifetime import Lifetime
 from triollm.server.metrics import Metrics
 from triollm.service import Service, ServiceConfig
 from triollm.sizing import DEFAULT_CONTEXT_CAP, Capacity, MemoryReport, default_of
+from triollm.toolcalls import ToolCallFormat, detect_format
 
 log = logging.getLogger("triollm.server")
 
@@ -68,6 +69,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--model", dest="model_opt", metavar="DIR", help="same as MODEL_DIR")
     parser.add_argument("--model-name", help="the id clients send as 'model' (default: dir name)")
+    parser.add_argument(
+        "--tool-call-parser",
+        choices=[f.value for f in ToolCallFormat],
+        help="how the model writes tool calls (default: read from its chat template)",
+    )
     net = parser.add_argument_group("network")
     net.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     net.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 = any free)")
@@ -242,12 +248,14 @@ def build_stack(
     model_name: str | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
+    tool_call_parser: ToolCallFormat | None = None,
 ) -> Stack:
     """Scheduler + Batch + Service + app for ``loaded``, sized by ``sizing.py``.
 
     Raises :class:`UserError` naming the flag for a capacity the model or the
     machine cannot have (the configs refuse their own bad values)."""
     from triollm.batch import Batch
+    from triollm.model.constrained import ConstraintTokenizer
     from triollm.model.sampling import SamplingParams
     from triollm.model.tokenizer import IncrementalDetokenizer
 
@@ -294,6 +302,10 @@ def build_stack(
         created=int(time.time()),
         make_params=SamplingParams,
         model_vocab_size=cfg.vocab_size,
+        # Built once (a few ms for a 50k vocabulary, more for 150k); every grammar a
+        # request compiles is checked against it.
+        constraints=ConstraintTokenizer.from_tokenizer(tokenizer, cfg.vocab_size),
+        tool_format=tool_call_parser or detect_format(tokenizer.chat_templates.get("default")),
     )
     sc, q = sched_config, service_config
     report = MemoryReport(
@@ -447,6 +459,7 @@ def run(args: argparse.Namespace) -> int:
         loaded,
         capacity,
         service_config,
+        tool_call_parser=ToolCallFormat(args.tool_call_parser) if args.tool_call_parser else None,
         model_name=args.model_name
         if args.model_name is not None
         else (None if _chosen_model_dir(args) is not None else DEMO_MODEL_NAME),

@@ -19,10 +19,16 @@ checks for ``bool`` first, or ``"max_tokens": true`` would mean one token.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from triollm.errors import FieldError
+from triollm.model.constrained import GrammarSpec
+from triollm.server import structured
+from triollm.server.structured import Tools
+
+T = TypeVar("T")
 
 # OpenAI caps `stop` at 4 sequences; more would make the hold-back buffer (the
 # longest stop string) and the per-token search cost grow without bound.
@@ -82,8 +88,16 @@ def field_error(exc: FieldError, code: str | None = None) -> ApiError:
 
 @dataclass(frozen=True, slots=True)
 class ChatMessage:
+    """One message as the chat template gets it. ``tools`` holds a message's tool
+    fields (``tool_calls``, ``tool_call_id``, ``name``), already shaped for the
+    template (``server/structured.py``)."""
+
     role: str
     content: str
+    tools: tuple[tuple[str, Any], ...] = ()
+
+    def for_template(self) -> dict[str, Any]:
+        return {"role": self.role, "content": self.content, **dict(self.tools)}
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,6 +130,8 @@ class GenerationRequest:
     include_usage: bool = False
     user: str | None = None
     ignore_eos: bool = False
+    grammar: GrammarSpec | None = None  # the output constraint (response_format, guided_*)
+    tools: Tools | None = None  # chat: the functions the model may call, and how
 
 
 # --------------------------------------------------------------------------- field readers
@@ -220,14 +236,8 @@ def _refuse_unsupported(body: dict[str, Any], kind: str) -> None:
         raise bad_request("'suffix' is not supported", "suffix")
     if body.get("logit_bias"):
         raise bad_request("'logit_bias' is not supported", "logit_bias")
-    if kind == "chat":
-        if body.get("tools"):
-            raise bad_request("'tools' is not supported", "tools")
-        fmt = body.get("response_format")
-        if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type", "text") != "text"):
-            raise bad_request(
-                "'response_format' other than text is not supported", "response_format"
-            )
+    if kind == "completion" and body.get("tools") is not None:
+        raise bad_request("'tools' is a chat field: use /v1/chat/completions", "tools")
 
 
 def _common(body: dict[str, Any], kind: Literal["completion", "chat"]) -> dict[str, Any]:
@@ -279,7 +289,16 @@ def _common(body: dict[str, Any], kind: Literal["completion", "chat"]) -> dict[s
         "include_usage": include_usage,
         "user": user,
         "ignore_eos": _boolean(body, "ignore_eos"),
+        "grammar": _structured(structured.grammar_spec, body),
     }
+
+
+def _structured(read: Callable[..., T], *args: Any) -> T:
+    """A reader of ``server/structured.py``, its FieldError turned into the 400."""
+    try:
+        return read(*args)
+    except FieldError as exc:
+        raise field_error(exc) from None
 
 
 def _load_object(raw: bytes) -> dict[str, Any]:
@@ -373,7 +392,10 @@ def _message(index: int, item: Any) -> ChatMessage:
         content = "".join(parts)
     if not isinstance(content, str):
         raise bad_request(f"'{param}.content' must be a string or text parts", f"{param}.content")
-    return ChatMessage(role=role, content=_text(content, f"{param}.content"))
+    extra = _structured(structured.message_tool_fields, param, role, item)
+    return ChatMessage(
+        role=role, content=_text(content, f"{param}.content"), tools=tuple(extra.items())
+    )
 
 
 def parse_chat(raw: bytes) -> GenerationRequest:
@@ -391,4 +413,13 @@ def parse_chat(raw: bytes) -> GenerationRequest:
     top = _integer(body, "top_logprobs", 0, MAX_CHAT_TOP_LOGPROBS)
     if top is not None and not want:
         raise bad_request("'top_logprobs' needs 'logprobs': true", "top_logprobs")
-    return GenerationRequest(messages=parsed, logprobs=(top or 0) if want else None, **fields)
+    tools = _structured(structured.tools, body)
+    if tools is not None and tools.forced() and fields["grammar"] is not None:
+        raise bad_request(
+            f"'tool_choice' {tools.choice.value} forces a tool call, which cannot also follow "
+            f"'{fields['grammar'].field.split('.')[0]}'; give one",
+            "tool_choice",
+        )
+    return GenerationRequest(
+        messages=parsed, logprobs=(top or 0) if want else None, tools=tools, **fields
+    )

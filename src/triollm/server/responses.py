@@ -27,6 +27,7 @@ from triollm.outcomes import EndCode
 from triollm.server import sse
 from triollm.server.openai import ApiError, GenerationRequest
 from triollm.service import RequestStream
+from triollm.toolcalls import ParsedDelta, ToolCallDelta, ToolCallFormat, merge
 
 # The status of a whole-body answer whose stream was cut: the server's fault (500),
 # except a shutdown, which is the server's choice to stop and is worth a retry (503).
@@ -35,6 +36,7 @@ STATUS_OF_END = {
     EndCode.INTERNAL: 500,
     EndCode.TOO_SLOW: 500,
     EndCode.CLIENT_CLOSED: 500,  # nobody reads it: the client has gone
+    EndCode.GRAMMAR_FAILED: 500,  # the grammar engine gave up mid-answer (a parser limit)
 }
 
 
@@ -51,6 +53,12 @@ class ServedModel:
     # (added tokens past the checkpoint's vocabulary); such an id must be refused
     # here, or the forward pass it reaches fails for every request in the step.
     model_vocab_size: int | None = None
+    # Structured output: the vocabulary as the grammar library sees it
+    # (model/constrained.ConstraintTokenizer), built once at startup.
+    constraints: Any = None
+    # How this model writes tool calls: --tool-call-parser, else read from its chat
+    # template (toolcalls.detect_format); None: requests with tools are refused.
+    tool_format: ToolCallFormat | None = None
 
     @property
     def vocab_limit(self) -> int:
@@ -140,6 +148,8 @@ class ResponseWriter:
             d: dict[str, Any] = {"role": "assistant", "content": ""} if first else {}
             if text:
                 d["content"] = text
+            if delta is not None and delta.tool_calls:
+                d["tool_calls"] = [_call_delta(t) for t in delta.tool_calls]
             choice: dict[str, Any] = {
                 "index": 0,
                 "delta": d,
@@ -203,9 +213,11 @@ class ResponseWriter:
         """The non-streaming body: (JSON object, status)."""
         texts: list[str] = []
         lps: list[dict[str, Any] | None] = []
+        calls: list[ParsedDelta] = []
         async for delta in self.stream:
             texts.append(delta.text)
             lps.append(self._logprobs(delta))
+            calls.append(ParsedDelta("", delta.tool_calls))
         outcome = self.stream.outcome
         if not isinstance(outcome, Completed):
             code, message = self._failure()
@@ -213,13 +225,20 @@ class ResponseWriter:
             return ApiError(status, message, type="server_error", code=code).body(), status
         texts.append(outcome.final.text)
         lps.append(self._logprobs(outcome.final))
+        calls.append(ParsedDelta("", outcome.final.tool_calls))
         text = "".join(texts)
+        _, tool_calls = merge(calls)
         logprobs = merge_logprobs([x for x in lps if x is not None], self.chat)
         finish = outcome.finish_reason.value
         if self.chat:
+            answer: dict[str, Any] = {"role": "assistant", "content": text}
+            if tool_calls:
+                # OpenAI: content is null when the answer is only calls.
+                answer["content"] = text or None
+                answer["tool_calls"] = [c.to_openai() for c in tool_calls]
             choice: dict[str, Any] = {
                 "index": 0,
-                "message": {"role": "assistant", "content": text},
+                "message": answer,
                 "logprobs": logprobs,
                 "finish_reason": finish,
             }
@@ -234,6 +253,19 @@ class ResponseWriter:
             "usage": self._usage(outcome.prompt_tokens, outcome.completion_tokens),
         }
         return body, 200
+
+
+def _call_delta(t: ToolCallDelta) -> dict[str, Any]:
+    """One piece of a streamed call, as OpenAI spells it: the first piece of a call
+    carries ``id``, ``type`` and ``function.name``; later ones only arguments."""
+    if t.id is None:
+        return {"index": t.index, "function": {"arguments": t.arguments}}
+    return {
+        "index": t.index,
+        "id": t.id,
+        "type": "function",
+        "function": {"name": t.name, "arguments": t.arguments},
+    }
 
 
 def merge_logprobs(parts: list[dict[str, Any]], chat: bool) -> dict[str, Any] | None:
