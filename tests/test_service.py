@@ -18,7 +18,7 @@ import trio.testing
 from triollm.admission import QueueClosed, QueueFull
 from triollm.batch import BadChunks
 from triollm.outcomes import EndCode, Unfinished
-from triollm.plan import FinishReason, SampledToken, StepPlan, StepResult
+from triollm.plan import FinishReason, SampledToken, SequenceFailure, StepPlan, StepResult
 from triollm.scheduler import Scheduler, SchedulerConfig, SeqState
 from triollm.service import Completed, Failed, Service, ServiceConfig
 
@@ -58,6 +58,7 @@ class FakeExecutor:
         self.inflight: StepPlan | None = None
         self.fail_next = False
         self.refuse: set[int] = set()  # seq_ids whose chunks this executor refuses by name
+        self.grammar_fails: set[int] = set()  # seq_ids whose grammar matcher fails when sampled
 
     def add(self, seq_id: int, prompt_ids: Sequence[int], params: Any) -> None:
         assert self.inflight is None, "membership changed while a step ran"
@@ -74,9 +75,12 @@ class FakeExecutor:
 
     def run(self, plan: StepPlan) -> StepResult:
         sampled = []
+        failed = []
         for chunk in plan.chunks:
             assert chunk.seq_id in self.members, f"seq {chunk.seq_id} planned but not added"
-            if chunk.sample:
+            if chunk.sample and chunk.seq_id in self.grammar_fails:
+                failed.append(SequenceFailure(chunk.seq_id, "the grammar matcher failed: limit"))
+            elif chunk.sample:
                 script = self.scripts.get(chunk.seq_id)
                 n = sum(
                     1 for p in self.steps for c in p.chunks if c.seq_id == chunk.seq_id and c.sample
@@ -84,7 +88,7 @@ class FakeExecutor:
                 token = script[n] if script else tok("abcdefghij"[n % 10])
                 sampled.append(SampledToken(chunk.seq_id, token))
         self.steps.append(plan)
-        return StepResult(plan.step, tuple(sampled), plan.n_rows)
+        return StepResult(plan.step, tuple(sampled), plan.n_rows, failed=tuple(failed))
 
     async def run_step(self, plan: StepPlan) -> StepResult:
         self.inflight = plan
@@ -534,3 +538,20 @@ async def test_a_preempted_sequence_readmitted_by_the_driver_wakes_the_parked_lo
             assert isinstance(outcomes["P"], Completed)
             assert outcomes["P"].completion_tokens == 8
             nursery.cancel_scope.cancel()
+
+
+async def test_a_failing_grammar_ends_its_request_alone_with_an_error(autojump_clock):
+    service, ex, counter = make_service()
+    async with trio.open_nursery() as nursery:
+        await nursery.start(service.run)
+        bad = await service.submit([5], params=None, max_tokens=4)
+        good = await service.submit([6], params=None, max_tokens=4)
+        ex.grammar_fails.add(bad.seq_id)
+        assert await read_all(good) == "abcd"
+        await read_all(bad)
+        assert isinstance(bad.outcome, Failed) and bad.outcome.code is EndCode.GRAMMAR_FAILED
+        assert "grammar" in bad.outcome.message
+        assert isinstance(good.outcome, Completed)
+        assert pool_is_full(service) and service.failed is None
+        nursery.cancel_scope.cancel()
+    assert counter.rejections == {EndCode.GRAMMAR_FAILED: 1}

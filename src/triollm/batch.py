@@ -232,7 +232,7 @@ class Batch:
 
     def _fill(self, matchers: list[SequenceMatcher]) -> None:
         if self._masks is None:
-            self._masks = MaskFiller(self.config.vocab_size)
+            self._masks = MaskFiller(matchers[0].mask_vocab)
         self._masks.fill(matchers)
 
     def _start_masks(self, matchers: list[SequenceMatcher]) -> Future[None] | None:

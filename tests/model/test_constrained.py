@@ -273,3 +273,16 @@ def test_logprobs_under_a_mask_are_the_masked_distribution_without_forbidden_alt
     assert {t for t, _ in out.top_logprobs} == set(allowed.tolist())  # fewer than 20
     total = sum(np.exp(lp) for _, lp in out.top_logprobs)
     assert total == pytest.approx(1.0)  # they are all the mass there is
+
+
+def test_a_tokenizer_with_ids_past_the_models_logits_is_cut_to_them() -> None:
+    tok, _ = tokenizers()
+    narrow = ConstraintTokenizer.from_tokenizer(tok, vocab_size=tok.vocab_size - 5)
+    assert narrow.mask_vocab == tok.vocab_size
+    grammar = compile_grammar(GrammarSpec(GrammarKind.CHOICE, ["yes", "no"], "c"), narrow)
+    matcher = grammar.start()
+    filler = MaskFiller(matcher.mask_vocab)
+    filler.fill([matcher])
+    logits = np.zeros(narrow.vocab_size, np.float32)  # the model's width
+    filler.apply(0, logits)
+    assert np.isfinite(logits).sum() == filler.allowed(0)[: narrow.vocab_size].sum() > 0

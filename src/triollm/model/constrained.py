@@ -137,18 +137,25 @@ class ConstraintTokenizer:
 
     Built from the ``tokenizer.json`` text itself (no transformers). ``vocab_size``
     is the width of the model's logits, which may exceed the tokenizer's (padded
-    embedding tables): ids past the tokenizer are never allowed. ``eos_token_ids``
-    are the ids that end a complete answer (the model's whole stop set).
+    embedding tables): ids past the tokenizer are never allowed. It may also be
+    smaller (a tokenizer with added tokens the checkpoint has no rows for): the
+    masks then cover the tokenizer (``mask_vocab``) and are cut to the logits.
+    ``eos_token_ids`` are the ids that end a complete answer (the model's stop set).
     """
 
     def __init__(
         self, tokenizer_json: str, *, vocab_size: int, eos_token_ids: Iterable[int]
     ) -> None:
         eos = sorted(eos_token_ids)
-        self.ll = llguidance.LLTokenizer(
-            tokenizer_json, n_vocab=vocab_size, eos_token=eos if eos else None
-        )
+        try:
+            ll = llguidance.LLTokenizer(
+                tokenizer_json, n_vocab=vocab_size, eos_token=eos if eos else None
+            )
+        except ValueError:  # "vocab size too small": the tokenizer knows more ids
+            ll = llguidance.LLTokenizer(tokenizer_json, eos_token=eos if eos else None)
+        self.ll = ll
         self.vocab_size = vocab_size
+        self.mask_vocab: int = ll.vocab_size  # >= vocab_size
 
     @classmethod
     def from_tokenizer(cls, tokenizer: Any, vocab_size: int | None = None) -> ConstraintTokenizer:
@@ -172,6 +179,7 @@ class Grammar:
         self.spec = spec
         self.tokenizer = tokenizer
         self.text = text
+        self.mask_vocab = tokenizer.mask_vocab
         # Construction drops the GIL and may take 100+ ms for a large schema.
         self._prototype = llguidance.LLMatcher(tokenizer.ll, text, log_level=0)
         if self._prototype.is_error():
@@ -179,7 +187,7 @@ class Grammar:
 
     def start(self) -> SequenceMatcher:
         """A fresh matcher at the grammar's start, for one sequence."""
-        return SequenceMatcher(self._prototype.deep_copy())
+        return SequenceMatcher(self._prototype.deep_copy(), self.mask_vocab)
 
 
 def compile_grammar(spec: GrammarSpec, tokenizer: ConstraintTokenizer) -> Grammar:
@@ -204,8 +212,9 @@ class SequenceMatcher:
     puts the matcher one token ahead of the sequence.
     """
 
-    def __init__(self, ll: llguidance.LLMatcher) -> None:
+    def __init__(self, ll: llguidance.LLMatcher, mask_vocab: int) -> None:
         self.ll = ll
+        self.mask_vocab = mask_vocab  # the width of its masks (MaskFiller's vocab_size)
         self.n_consumed = 0
 
     @property
@@ -300,11 +309,12 @@ class MaskFiller:
     def apply(self, row: int, logits: np.ndarray) -> None:
         """Set every logit that mask row ``row`` forbids to -inf, in place.
 
-        ``logits`` is one sequence's ``(vocab,)`` float32 row. Raises
+        ``logits`` is one sequence's ``(vocab,)`` float32 row; a mask wider than the
+        row (ids the model has no logits for) is cut to it. Raises
         :class:`MatcherFailed` if the mask allows nothing (a matcher in its error
         state fills an empty mask): sampling from it would pick an arbitrary token.
         """
-        allowed = self.allowed(row)
+        allowed = self.allowed(row)[: logits.shape[0]]
         if not allowed.any():
             raise MatcherFailed("the grammar allows no next token")
         np.putmask(logits, ~allowed, np.float32(-np.inf))

@@ -29,7 +29,7 @@ from triollm.plan import FinishReason
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 # Why a request ended without finishing: every member of both enums (outcomes.py).
 REJECTION_REASONS: tuple[Unfinished, ...] = (*Refused, *EndCode)
-FINISH_REASONS = (FinishReason.STOP, FinishReason.LENGTH)  # how a request can finish
+FINISH_REASONS = (FinishReason.STOP, FinishReason.LENGTH, FinishReason.TOOL_CALLS)  # how it can end
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 
