@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from triollm.plan import FinishReason
-from triollm.toolcalls import ToolCallDelta, ToolCallParser
+from triollm.toolcalls import MARKERS, ToolCallDelta, ToolCallParser
 
 
 class Detokenizer(Protocol):
@@ -132,6 +132,9 @@ class TextStream:
         # Rule 5: with tools, the text past the stop matcher goes through the model
         # family's tool-call parser; calls become tool_calls, the rest stays text.
         self._tools = tools
+        keep = getattr(detokenizer, "keep_special", None)  # test fakes have none
+        if tools is not None and keep is not None:
+            keep(MARKERS[tools.fmt])  # the parser must see its markers, special or not
         self.stop_ids = frozenset(stop_ids)
         self.finish_reason: FinishReason | None = None  # set once the text has ended
 

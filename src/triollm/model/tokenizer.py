@@ -792,9 +792,24 @@ class IncrementalDetokenizer:
         self._ids: list[int] = context
         self._prefix = 0  # start of the decoding window (context tokens)
         self._read = len(context)  # everything before this has been emitted (or is prompt)
+        self._keep: frozenset[int] = frozenset()  # special ids emitted as text (keep_special)
+
+    def keep_special(self, texts: Iterable[str]) -> None:
+        """Emit these special tokens as their text instead of dropping them.
+
+        A tool-call parser needs its family's markers (Mistral's ``[TOOL_CALLS]``,
+        Llama's ``<|python_tag|>``), which the tokenizer marks special; strings that
+        are not one special token are ignored (they are ordinary text already).
+        """
+        ids = (self._tok.special_token_id(t) for t in texts)
+        self._keep = frozenset(i for i in ids if i is not None)
 
     def push(self, token_id: int) -> str:
         """Add one generated id; return the text it completes (often ``""``)."""
+        if token_id in self._keep:
+            # Whatever is pending goes first, then the marker; the decoding window
+            # restarts after it, as after any emitted text.
+            return self._emit(final=True) + self._tok.decode([token_id], skip_special_tokens=False)
         if token_id in self._tok.special_token_ids:
             return ""  # decode() drops it; keeping it would break the leading-space context
         self._ids.append(token_id)
