@@ -286,3 +286,20 @@ def test_a_tokenizer_with_ids_past_the_models_logits_is_cut_to_them() -> None:
     logits = np.zeros(narrow.vocab_size, np.float32)  # the model's width
     filler.apply(0, logits)
     assert np.isfinite(logits).sum() == filler.allowed(0)[: narrow.vocab_size].sum() > 0
+
+
+def test_the_same_constraint_compiles_once_and_a_refused_one_is_never_kept() -> None:
+    from triollm.model.constrained import GrammarCache
+
+    _, ctok = tokenizers()
+    cache = GrammarCache(ctok, size=2)
+    a = cache.get(GrammarSpec(GrammarKind.JSON_SCHEMA, PERSON, "response_format"))
+    again = cache.get(GrammarSpec(GrammarKind.JSON_SCHEMA, dict(PERSON), "guided_json"))
+    assert again is a and (cache.hits, cache.misses) == (1, 1)
+    cache.get(GrammarSpec(GrammarKind.REGEX, "a+", "guided_regex"))
+    cache.get(GrammarSpec(GrammarKind.REGEX, "b+", "guided_regex"))  # evicts PERSON
+    assert cache.get(GrammarSpec(GrammarKind.JSON_SCHEMA, PERSON, "f")) is not a
+    for _ in range(2):  # a refusal is raised each time, naming each request's field
+        with pytest.raises(GrammarError) as info:
+            cache.get(GrammarSpec(GrammarKind.REGEX, "a(", "guided_regex"))
+        assert info.value.field == "guided_regex"

@@ -47,6 +47,8 @@ from __future__ import annotations
 
 import enum
 import json
+import threading
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -202,6 +204,52 @@ def compile_grammar(spec: GrammarSpec, tokenizer: ConstraintTokenizer) -> Gramma
     if is_error:
         raise GrammarError(spec.field, f"'{spec.field}' is not supported: {messages[0].strip()}")
     return Grammar(spec, tokenizer, text)
+
+
+# Compiled grammars kept per server. A client library sends the same schema with
+# every request (the openai client's parse() does); compiling costs 2-10 ms for a
+# small schema on SmolLM2's vocabulary (bench/bench_constrained.py) and far more for
+# a large one. A compiled Grammar is immutable (each sequence gets a copy of its
+# matcher), so one may serve every request that asks for it.
+GRAMMAR_CACHE_SIZE = 64
+
+
+class GrammarCache:
+    """The last :data:`GRAMMAR_CACHE_SIZE` grammars compiled for one vocabulary.
+
+    :meth:`get` is :func:`compile_grammar` with memory: the same constraint (kind and
+    source, whatever field it came in) compiles once. Thread-safe: requests compile in
+    worker threads. A grammar the library refuses is never stored, so every request
+    that sends it gets its own 400.
+    """
+
+    def __init__(self, tokenizer: ConstraintTokenizer, size: int = GRAMMAR_CACHE_SIZE) -> None:
+        self.tokenizer = tokenizer
+        self.size = size
+        self._grammars: OrderedDict[tuple[GrammarKind, str], Grammar] = OrderedDict()
+        self._lock = threading.Lock()
+        self.hits = 0
+        self.misses = 0
+
+    def get(self, spec: GrammarSpec) -> Grammar:
+        """The compiled grammar of ``spec`` (blocking on a miss: call it off the loop)."""
+        key = (spec.kind, json.dumps(spec.source, sort_keys=True))
+        with self._lock:
+            grammar = self._grammars.get(key)
+            if grammar is not None:
+                self._grammars.move_to_end(key)
+                self.hits += 1
+                return grammar
+        # Compiled outside the lock: two requests missing at once both compile, and
+        # the second result replaces the first (equal grammars; no one waits).
+        grammar = compile_grammar(spec, self.tokenizer)
+        with self._lock:
+            self.misses += 1
+            self._grammars[key] = grammar
+            self._grammars.move_to_end(key)
+            while len(self._grammars) > self.size:
+                self._grammars.popitem(last=False)
+        return grammar
 
 
 class SequenceMatcher:

@@ -47,7 +47,7 @@ from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 
 from triollm.admission import QueueClosed, Refusal
 from triollm.errors import FieldError, UserError
-from triollm.model.constrained import JSON_OPTIONS, GrammarKind, GrammarSpec, compile_grammar
+from triollm.model.constrained import JSON_OPTIONS, GrammarKind, GrammarSpec
 from triollm.model.tokenizer import ChatTemplateError
 from triollm.outcomes import Refused
 from triollm.scheduler import Infeasible
@@ -189,7 +189,7 @@ def create_app(
         if spec is not None:
             # Compiling may take many milliseconds for a large schema: off the loop.
             # A grammar the library refuses is a GrammarError (a FieldError): 400.
-            grammar = await trio.to_thread.run_sync(compile_grammar, spec, model.constraints)
+            grammar = await trio.to_thread.run_sync(model.grammars.get, spec)
         params = _sampling_params(req, model, grammar)
         parser = ToolCallParser(tool_format) if tool_format is not None else None
         life.stage = Stage.QUEUED

@@ -255,7 +255,7 @@ def build_stack(
     Raises :class:`UserError` naming the flag for a capacity the model or the
     machine cannot have (the configs refuse their own bad values)."""
     from triollm.batch import Batch
-    from triollm.model.constrained import ConstraintTokenizer
+    from triollm.model.constrained import ConstraintTokenizer, GrammarCache
     from triollm.model.sampling import SamplingParams
     from triollm.model.tokenizer import IncrementalDetokenizer
 
@@ -304,7 +304,7 @@ def build_stack(
         model_vocab_size=cfg.vocab_size,
         # Built once (a few ms for a 50k vocabulary, more for 150k); every grammar a
         # request compiles is checked against it.
-        constraints=ConstraintTokenizer.from_tokenizer(tokenizer, cfg.vocab_size),
+        grammars=GrammarCache(ConstraintTokenizer.from_tokenizer(tokenizer, cfg.vocab_size)),
         tool_format=tool_call_parser or detect_format(tokenizer.chat_templates.get("default")),
     )
     sc, q = sched_config, service_config

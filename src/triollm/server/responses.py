@@ -53,9 +53,9 @@ class ServedModel:
     # (added tokens past the checkpoint's vocabulary); such an id must be refused
     # here, or the forward pass it reaches fails for every request in the step.
     model_vocab_size: int | None = None
-    # Structured output: the vocabulary as the grammar library sees it
-    # (model/constrained.ConstraintTokenizer), built once at startup.
-    constraints: Any = None
+    # Structured output: the compiled grammars, over the vocabulary as the grammar
+    # library sees it (model/constrained.GrammarCache), built once at startup.
+    grammars: Any = None
     # How this model writes tool calls: --tool-call-parser, else read from its chat
     # template (toolcalls.detect_format); None: requests with tools are refused.
     tool_format: ToolCallFormat | None = None
