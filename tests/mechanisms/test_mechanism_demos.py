@@ -20,8 +20,8 @@ from triollm.mechanisms import (
 )
 from triollm.scheduler import Policy
 
-# These start a real server on the demo model; their own tests below run them once.
-LIVE = {"disconnect", "overload"}
+# These start a real server or build a real model; their own tests below run them once.
+LIVE = {"disconnect", "overload", "batching"}
 
 
 @pytest.mark.parametrize("name", sorted(set(DEMOS) - LIVE))
@@ -113,3 +113,14 @@ async def test_a_burst_past_the_queue_is_429_at_once_and_the_wait_budget_429_not
         assert "429 queue_timeout, Retry-After: 2" in refusals[name]
     assert "  (all three answered at once: nobody waited)" in lines
     assert lines[-2] == "A, released, completes: 200, finish_reason length"
+
+
+def test_batching_times_each_batch_size_beside_its_floor(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # Figures are machine-dependent (a benchmark's business); the shape of the report is not.
+    args = ["demo", "batching", "--layers", "2", "--batches", "1,4", "--steps", "2"]
+    assert main(args) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("SmolLM2-135M's shape, 2 layers, bf16: W = ")
+    assert [line.split()[0] for line in lines[2:]] == ["1", "4"]

@@ -18,6 +18,10 @@ DEMOS: dict[str, tuple[str, str]] = {
         "triollm.mechanisms.slow_client",
         "non-blocking dispatch: a full per-request buffer cuts the slow client, not the batch",
     ),
+    "batching": (
+        "triollm.mechanisms.batching",
+        "decode throughput against batch size, beside the (W + B·A)/β floor, measured",
+    ),
     "deadlock": (
         "triollm.mechanisms.deadlock",
         "free-slot admission locks the pool; reserving prompt + answer cannot",

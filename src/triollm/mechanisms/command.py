@@ -9,13 +9,12 @@ from triollm.mechanisms import DEMOS
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.formatter_class = argparse.RawDescriptionHelpFormatter
-    parser.epilog = "mechanisms:\n" + "\n".join(
-        f"  {name:<16}{about}" for name, (_, about) in DEMOS.items()
-    )
-    parser.add_argument("mechanism", choices=list(DEMOS), metavar="MECHANISM")
+    sub = parser.add_subparsers(dest="mechanism", required=True, metavar="MECHANISM")
+    for name, (module, about) in DEMOS.items():
+        demo = sub.add_parser(name, help=about, description=about)
+        demo.set_defaults(_demo=module)
+        importlib.import_module(module).configure(demo)
 
 
 def run(args: argparse.Namespace) -> int:
-    module = importlib.import_module(DEMOS[args.mechanism][0])
-    return int(module.run(args) or 0)
+    return int(importlib.import_module(args._demo).run(args) or 0)
