@@ -403,6 +403,27 @@ def test_a_second_plan_is_refused_while_one_is_in_flight() -> None:
     assert not s.plan_step().is_empty
 
 
+def test_a_block_freed_mid_step_is_rewritten_by_its_new_owner_before_it_is_read() -> None:
+    """Rule 6's hazard: A's step is in flight (a worker thread writes A's K/V into
+    its blocks) when A's client leaves; B is admitted onto the same blocks. B must
+    not be planned until A's step is over, and B's first chunk must write every
+    position it will read."""
+    s = make(num_blocks=2, block_size=4, slots=2)
+    a = s.add([1] * 4, 4)  # 8 positions: both blocks
+    s.admit_waiting()
+    plan = s.plan_step()
+    a_blocks = set(s.sequence(a).blocks)
+    s.cancel(a)  # mid-step: the blocks are back at once
+    b = s.add([2] * 3, 1)
+    assert s.admit_waiting() == (b,)
+    assert set(s.sequence(b).blocks) <= a_blocks  # reused while A's write may still land
+    with pytest.raises(RuntimeError, match="in flight"):
+        s.plan_step()  # a second plan would let B's step race A's write
+    assert s.commit(StepResult(plan.step, (SampledToken(a, 1),), plan.n_rows)) == ()
+    (chunk,) = s.plan_step().chunks
+    assert (chunk.seq_id, chunk.start, chunk.n_rows) == (b, 0, 3)  # writes 0..2 first
+
+
 def test_a_result_missing_a_sampled_token_is_refused_and_changes_nothing() -> None:
     s = make()
     a = s.add([1], 2)

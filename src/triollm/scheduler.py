@@ -35,6 +35,19 @@ Rules (docs/scheduling.md teaches each one, with the test that proves it):
 6. **Cancellation** at any state frees every block immediately (so certainly by
    the next ``plan_step``), and ``commit`` ignores results for sequences that are
    no longer running: a cancel may land while a step runs in a worker thread.
+
+   Hazard (K/V reuse across threads): a block freed by a cancel while a step runs
+   can be handed to a new sequence while the worker thread is still writing the
+   old owner's K/V into it. That is safe only because (a) exactly one plan is in
+   flight (``plan_step`` refuses a second), so the new owner is first planned
+   after that step commits or is discarded; (b) a sequence's first chunk starts at
+   position 0, and ``forward`` writes a row's K/V before any row attends
+   (``llama.py``), so the new owner overwrites every position before it reads it;
+   (c) attention reads only positions the owner computed itself. A second plan in
+   flight, a worker left running after cancellation (``abandon_on_cancel=True``),
+   or a block shared before it is written (a prefix cache using
+   ``BlockPool.retain``) breaks it silently. Test:
+   ``tests/test_scheduler.py::test_a_block_freed_mid_step_is_rewritten_by_its_new_owner_before_it_is_read``.
 7. **Deadlock is detected, never spun on.** A plan with no row while sequences
    are running and no waiter can be admitted is a deadlock: nothing can free a
    block (``free-slot`` gets there). ``statistics().deadlocked`` turns true and
