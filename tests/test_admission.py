@@ -225,3 +225,46 @@ async def test_close_wakes_every_waiter_with_queue_closed(autojump_clock):
     assert all(sched.state(s) is SeqState.CANCELLED for s in seqs)
     with pytest.raises(QueueClosed):
         queue.enqueue([1, 2], 2)
+
+
+async def test_one_driver_keeps_fcfs_with_at_most_k_overtakes_on_the_live_path(autojump_clock):
+    """The same rule as above, but through the running driver (``queue.run``) and
+    waiting clients (``wait_admitted``), released by finishes that signal: no call
+    to ``drive`` anywhere. The head needs 2 blocks; followers need 1 each; K = 2."""
+    sched = Scheduler(
+        SchedulerConfig(num_blocks=4, block_size=4, slots=4, context_tokens=32, overtake_limit=2)
+    )
+    order: list[str] = []
+    names: dict[int, str] = {}
+    queue = AdmissionQueue(
+        sched, max_waiters=8, wait_s=1e6, on_admit=lambda seq: order.append(names[seq])
+    )
+
+    async def client(name: str, prompt_len: int, max_tokens: int) -> None:
+        seq = queue.enqueue([1] * prompt_len, max_tokens)
+        names[seq] = name
+        await queue.wait_admitted(seq)
+
+    def finish(name: str) -> None:
+        (seq,) = [s for s, n in names.items() if n == name]
+        sched.finish(seq)
+        queue.signal()  # what the service does after every finish
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(queue.run)
+        for name, prompt, answer in [("X", 8, 4), ("H", 4, 4), ("F1", 2, 2), ("F2", 2, 2)]:
+            nursery.start_soon(client, name, prompt, answer)  # X: 3 blocks, H: 2, F: 1
+            await trio.testing.wait_all_tasks_blocked()
+        nursery.start_soon(client, "F3", 2, 2)
+        await trio.testing.wait_all_tasks_blocked()
+        assert order == ["X", "F1"]  # H does not fit beside X; F1 passes it (1 of K)
+        finish("F1")
+        await trio.testing.wait_all_tasks_blocked()
+        assert order == ["X", "F1", "F2"]  # the second and last overtake
+        finish("F2")
+        await trio.testing.wait_all_tasks_blocked()
+        assert order == ["X", "F1", "F2"]  # F3 fits, but the head was passed K times
+        finish("X")
+        await trio.testing.wait_all_tasks_blocked()
+        assert order == ["X", "F1", "F2", "H", "F3"]  # the head first, then the rest
+        nursery.cancel_scope.cancel()

@@ -64,7 +64,7 @@ class Detok:
         return ""
 
 
-def make_app(nursery: trio.Nursery) -> tuple[Any, Service, Metrics]:
+def make_app(nursery: trio.Nursery, queue_wait_s: float = 1000.0) -> tuple[Any, Service, Metrics]:
     fake = SlowFake()
     metrics = Metrics()
     service = Service(
@@ -72,7 +72,7 @@ def make_app(nursery: trio.Nursery) -> tuple[Any, Service, Metrics]:
         fake,
         detokenizer=Detok,
         eos_token_ids=frozenset({1}),
-        config=ServiceConfig(queue_wait_s=1000.0),
+        config=ServiceConfig(queue_wait_s=queue_wait_s),
         step_runner=fake.run_step,
         observer=metrics,
     )
@@ -248,3 +248,45 @@ async def test_a_refused_body_is_drained_by_the_apps_own_nursery(autojump_clock)
         await trio.testing.wait_all_tasks_blocked()
         disconnect.set()  # the drainer, still alive, reads on to the disconnect
     assert received[-1] == "disconnect"
+
+
+async def test_a_wait_past_the_budget_is_429_queue_timeout_through_the_app(autojump_clock):
+    """The queue-wait budget on the live path: one slot, held by a long stream; a
+    second request waits queue_wait_s of mock time and gets 429 queue_timeout with
+    Retry-After (not 499: its client never left), and nothing stays behind."""
+    sent: dict[str, list[dict[str, Any]]] = {"long": [], "late": []}
+
+    def request(name: str, max_tokens: int) -> tuple[Any, Any]:
+        body = json.dumps({"model": "m", "prompt": "hi", "max_tokens": max_tokens}).encode()
+        state = {"read": False}
+
+        async def receive() -> dict[str, Any]:
+            if not state["read"]:
+                state["read"] = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            await trio.sleep_forever()  # the client never leaves
+            raise AssertionError
+
+        async def send(message: dict[str, Any]) -> None:
+            sent[name].append(message)
+
+        return receive, send
+
+    with trio.fail_after(10_000):  # mock time; a lost timeout fails instead of hanging
+        async with trio.open_nursery() as nursery:
+            app, service, metrics = make_app(nursery, queue_wait_s=7.0)
+            await nursery.start(service.run)
+            nursery.start_soon(app, scope(), *request("long", 40))  # 40 steps x 30 s
+            await service.wait_until(lambda: service.scheduler.statistics().running == 1)
+            asked = trio.current_time()
+            await app(scope(), *request("late", 5))  # returns when it is answered
+            assert trio.current_time() - asked == 7.0
+            start = sent["late"][0]
+            assert start["status"] == 429
+            assert (b"retry-after", b"7") in [(k.lower(), v) for k, v in start["headers"]]
+            error = json.loads(b"".join(m.get("body", b"") for m in sent["late"][1:]))["error"]
+            assert error["code"] == "queue_timeout" and error["type"] == "rate_limit_error"
+            assert metrics.rejection_count(Refused.QUEUE_TIMEOUT) == 1
+            assert metrics.rejection_count(EndCode.CLIENT_CLOSED) == 0
+            assert service.queue.waiting == 0 and service.scheduler.statistics().waiting == 0
+            nursery.cancel_scope.cancel()
