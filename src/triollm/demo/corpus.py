@@ -12,7 +12,9 @@ model has to learn the structure: opening, hero, place, find, a small adventure,
 
 Caller's trap: the chat rendering here and the Jinja `CHAT_TEMPLATE` written into
 tokenizer_config.json must produce the same characters, or the model is trained on one prompt
-format and served another; tests/demo/test_corpus.py renders both and compares them.
+format and served another;
+tests/demo/test_grammar.py::test_render_chat_matches_the_jinja_template_shipped_to_the_tokenizer
+renders both and compares them.
 """
 
 from __future__ import annotations

@@ -52,7 +52,9 @@ config without them behaves exactly as stock hypercorn.
 Test: tests/server/test_slow_client.py.
 
 Trap: upgrading hypercorn silently turns this off (install() returns False and
-the service logs a warning); tests/server/test_transport.py fails first.
+the service logs a warning);
+tests/server/test_slow_client.py::test_the_write_guard_is_installed_for_this_hypercorn
+fails first, and tests/server/test_pins.py keeps pyproject pinned to what it accepts.
 """
 
 from __future__ import annotations
