@@ -12,7 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from triollm.model import matmul
-from triollm.model.matmul import bf16_bits_to_f32, linear, prepare
+from triollm.model.matmul import linear, prepare
+from triollm.model.weights import bf16_bits_to_f32
 
 
 def bf16_bits(a: np.ndarray) -> np.ndarray:

@@ -367,7 +367,7 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     @invariant()
     def blocks_are_conserved(self) -> None:
-        if not hasattr(self, "s") or not self.claimed(Claim.BLOCKS_CONSERVED):
+        if not self.claimed(Claim.BLOCKS_CONSERVED):
             return
         s = self.s
         st_ = s.pool.statistics()
@@ -398,7 +398,7 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     @invariant()
     def no_block_has_two_live_owners(self) -> None:
-        if not hasattr(self, "s") or not self.claimed(Claim.EXCLUSIVE_BLOCKS):
+        if not self.claimed(Claim.EXCLUSIVE_BLOCKS):
             return
         seen: dict[int, int] = {}
         for q in self.s.running_ids():
@@ -460,8 +460,6 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     @invariant()
     def ended_and_waiting_sequences_hold_nothing(self) -> None:
-        if not hasattr(self, "s"):
-            return
         running = set(self.s.running_ids())
         for q in self.ended:
             assert self.s.state(q) in (SeqState.FINISHED, SeqState.CANCELLED)

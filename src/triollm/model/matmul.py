@@ -503,10 +503,3 @@ def warm_up() -> None:
         linear(x, prepare(bits))
     for width in (8, 7):  # bfloat16: pairs (even width) and one at a time (odd)
         linear(x[:, :width], prepare(np.zeros((4, width), np.uint16), bf16=True))
-
-
-def bf16_bits_to_f32(bits: np.ndarray) -> np.ndarray:
-    """Widen raw bfloat16 bits (uint16) to float32 exactly (a 16-bit shift)."""
-    if bits.dtype != np.uint16:
-        raise TypeError(f"bf16 weights must be raw uint16 bits, got dtype {bits.dtype}")
-    return (bits.astype(np.uint32) << 16).view(np.float32)
