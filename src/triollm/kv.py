@@ -43,7 +43,7 @@ Rules:
 
 Invariant: ``free + cached + held == total`` at every moment. The property tests
 check it after every rule (``property_tests/pool_machine.py`` for the pool alone,
-``property_tests/scheduler_machine.py`` with the Scheduler on top).
+``src/triollm/check/machine.py`` with the Scheduler on top).
 
 The hash chain: block ``i``'s hash digests block ``i - 1``'s hash and block ``i``'s
 token ids, and the chain starts from a digest of the salt. So a hash names a block
