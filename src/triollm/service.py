@@ -158,7 +158,9 @@ class RequestStream:
         self._recv = recv
         self.seq_id = live.seq_id
         self.prompt_tokens = len(live.prompt_ids)
-        self.queue_seconds = (live.admitted_at or live.arrived) - live.arrived
+        # `is None`, not `or`: MockClock starts at 0.0, a real admission time.
+        admitted = live.arrived if live.admitted_at is None else live.admitted_at
+        self.queue_seconds = admitted - live.arrived
 
     def __aiter__(self) -> RequestStream:
         return self
