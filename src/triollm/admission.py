@@ -82,6 +82,8 @@ class AdmissionScheduler(Protocol):
         prompt_ids: Sequence[int],
         max_tokens: int | None,
         stop_token_ids: frozenset[int] = ...,
+        *,
+        cache_salt: str = ...,
     ) -> int: ...
     def admit_waiting(self) -> tuple[int, ...]: ...
     def cancel(self, seq_id: int) -> None: ...
@@ -178,6 +180,8 @@ class AdmissionQueue:
         prompt_ids: Sequence[int],
         max_tokens: int | None,
         stop_token_ids: frozenset[int] = frozenset(),
+        *,
+        cache_salt: str = "",
     ) -> int:
         """Take a place in the queue, or be refused now. Returns the sequence id.
 
@@ -191,7 +195,7 @@ class AdmissionQueue:
                 f"the admission queue is full ({self.max_waiters} waiting); retry later",
                 retry_after(self.wait_s),
             )
-        seq_id = self._scheduler.add(prompt_ids, max_tokens, stop_token_ids)
+        seq_id = self._scheduler.add(prompt_ids, max_tokens, stop_token_ids, cache_salt=cache_salt)
         waiter = _Waiter(seq_id, trio.current_time(), trio.Event())
         self._waiters[seq_id] = waiter
         self._tickets[seq_id] = waiter

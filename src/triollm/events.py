@@ -53,6 +53,7 @@ class Completed:
     final: Delta
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int = 0  # of prompt_tokens, those found in the prefix cache
 
 
 @dataclass(frozen=True, slots=True)

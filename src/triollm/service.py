@@ -136,6 +136,7 @@ class _Live:
     want_logprobs: bool
     internal: bool = False  # the warm-up request: not counted in metrics
     admitted_at: float | None = None
+    cached_tokens: int = 0  # prompt tokens its admission found in the prefix cache
     last_token_at: float | None = None
     n_generated: int = 0
     in_batch: bool = False
@@ -322,6 +323,7 @@ class Service:
         want_logprobs: bool = False,
         internal: bool = False,
         tools: ToolCallParser | None = None,
+        cache_salt: str = "",
     ) -> RequestStream:
         """Queue a request and wait for its admission; returns its stream.
 
@@ -342,7 +344,7 @@ class Service:
         stop_ids = frozenset() if ignore_eos else self.eos_token_ids
         # Everything that can fail is built before enqueue: after it, a sequence exists.
         text = TextStream(self._detokenizer(prompt_ids), stops=stop, stop_ids=stop_ids, tools=tools)
-        seq_id = self.queue.enqueue(prompt_ids, max_tokens, stop_ids)
+        seq_id = self.queue.enqueue(prompt_ids, max_tokens, stop_ids, cache_salt=cache_salt)
         send, recv = trio.open_memory_channel[Delta](self.config.stream_buffer_steps)
         live = _Live(
             seq_id=seq_id,
@@ -374,6 +376,7 @@ class Service:
             self.scheduler.cancel(seq_id)
             return
         live.admitted_at = trio.current_time()
+        live.cached_tokens = self.scheduler.sequence(seq_id).cached_tokens
         self._to_add.append(seq_id)
         if not live.internal:
             self.observer.admitted(len(live.prompt_ids), live.admitted_at - live.arrived)
@@ -596,7 +599,9 @@ class Service:
             self._too_slow(live)
 
     def _complete(self, live: _Live, reason: FinishReason, final: Delta) -> None:
-        outcome = Completed(reason, final, len(live.prompt_ids), live.n_generated)
+        outcome = Completed(
+            reason, final, len(live.prompt_ids), live.n_generated, live.cached_tokens
+        )
         # The scheduler has ended it already (commit or finish): no cancel.
         self._end(live, outcome, cancel=False)
 

@@ -71,6 +71,10 @@ class Capacity:
     step_rows: int | None = None
     policy: Policy | None = None
     overtake_limit: int | None = None
+    # The server and the engine share full KV blocks between prompts with the same
+    # opening (docs/prefix-cache.md); results are bit-identical either way. A bare
+    # SchedulerConfig leaves it off. ``--prefix-cache off`` restores the plain pool.
+    prefix_cache: bool = True
 
     def resolve(self, max_positions: int, bytes_per_position: int) -> SchedulerConfig:
         """The scheduler config for a model of ``max_positions`` whose K/V takes
@@ -103,6 +107,7 @@ class Capacity:
             step_rows=_or_default(self.step_rows, "step_rows"),  # its default: chunk + slots
             policy=_or_default(self.policy, "policy"),
             overtake_limit=self.overtake_limit,  # None is SchedulerConfig's own "K = slots"
+            prefix_cache=self.prefix_cache,
         )
 
 

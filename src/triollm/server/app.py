@@ -202,6 +202,7 @@ def create_app(
                 ignore_eos=req.ignore_eos,
                 want_logprobs=req.logprobs is not None,
                 tools=parser,
+                cache_salt=req.cache_salt,
             )
         except Infeasible as exc:
             life.stage = Stage.REFUSED

@@ -117,6 +117,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
         default=Policy.RESERVE.value,
         help="admission policy: reserve (default; never deadlocks) or preempt",
     )
+    cap.add_argument(
+        "--prefix-cache",
+        choices=("on", "off"),
+        default="on" if Capacity.prefix_cache else "off",
+        help="share the K/V of a prompt's opening with later prompts that start the same "
+        "(on: a returning conversation prefills only what is new; off: the plain pool)",
+    )
     q = parser.add_argument_group("queue and streams")
     q.add_argument(
         "--queue-depth-per-slot",
@@ -317,7 +324,7 @@ def build_stack(
             f"{sc.slots * q.queue_depth_per_slot} waiters, wait budget {q.queue_wait_s:g} s; "
             f"stream buffer {q.stream_buffer_steps} steps",
             f"step: up to {sc.step_rows} rows; prefill chunk {sc.chunk_tokens} tokens; "
-            f"policy {policy_name(sc.policy)}",
+            f"policy {policy_name(sc.policy)}; prefix cache {'on' if sc.prefix_cache else 'off'}",
         ),
     )
     warm = list(tokenizer.encode("Hello")) or [0]
@@ -413,6 +420,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[Capacity, ServiceConfig
         chunk_tokens=args.chunk,
         step_rows=args.step_rows,
         policy=parse_policy(args.policy),
+        prefix_cache=args.prefix_cache == "on",
     )
     try:
         service_config = ServiceConfig(

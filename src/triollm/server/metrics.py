@@ -44,6 +44,10 @@ class _Stats(Protocol):
     def blocks_held(self) -> int: ...
     @property
     def preemptions_total(self) -> int: ...
+    @property
+    def prefix_cache_queries_total(self) -> int: ...
+    @property
+    def prefix_cache_hits_total(self) -> int: ...
 
 
 class _SchedulerCounters(Collector):
@@ -57,6 +61,17 @@ class _SchedulerCounters(Collector):
             "triollm:num_preemptions",
             "Sequences evicted to free KV blocks (policy preempt); each recomputes later.",
             value=self.statistics().preemptions_total,
+        )
+        # vLLM's two counters, in tokens: hits / queries is the prefix cache's hit rate.
+        yield CounterMetricFamily(
+            "triollm:prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache at admission.",
+            value=self.statistics().prefix_cache_queries_total,
+        )
+        yield CounterMetricFamily(
+            "triollm:prefix_cache_hits",
+            "Of those, tokens whose K/V was found (not computed again).",
+            value=self.statistics().prefix_cache_hits_total,
         )
 
 

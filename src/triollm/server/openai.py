@@ -132,6 +132,7 @@ class GenerationRequest:
     ignore_eos: bool = False
     grammar: GrammarSpec | None = None  # the output constraint (response_format, guided_*)
     tools: Tools | None = None  # chat: the functions the model may call, and how
+    cache_salt: str = ""  # the prefix cache's domain: only equal salts share K/V blocks
 
 
 # --------------------------------------------------------------------------- field readers
@@ -272,6 +273,11 @@ def _common(body: dict[str, Any], kind: Literal["completion", "chat"]) -> dict[s
     top_k = _integer(body, "top_k")
     seed = _integer(body, "seed")
     user = _string(body, "user")
+    # vLLM's field: requests share cached prompt blocks only within one salt, so a
+    # tenant cannot learn another's prompts from how fast its own are answered.
+    cache_salt = _string(body, "cache_salt")
+    if cache_salt is not None and not cache_salt:
+        raise bad_request("'cache_salt' must be a non-empty string (or left out)", "cache_salt")
     return {
         "kind": kind,
         "model": model,
@@ -290,6 +296,7 @@ def _common(body: dict[str, Any], kind: Literal["completion", "chat"]) -> dict[s
         "user": user,
         "ignore_eos": _boolean(body, "ignore_eos"),
         "grammar": _structured(structured.grammar_spec, body),
+        "cache_salt": cache_salt or "",
     }
 
 

@@ -170,11 +170,14 @@ class ResponseWriter:
             }
         )
 
-    def _usage(self, prompt: int, completion: int) -> dict[str, int]:
+    def _usage(self, outcome: Completed) -> dict[str, Any]:
+        prompt, completion = outcome.prompt_tokens, outcome.completion_tokens
         return {
             "prompt_tokens": prompt,
             "completion_tokens": completion,
             "total_tokens": prompt + completion,
+            # OpenAI's shape: how many prompt tokens were not computed again.
+            "prompt_tokens_details": {"cached_tokens": outcome.cached_tokens},
         }
 
     def _failure(self) -> tuple[str, str]:
@@ -201,7 +204,7 @@ class ResponseWriter:
                         "created": self.created,
                         "model": self.model.id,
                         "choices": [],
-                        "usage": self._usage(outcome.prompt_tokens, outcome.completion_tokens),
+                        "usage": self._usage(outcome),
                     }
                 )
         else:
@@ -250,7 +253,7 @@ class ResponseWriter:
             "created": self.created,
             "model": self.model.id,
             "choices": [choice],
-            "usage": self._usage(outcome.prompt_tokens, outcome.completion_tokens),
+            "usage": self._usage(outcome),
         }
         return body, 200
 
