@@ -164,3 +164,40 @@ def test_the_page_steps_through_every_recorded_step_of_every_policy() -> None:
     i = list(Policy).index(Policy.FREE_SLOT)
     expected = runs[i].deadlock
     assert expected is not None and data["runs"][i]["deadlock"]["t"] == expected.t
+
+
+def shared(n: int) -> Scenario:
+    from dataclasses import replace
+
+    return replace(seed_scenario(), shared_prefix=n, prefix_cache=True)
+
+
+def test_the_shared_prefix_variant_skips_the_cached_opening_and_ends_sooner() -> None:
+    plain = simulate(seed_scenario(), Policy.RESERVE)
+    run = simulate(shared(12), Policy.RESERVE)
+    found = {o.name: o.cached_tokens for o in run.outcomes}
+    # A computes the opening; later prompts long enough hold its 3 full blocks (C and
+    # G, of 10 and 11 tokens, recompute their last partial block: 2 blocks each).
+    assert found == {"A": 0, "B": 0, "C": 8, "D": 12, "E": 0, "F": 12, "G": 8}
+    assert run.total_steps < plain.total_steps
+    assert any(s.shared for s in run.steps)  # some step shows a block two requests hold
+    prefills = {r.request: r.start for s in run.steps for r in s.rows if r.kind == "prefill"}
+    assert prefills["D"] >= 12  # D's first chunk starts past the cached opening
+
+
+def test_with_the_cache_off_a_shared_opening_changes_nothing() -> None:
+    from dataclasses import replace
+
+    plain = simulate(seed_scenario(), Policy.RESERVE)
+    same = simulate(replace(seed_scenario(), shared_prefix=12), Policy.RESERVE)
+    assert same.steps == plain.steps and same.outcomes == plain.outcomes
+
+
+def test_simulate_shared_prefix_prints_what_the_cache_found(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["simulate", "--shared-prefix", "12", "--policy", "reserve"]) == 0
+    out = capsys.readouterr().out
+    assert "40 of 79 prompt tokens found cached at admission (C 8, D 12, F 12, G 8)" in out
+    page = render_page([simulate(shared(12), Policy.RESERVE)])
+    assert '"prefix_cache":true' in page and '"shared":[' in page

@@ -9,6 +9,7 @@ self-contained page that steps through every policy side by side.
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 from pathlib import Path
 
 from triollm.errors import UserError
@@ -31,6 +32,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="simulate only this policy (repeatable); default: all four",
     )
     parser.add_argument(
+        "--shared-prefix",
+        type=int,
+        metavar="N",
+        help="the shared-prefix variant: every prompt opens with the same N tokens "
+        "and the prefix cache is on (docs/prefix-cache.md)",
+    )
+    parser.add_argument(
         "--html",
         metavar="FILE",
         help="also write a self-contained page that steps through the runs",
@@ -39,6 +47,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     scenario = load_scenario(args.scenario) if args.scenario else seed_scenario()
+    if args.shared_prefix is not None:
+        if args.shared_prefix < 1:
+            raise UserError(f"--shared-prefix must be >= 1, got {args.shared_prefix}")
+        scenario = replace(scenario, shared_prefix=args.shared_prefix, prefix_cache=True)
     policies = [Policy(p) for p in args.policy] if args.policy else list(Policy)
     runs = [simulate(scenario, p) for p in policies]
     print(

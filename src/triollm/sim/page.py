@@ -28,6 +28,8 @@ def page_data(runs: list[Run]) -> dict[str, Any]:
             "chunk_tokens": sc.chunk_tokens,
             "step_rows": sc.step_rows,
             "source": sc.source,
+            "prefix_cache": sc.prefix_cache,
+            "shared_prefix": sc.shared_prefix,
             "requests": [
                 {"name": r.name, "arrival": r.arrival, "prompt": r.prompt, "answer": r.answer}
                 for r in sc.requests
@@ -62,6 +64,8 @@ def page_data(runs: list[Run]) -> dict[str, Any]:
                         "rows": [[r.request, r.kind, r.start, r.rows] for r in s.rows],
                         "slots": list(s.slots),
                         "blocks": list(s.blocks),
+                        "shared": list(s.shared),
+                        "cached": list(s.cached),
                         "waiting": list(s.waiting),
                         "events": list(s.events),
                     }

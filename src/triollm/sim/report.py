@@ -55,6 +55,16 @@ def format_run(run: Run) -> str:
         f"{run.preemptions} preemption(s)"
     )
     lines.append(totals)
+    sc = run.scenario
+    if sc.prefix_cache:
+        prompts = sum(o.prompt for o in run.outcomes if not o.refused)
+        found = sum(o.cached_tokens for o in run.outcomes)
+        lines.append(
+            f"prefix cache on, every prompt opening with the same {sc.shared_prefix} tokens: "
+            f"{found} of {prompts} prompt tokens found cached at admission ("
+            + ", ".join(f"{o.name} {o.cached_tokens}" for o in run.outcomes if o.cached_tokens)
+            + ")"
+        )
     if run.deadlock is not None:
         stuck = ", ".join(o.name for o in run.outcomes if o.done is None and not o.refused)
         lines.append(f"DEADLOCK at step {run.deadlock.t}: {run.deadlock.description}")

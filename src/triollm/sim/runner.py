@@ -47,6 +47,8 @@ class StepRecord:
     waiting: tuple[str, ...]  # queue, head first
     events: tuple[str, ...]  # arrivals, admissions, first tokens, completions, preemptions
     written: int  # positions whose K/V is written, over all running requests
+    shared: tuple[int, ...] = ()  # blocks held by two or more requests (the prefix cache)
+    cached: tuple[int, ...] = ()  # free blocks whose content a later prompt can still hit
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +62,7 @@ class RequestOutcome:
     done: int | None = None  # step that sampled its last token
     refused: str | None = None  # the door's reason, when it could never run
     preemptions: int = 0
+    cached_tokens: int = 0  # prompt tokens its admission found in the prefix cache
 
     @property
     def ttft(self) -> int | None:
@@ -127,6 +130,7 @@ def simulate(scenario: Scenario, policy: Policy | SchedulingPolicy) -> Run:
         r.name: RequestOutcome(r.name, r.arrival, r.prompt, r.answer) for r in scenario.requests
     }
     name_of: dict[int, str] = {}
+    index = {r.name: i for i, r in enumerate(scenario.requests)}
     arrivals = sorted(scenario.requests, key=lambda r: r.arrival)  # stable: file order at a tie
     limit = max(r.arrival for r in arrivals) + _STEPS_PER_TOKEN_LIMIT * sum(
         r.prompt + r.answer for r in arrivals
@@ -139,7 +143,7 @@ def simulate(scenario: Scenario, policy: Policy | SchedulingPolicy) -> Run:
         while arrivals and arrivals[0].arrival == t:
             r = arrivals.pop(0)
             try:
-                seq = s.add([1] * r.prompt, r.answer)
+                seq = s.add(scenario.prompt_ids(index[r.name]), r.answer)
             except Infeasible as exc:
                 outcomes[r.name] = _with(outcomes[r.name], refused=str(exc))
                 events.append(f"{r.name} refused")
@@ -156,7 +160,10 @@ def simulate(scenario: Scenario, policy: Policy | SchedulingPolicy) -> Run:
                 again = s.sequence(seq).preemptions > 0
                 events.append(f"{o.name} {'readmitted' if again else 'admitted'}")
                 if o.admitted is None:
-                    outcomes[o.name] = _with(o, admitted=t)
+                    hit = s.sequence(seq).cached_tokens
+                    outcomes[o.name] = _with(o, admitted=t, cached_tokens=hit)
+                    if hit:
+                        events.append(f"{o.name} found {hit} prompt tokens cached")
         for seq in (*running, *s.waiting_ids()):
             o = outcomes[name_of[seq]]
             count = s.sequence(seq).preemptions
@@ -166,13 +173,18 @@ def simulate(scenario: Scenario, policy: Policy | SchedulingPolicy) -> Run:
         slots: list[str | None] = [None] * scenario.slots
         blocks: list[str | None] = [None] * scenario.num_blocks
         written = 0
+        holders = [0] * scenario.num_blocks
         for seq in running:
             info = s.sequence(seq)
             assert info.slot is not None
             slots[info.slot] = name_of[seq]
             for b in info.blocks:
-                blocks[b] = name_of[seq]
+                if blocks[b] is None:  # a shared block is drawn in its first holder's colour
+                    blocks[b] = name_of[seq]
+                holders[b] += 1
             written += info.n_computed
+        # A shared block is full and counted once: its later holders did not write it.
+        written -= scenario.block_size * sum(n - 1 for n in holders if n > 1)
         rows = tuple(
             RowRecord(
                 name_of[c.seq_id], "prefill" if c.prefill else "decode", c.start, c.n_rows, c.sample
@@ -187,6 +199,8 @@ def simulate(scenario: Scenario, policy: Policy | SchedulingPolicy) -> Run:
             waiting=tuple(name_of[q] for q in s.waiting_ids()),
             events=tuple(events),
             written=written,
+            shared=tuple(b for b, n in enumerate(holders) if n > 1),
+            cached=s.pool.cached_blocks(),
         )
         if plan.is_empty:
             report = s.deadlock_report()

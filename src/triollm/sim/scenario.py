@@ -12,6 +12,11 @@ File shape (JSON; TOML uses the same keys, with ``[[requests]]`` tables)::
 
 ``answer`` is the number of tokens the request generates (its max_tokens; the
 simulated model never says EOS early), ``arrival`` the step at which it arrives.
+
+Two optional keys make a shared-prefix variant (``triollm simulate
+--shared-prefix N`` sets both): ``"shared_prefix": N``, every prompt opens with the
+same N tokens (a system prompt; the rest of each prompt is its own), and
+``"prefix_cache": true``, the Scheduler's prefix cache shares their full blocks.
 """
 
 from __future__ import annotations
@@ -48,6 +53,8 @@ class Scenario:
     context_tokens: int
     requests: tuple[SimRequest, ...]
     source: str = "<built-in seed scenario>"
+    shared_prefix: int = 0  # tokens every prompt opens with (the same ones)
+    prefix_cache: bool = False  # the Scheduler's prefix cache (rule 9)
 
     def config(self, policy: Policy | SchedulingPolicy) -> SchedulerConfig:
         return SchedulerConfig(
@@ -58,7 +65,15 @@ class Scenario:
             step_rows=self.step_rows,
             context_tokens=self.context_tokens,
             policy=policy,
+            prefix_cache=self.prefix_cache,
         )
+
+    def prompt_ids(self, index: int) -> list[int]:
+        """Request ``index``'s token ids: the shared opening, then ids of its own."""
+        n = self.requests[index].prompt
+        shared = [1 + i % 97 for i in range(min(n, self.shared_prefix))]
+        own = [1000 + 100 * index + i for i in range(n - len(shared))]
+        return shared + own
 
 
 def seed_scenario() -> Scenario:
@@ -94,7 +109,13 @@ def parse_scenario(data: Any, source: str) -> Scenario:
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise UserError(f"{source}: field {key!r} must be an integer >= 1, got {value!r}")
         values[key] = value
-    unknown = set(data) - {*_INT_FIELDS, "requests"}
+    shared_prefix = data.get("shared_prefix", 0)
+    if not isinstance(shared_prefix, int) or isinstance(shared_prefix, bool) or shared_prefix < 0:
+        raise UserError(f"{source}: field 'shared_prefix' must be an integer >= 0")
+    prefix_cache = data.get("prefix_cache", False)
+    if not isinstance(prefix_cache, bool):
+        raise UserError(f"{source}: field 'prefix_cache' must be true or false")
+    unknown = set(data) - {*_INT_FIELDS, "requests", "shared_prefix", "prefix_cache"}
     if unknown:
         raise UserError(f"{source}: unknown field(s) {sorted(unknown)}")
     raw_requests = data.get("requests")
@@ -113,7 +134,13 @@ def parse_scenario(data: Any, source: str) -> Scenario:
         requests.append(SimRequest(name, r["arrival"], r["prompt"], r["answer"]))
     if len({r.name for r in requests}) != len(requests):
         raise UserError(f"{source}: request names must be unique")
-    scenario = Scenario(requests=tuple(requests), source=source, **values)
+    scenario = Scenario(
+        requests=tuple(requests),
+        source=source,
+        shared_prefix=shared_prefix,
+        prefix_cache=prefix_cache,
+        **values,
+    )
     try:
         scenario.config(Policy.RESERVE)
     except ValueError as exc:
