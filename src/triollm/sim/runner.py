@@ -173,7 +173,7 @@ def simulate(scenario: Scenario, policy: Policy | SchedulingPolicy) -> Run:
         slots: list[str | None] = [None] * scenario.slots
         blocks: list[str | None] = [None] * scenario.num_blocks
         written = 0
-        holders = [0] * scenario.num_blocks
+        owners = [0] * scenario.num_blocks
         for seq in running:
             info = s.sequence(seq)
             assert info.slot is not None
@@ -181,10 +181,10 @@ def simulate(scenario: Scenario, policy: Policy | SchedulingPolicy) -> Run:
             for b in info.blocks:
                 if blocks[b] is None:  # a shared block is drawn in its first holder's colour
                     blocks[b] = name_of[seq]
-                holders[b] += 1
+                owners[b] += 1
             written += info.n_computed
         # A shared block is full and counted once: its later holders did not write it.
-        written -= scenario.block_size * sum(n - 1 for n in holders if n > 1)
+        written -= scenario.block_size * sum(n - 1 for n in owners if n > 1)
         rows = tuple(
             RowRecord(
                 name_of[c.seq_id], "prefill" if c.prefill else "decode", c.start, c.n_rows, c.sample
@@ -199,7 +199,7 @@ def simulate(scenario: Scenario, policy: Policy | SchedulingPolicy) -> Run:
             waiting=tuple(name_of[q] for q in s.waiting_ids()),
             events=tuple(events),
             written=written,
-            shared=tuple(b for b, n in enumerate(holders) if n > 1),
+            shared=tuple(b for b, n in enumerate(owners) if n > 1),
             cached=s.pool.cached_blocks(),
         )
         if plan.is_empty:
