@@ -48,7 +48,9 @@ def test_a_memory_budget_sets_the_pool_and_can_make_it_smaller_than_a_context() 
 
 def test_unset_knobs_take_the_scheduler_configs_defaults() -> None:
     cfg = Capacity(num_blocks=8).resolve(2048, PER_POSITION)
-    default = SchedulerConfig(num_blocks=8, context_tokens=2048)
+    # The one knob whose serving default differs from the bare SchedulerConfig's: the
+    # server shares cached prompt blocks (docs/prefix-cache.md); the pure core does not.
+    default = SchedulerConfig(num_blocks=8, context_tokens=2048, prefix_cache=True)
     assert cfg == default
     assert cfg.step_rows == cfg.chunk_tokens + cfg.slots  # a full chunk plus every decoder
     asked = Capacity(num_blocks=8, chunk_tokens=512, policy=Policy.PREEMPT).resolve(2048, 1)
