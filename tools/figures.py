@@ -14,6 +14,9 @@ the PNGs before committing them.
   first token (TTFT) and the gaps between tokens (ITL) marked;
 - ``block-table.png``: one moment's block tables: each running sequence's positions
   mapped, block by block, onto blocks scattered through the shared pool;
+- ``prefix-chain.png``: the prefix cache's chained block hashes for two turns of one
+  conversation and the same text under another tenant's salt (hashed by the real
+  ``kv.prefix_hashes``);
 - ``cancel-path.png``: the path from a closed socket to freed blocks and the next
   admission (not a run: the one drawing here, kept beside the others so the file and
   function names in it are checked with them).
@@ -312,6 +315,66 @@ def cancel_path() -> Path:
     return _save(fig, "cancel-path.png")
 
 
+def prefix_chain() -> Path:
+    """Two turns of one conversation and a second tenant, hashed by the real
+    ``kv.prefix_hashes``: equal hashes are shared blocks."""
+    from triollm.kv import prefix_hashes
+
+    block = 4
+    turn1 = [11, 12, 13, 14, 21, 22, 23, 24, 31, 32]  # system + first question
+    turn2 = [*turn1, 33, 34, 41, 42, 43, 44, 51, 52, 53]  # + the answer + the next question
+    rows = [
+        ("turn 1, salt 'a'", turn1, "a"),
+        ("turn 2, salt 'a'", turn2, "a"),
+        ("turn 2, salt 'b'", turn2, "b"),
+    ]
+    chains = [prefix_hashes(ids, block, salt) for _, ids, salt in rows]
+    cached = set(chains[0])
+    fig, ax = plt.subplots(figsize=(11, 3.9))
+    for r, ((label, ids, _), chain) in enumerate(zip(rows, chains, strict=True)):
+        y = (len(rows) - 1 - r) * 1.25
+        ax.text(-0.2, y + 0.35, label, ha="right", va="center", fontsize=9)
+        for i in range(-(-len(ids) // block)):
+            x = i * 2.05
+            tokens = ids[i * block : (i + 1) * block]
+            full = i < len(chain)
+            hit = full and r > 0 and chain[i] in cached
+            face = COLOURS[2] if hit else (COLOURS[0] if full else (0.92, 0.92, 0.92))
+            ax.add_patch(Rectangle((x, y), 1.9, 0.7, facecolor=face, alpha=0.35, edgecolor="black"))
+            digest = chain[i].hex()[:6] if full else "partial: no hash"
+            ax.text(x + 0.95, y + 0.47, " ".join(map(str, tokens)), ha="center", fontsize=7)
+            ax.text(x + 0.95, y + 0.17, digest, ha="center", fontsize=7, family="monospace")
+            if full and i > 0:
+                ax.annotate(
+                    "",
+                    xy=(x, y + 0.35),
+                    xytext=(x - 0.15, y + 0.35),
+                    arrowprops={"arrowstyle": "->", "lw": 0.8},
+                )
+    ax.set_xlim(-2.3, 10.5)
+    ax.set_ylim(-0.2, len(rows) * 1.25)
+    ax.axis("off")
+    ax.legend(
+        handles=[
+            Patch(facecolor=COLOURS[2], alpha=0.35, label="found in the cache: held, not computed"),
+            Patch(facecolor=COLOURS[0], alpha=0.35, label="full block: computed, then published"),
+            Patch(facecolor=(0.92, 0.92, 0.92), label="partial last block: private"),
+        ],
+        loc="lower center",
+        bbox_to_anchor=(0.5, -0.12),
+        ncol=3,
+        fontsize=8,
+    )
+    ax.set_title(
+        "The prefix cache's hash chain (blocks of 4): each block's hash digests the one "
+        "before it and its tokens, from a root made of the salt",
+        fontsize=10,
+        loc="left",
+    )
+    fig.tight_layout()
+    return _save(fig, "prefix-chain.png")
+
+
 def _save(fig: plt.Figure, name: str) -> Path:
     OUT.mkdir(parents=True, exist_ok=True)
     path = OUT / name
@@ -323,7 +386,7 @@ def _save(fig: plt.Figure, name: str) -> Path:
 def main() -> int:
     reserve = simulate(seed_scenario(), Policy.RESERVE)
     figures = (pool_deadlock(), step_rows(reserve), request_timeline(reserve), block_table())
-    for path in (*figures, cancel_path()):
+    for path in (*figures, cancel_path(), prefix_chain()):
         print(path.relative_to(OUT.parents[1]))
     return 0
 
