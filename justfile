@@ -28,6 +28,15 @@ lint:
 bench-engine *ARGS:
     python bench/bench_engine.py {{ARGS}}
 
+# load any OpenAI-compatible server: `just bench-serve --url http://127.0.0.1:8000 --concurrency 1,4`
+bench-serve *ARGS:
+    triollm bench serve {{ARGS}}
+
+# triollm vs llama.cpp, alternating (not in CI): build llama.cpp (cached), convert, measure,
+# write docs/performance.md's peer tables and plots; steps: build models ready run tables all
+bench-peers *ARGS:
+    python tools/bench_peers.py {{ARGS}}
+
 # the seed's batching scenario under every policy (add --html FILE for the stepper page)
 simulate *ARGS:
     triollm simulate {{ARGS}}

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import os
 import platform
 import statistics
@@ -40,6 +41,7 @@ import numba
 import numpy as np
 from numba import njit, prange
 
+from triollm.bench.compare import ENGINE_METRICS, ratio_table, read_jsonl, width_class
 from triollm.model import kernels, llama, matmul
 from triollm.model.config import ModelConfig
 from triollm.model.llama import LlamaModel, PagedKVCache
@@ -327,6 +329,7 @@ def run(args: argparse.Namespace) -> int:
 
     kv_pos = config.kv_bytes_per_position()
     rows_md = []
+    records: list[dict[str, Any]] = []  # one JSON line per case (--json, --peer)
     profiles: list[tuple[str, dict[str, float]]] = []
     for dtype in dtypes:
         t = time.perf_counter()
@@ -379,6 +382,27 @@ def run(args: argparse.Namespace) -> int:
                 f"{case.tokens_per_step / med:.1f} | {speedup} | {flops / med / 1e9:.0f} | "
                 + (f"{floor * 1e3:.1f} | {med / floor:.2f} |" if is_decode else "— | — |")
             )
+            records.append(
+                {
+                    "tool": "bench-engine",
+                    "system": args.label,
+                    "row": engine_row(case.name, case.batch, case.rows, dtype),
+                    "step": case.name,
+                    "dtype": dtype,
+                    "batch": case.batch,
+                    "rows": case.rows,
+                    "context": case.context,
+                    "ms_step": med * 1e3,
+                    "ms_best": min(times) * 1e3,
+                    "cpu_ms_step": cpu_med * 1e3,
+                    "tok_s": case.tokens_per_step / med,
+                    "floor_ms": floor * 1e3 if is_decode else None,
+                    "bandwidth_gbs": best_bw / 1e9,
+                    "threads": numba.get_num_threads(),
+                    "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+                    "load_avg": list(os.getloadavg()),
+                }
+            )
             print(
                 f"  {case.name:7s} batch {case.batch:3d} rows {case.rows:4d}: median "
                 f"{med * 1e3:7.1f} ms/step (CPU {cpu_med * 1e3:.1f} ms), "
@@ -411,7 +435,22 @@ def run(args: argparse.Namespace) -> int:
                 + " | ".join(f"{p.get(name, 0.0) * 1e3:.1f}" for _, p in profiles)
                 + " |"
             )
+    if args.json:
+        with open(args.json, "a") as f:
+            f.writelines(json.dumps(r) + "\n" for r in records)
+    if args.peer:
+        peer = read_jsonl(args.peer)
+        name = peer[0].get("system", "peer") if peer else "peer"
+        print(f"\nside by side with {args.peer} (ours / {name}):\n")
+        print(ratio_table(records, peer, ENGINE_METRICS, ours_name=args.label, peer_name=name))
     return 0
+
+
+def engine_row(step: str, batch: int, rows: int, dtype: str) -> str:
+    """The row name both sides of a comparison use (``triollm.bench.compare``)."""
+    if step == "decode":
+        return f"decode b={batch} {width_class(dtype)}"
+    return f"prefill {rows} {width_class(dtype)}"
 
 
 def _touch_parallel() -> bool:
@@ -439,6 +478,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--profile", action="store_true", help="per-stage time breakdown")
     p.add_argument("--compile", action="store_true", help="numba compile and cache-load times")
+    p.add_argument("--json", help="append one JSON line per case to this file")
+    p.add_argument("--peer", help="a peer's results (JSON lines): print ours / peer per row")
+    p.add_argument("--label", default="triollm", help="this system's name in --json records")
     args = p.parse_args(argv)
     if args.quick:
         args.reps = min(args.reps, 5)

@@ -21,6 +21,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("triollm.generate", "generate text from a model directory, streamed to stdout"),
     "simulate": ("triollm.sim.command", "replay the seed's batching scenario under each policy"),
     "demo": ("triollm.mechanisms.command", "run one serving mechanism of the book and watch it"),
+    "bench": ("triollm.bench.command", "load any OpenAI-compatible server and measure it"),
 }
 
 

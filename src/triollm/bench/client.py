@@ -1,0 +1,178 @@
+"""One streamed request, timed and validated: the edge of the load generator.
+
+httpx (which runs on trio) sends the request; httpx-sse splits the body into
+Server-Sent Events. Everything the client sees lands in a :class:`RequestRecord`:
+the arrival time of every chunk that carried text, how the request ended, and each
+protocol fault (:class:`Problem`) with a one-line detail naming what was wrong.
+
+What a correct OpenAI-style stream looks like, and so what is checked:
+
+- ``200`` with ``text/event-stream``; events ``data: {json}`` whose ``choices[0]``
+  carries ``text`` (completions) or ``delta.content`` (chat), a ``finish_reason`` at
+  the end, then ``data: [DONE]`` and nothing after it;
+- ``usage`` (asked for with ``stream_options.include_usage``) in a chunk near the
+  end, whose ``completion_tokens`` is at least the number of text chunks (a chunk may
+  carry several tokens, never fewer than one), equals ``max_tokens`` when the
+  finish reason is ``length``, and whose ``prompt_tokens`` equals the number of token
+  ids sent.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+from httpx_sse import EventSource, SSEError
+
+from triollm.bench.stats import Outcome, Problem, RequestRecord
+from triollm.bench.workload import Api, Request
+
+DONE = "[DONE]"
+
+
+def _outcome_of_status(status: int) -> Outcome:
+    if status == 429:
+        return Outcome.RATE_LIMITED
+    return Outcome.CLIENT_ERROR if 400 <= status < 500 else Outcome.SERVER_ERROR
+
+
+def _text_of(choice: dict[str, Any], api: Api) -> str:
+    if api is Api.COMPLETIONS:
+        return choice.get("text") or ""
+    return (choice.get("delta") or {}).get("content") or ""
+
+
+def check_usage(
+    usage: dict[str, Any] | None, chunks: int, finish: str | None, req: Request
+) -> list[tuple[Problem, str]]:
+    """The usage rules of the module docstring; one problem per rule broken."""
+    if usage is None:
+        return [(Problem.USAGE_MISSING, "no chunk carried 'usage' (include_usage was true)")]
+    out: list[tuple[Problem, str]] = []
+    completion = usage.get("completion_tokens")
+    if not isinstance(completion, int):
+        return [(Problem.USAGE_MISMATCH, f"usage.completion_tokens is {completion!r}")]
+    if completion < chunks:
+        out.append(
+            (
+                Problem.USAGE_MISMATCH,
+                f"usage.completion_tokens={completion} but {chunks} chunks carried text",
+            )
+        )
+    if finish == "length" and completion != req.max_tokens:
+        out.append(
+            (
+                Problem.USAGE_MISMATCH,
+                f"finish_reason 'length' at max_tokens={req.max_tokens} "
+                f"but usage.completion_tokens={completion}",
+            )
+        )
+    prompt = usage.get("prompt_tokens")
+    if req.prompt_ids is not None and prompt != len(req.prompt_ids):
+        out.append(
+            (
+                Problem.USAGE_MISMATCH,
+                f"usage.prompt_tokens={prompt} but {len(req.prompt_ids)} token ids were sent",
+            )
+        )
+    return out
+
+
+async def send(
+    client: httpx.AsyncClient,
+    base_url: str,
+    api: Api,
+    req: Request,
+    *,
+    t0: float,
+    clock: Callable[[], float] = time.perf_counter,
+) -> RequestRecord:
+    """Send ``req`` and follow its stream to the end. Never raises for what the server
+    does (that is what is being measured); only cancellation propagates."""
+    problems: list[tuple[Problem, str]] = []
+    chunk_s: list[float] = []
+    text: list[str] = []
+    usage: dict[str, Any] | None = None
+    finish: str | None = None
+    done = False
+    status: int | None = None
+    sent = clock() - t0
+
+    def record(outcome: Outcome, **kw: Any) -> RequestRecord:
+        return RequestRecord(
+            sent_s=sent,
+            done_s=clock() - t0,
+            outcome=outcome,
+            status=status,
+            chunk_s=tuple(chunk_s),
+            output_tokens=usage["completion_tokens"]
+            if usage and isinstance(usage.get("completion_tokens"), int)
+            else len(chunk_s),
+            prompt_tokens=usage.get("prompt_tokens") if usage else None,
+            finish_reason=finish,
+            problems=tuple(problems),
+            turn=req.turn,
+            text="".join(text),
+            **kw,
+        )
+
+    try:
+        async with client.stream(
+            "POST", base_url + api.path, json=req.body, headers={"Accept": "text/event-stream"}
+        ) as response:
+            status = response.status_code
+            if status != 200:
+                await response.aread()
+                return record(
+                    _outcome_of_status(status),
+                    retry_after=response.headers.get("retry-after") if status == 429 else None,
+                )
+            async for event in EventSource(response).aiter_sse():
+                if event.data == DONE:
+                    done = True
+                    continue
+                if done:
+                    problems.append((Problem.DATA_AFTER_DONE, event.data[:120]))
+                    continue
+                try:
+                    payload = json.loads(event.data)
+                except json.JSONDecodeError:
+                    problems.append((Problem.BAD_EVENT, f"not JSON: {event.data[:120]!r}"))
+                    continue
+                if not isinstance(payload, dict):
+                    problems.append((Problem.BAD_EVENT, f"not an object: {event.data[:120]!r}"))
+                    continue
+                if "error" in payload:
+                    problems.append((Problem.ERROR_EVENT, json.dumps(payload["error"])[:200]))
+                    continue
+                if payload.get("usage"):
+                    usage = payload["usage"]
+                choices = payload.get("choices")
+                if not isinstance(choices, list):
+                    problems.append((Problem.BAD_EVENT, f"no 'choices': {event.data[:120]!r}"))
+                    continue
+                for choice in choices:
+                    piece = _text_of(choice, api)
+                    if piece:
+                        chunk_s.append(clock() - t0)
+                        text.append(piece)
+                    if choice.get("finish_reason"):
+                        finish = choice["finish_reason"]
+    except SSEError as exc:  # a 200 that is not an event stream
+        problems.append((Problem.BAD_EVENT, str(exc)))
+        return record(Outcome.CUT)
+    except (httpx.ConnectError, httpx.ConnectTimeout):
+        return record(Outcome.NO_CONNECTION)
+    except httpx.HTTPError as exc:  # reset, protocol error or timeout mid-way
+        if status is None:
+            return record(Outcome.NO_CONNECTION)
+        if not done:
+            problems.append((Problem.NO_DONE, f"stream broke: {type(exc).__name__}: {exc}"))
+        return record(Outcome.CUT)
+    if not done:
+        problems.append((Problem.NO_DONE, "the stream ended without 'data: [DONE]'"))
+    problems.extend(check_usage(usage, len(chunk_s), finish, req))
+    return record(Outcome.OK if finish else Outcome.CUT)

@@ -1,0 +1,252 @@
+"""docs/performance.md's side-by-side section and its plots, from `bench_peers.py run`'s JSON.
+
+    python tools/bench_peers.py tables [--results DIR]
+
+reads ``DIR/engine.jsonl``, ``DIR/serve.jsonl`` and ``DIR/meta.json`` (default: the
+latest run under ~/.cache/triollm/peers/results), prints the ratio tables, replaces
+the text between the ``bench-peers`` markers in docs/performance.md and draws
+docs/img/peers-serve.png and docs/img/peers-decode.png (matplotlib: the ``plots``
+extra). Every figure in the tables is a median over the alternating rounds.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+from triollm.bench.compare import ENGINE_METRICS, SERVE_METRICS, ratio_table
+
+REPO = Path(__file__).resolve().parents[1]
+DOC = REPO / "docs" / "performance.md"
+IMG = REPO / "docs" / "img"
+BEGIN = "<!-- bench-peers:begin (written by tools/bench_peers.py tables; edit the tool) -->"
+END = "<!-- bench-peers:end -->"
+
+# SmolLM2-135M's shape (docs/performance.md, "The floor"): the weights a decode step
+# reads, and the K/V bytes one sequence reads per position of context (float32 K/V).
+HIDDEN, INTER, LAYERS, KV_DIM, VOCAB = 576, 1536, 30, 192, 49152
+WEIGHTS = LAYERS * (2 * HIDDEN * HIDDEN + 2 * KV_DIM * HIDDEN + 3 * INTER * HIDDEN) + VOCAB * HIDDEN
+KV_BYTES_PER_POSITION = LAYERS * KV_DIM * 4 * 2
+# The arithmetic ceiling (docs/performance.md): 2 Zen 4 cores x two 256-bit FMA pipes
+# (32 float32 FLOP per cycle) x 2.6 GHz. The measured sgemm is plotted beside it.
+PEAK_GFLOPS = 2 * 32 * 2.6
+
+
+def read(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+
+
+def _med(xs: list[float]) -> float | None:
+    return statistics.median(xs) if xs else None
+
+
+def _loads(records: list[dict[str, Any]]) -> str:
+    vals = [r["load_avg"][0] for r in records if r.get("load_avg")]
+    vals += [r["machine"]["load_avg"][0] for r in records if r.get("machine")]
+    vals += [r["load_avg_end"][0] for r in records if r.get("load_avg_end")]
+    return f"{min(vals):.1f}-{max(vals):.1f}" if vals else "n/a"
+
+
+def engine_section(engine: list[dict[str, Any]]) -> list[str]:
+    out = []
+    for width in ("32-bit", "16-bit"):
+        ours = [r for r in engine if r["system"] == "triollm" and r["row"].endswith(width)]
+        peer = [r for r in engine if r["system"] == "llama.cpp" and r["row"].endswith(width)]
+        if not ours or not peer:
+            continue
+        names = f"triollm {ours[0]['dtype']} vs llama.cpp {peer[0]['dtype']}"
+        out += [f"**{width} weights ({names}), tok/s, load average {_loads(ours + peer)}**", ""]
+        out += [ratio_table(ours, peer, ENGINE_METRICS, ours_name="triollm", peer_name="llama.cpp")]
+        out += [""]
+    return out
+
+
+def serve_section(serve: list[dict[str, Any]]) -> list[str]:
+    out = []
+    for width in ("32-bit", "16-bit"):
+        ours = [r for r in serve if r["system"] == "triollm" and r.get("weights") == width]
+        peer = [r for r in serve if r["system"] == "llama.cpp" and r.get("weights") == width]
+        if not ours or not peer:
+            continue
+        names = f"`triollm serve` {ours[0]['dtype']} vs `llama-server` {peer[0]['dtype']}"
+        out += [f"**{width} weights ({names}), load average {_loads(ours + peer)}**", ""]
+        out += [ratio_table(ours, peer, SERVE_METRICS, ours_name="triollm", peer_name="llama")]
+        bad = [
+            f"{r['system']} {r['row']} round {r['round']}: {r['by_outcome']} {r['problems']}"
+            for r in ours + peer
+            if r["ok"] != r["requests"] or r["problems"]
+        ]
+        out += ["", "Requests not completed cleanly: " + ("; ".join(bad) if bad else "none."), ""]
+    return out
+
+
+def write_report(results: Path) -> None:
+    engine, serve = read(results / "engine.jsonl"), read(results / "serve.jsonl")
+    meta = json.loads((results / "meta.json").read_text())
+    bw = _med([r["bandwidth_gbs"] for r in engine if r.get("bandwidth_gbs")])
+    lines = [
+        BEGIN,
+        "",
+        f"Command: `just bench-peers` (`python tools/bench_peers.py all --rounds "
+        f"{meta['rounds']}`), {meta['date']} to {meta.get('date_end', '?')}. Machine: "
+        f"{meta['cpu']}, {meta['cores']} cores, "
+        + (
+            f"measured bandwidth {bw:.1f} GB/s (bench-engine's streaming read, median of "
+            "the rounds' best), "
+            if bw
+            else ""
+        )
+        + (f"sgemm {meta['sgemm_gflops']:.0f} GFLOP/s, " if meta.get("sgemm_gflops") else "")
+        + f"load average {meta['load_avg_start'][0]:.1f} at the start and "
+        f"{meta.get('load_avg_end', ['?'])[0]} at the end (the machine was shared; each "
+        "table gives the range of its own load). Every system gets 2 threads; ratios are "
+        "triollm / llama.cpp, medians of the alternating rounds (for latencies, below "
+        "1.00x is triollm faster). Results: `~/.cache/triollm/peers/results/"
+        f"{results.name}/`.",
+        "",
+        "### Engine: `bench_engine.py` vs `llama-batched-bench` / `llama-bench`",
+        "",
+        "Decode: a 32-token prompt then 128 tokens per sequence (llama.cpp's S_TG; "
+        "bench-engine's ragged steps at the same mean context, 96). Prefill: one "
+        "512-token prompt (`llama-bench -p 512`).",
+        "",
+        *engine_section(engine),
+        "### Server: `triollm serve --slots 16` vs `llama-server -np 16 -cb`",
+        "",
+        "`triollm bench serve --concurrency 1,4,8,16 --prompt-tokens 32 --max-tokens 128` "
+        "against each (token-id prompts, streaming, ignore_eos), SmolLM2-135M-Instruct.",
+        "",
+        *serve_section(serve),
+        "![aggregate tok/s and TTFT p50 against concurrency](img/peers-serve.png)",
+        "",
+        "![decode tok/s against batch, with the floor and the arithmetic ceiling]"
+        "(img/peers-decode.png)",
+        "",
+        END,
+    ]
+    section = "\n".join(lines)
+    print(section)
+    text = DOC.read_text()
+    if BEGIN in text:
+        head, _, rest = text.partition(BEGIN)
+        _, _, tail = rest.partition(END)
+        text = head + section + tail
+    else:
+        text = text.rstrip("\n") + "\n\n## Side by side with llama.cpp\n\n" + section + "\n"
+    DOC.write_text(text)
+    plots(engine, serve, meta, bw)
+
+
+def _series(records: list[dict[str, Any]], x: str, y: str) -> tuple[list[float], list[float]]:
+    pts: dict[float, list[float]] = {}
+    for r in records:
+        v: Any = r
+        for part in y.split("."):
+            v = v.get(part) if isinstance(v, dict) else None
+        if v is not None and r.get(x) is not None:
+            pts.setdefault(r[x], []).append(v)
+    xs = sorted(pts)
+    return xs, [statistics.median(pts[k]) for k in xs]
+
+
+def plots(engine: list[dict], serve: list[dict], meta: dict, bw: float | None) -> None:
+    try:
+        import matplotlib
+    except ImportError:
+        print("(no plots: matplotlib is in the `plots` extra)")
+        return
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    IMG.mkdir(parents=True, exist_ok=True)
+    styles = {"triollm": "-o", "llama.cpp": "--s"}
+    if serve:
+        fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.2))
+        for system in ("triollm", "llama.cpp"):
+            for width in ("32-bit", "16-bit"):
+                rs = [r for r in serve if r["system"] == system and r.get("weights") == width]
+                if not rs:
+                    continue
+                label = f"{system} {rs[0]['dtype']}"
+                a.plot(*_series(rs, "concurrency", "aggregate_tok_s"), styles[system], label=label)
+                b.plot(*_series(rs, "concurrency", "ttft_ms.p50"), styles[system], label=label)
+        a.set(
+            xlabel="concurrent streams",
+            ylabel="aggregate output tok/s",
+            xscale="log",
+            title="throughput",
+        )
+        b.set(
+            xlabel="concurrent streams",
+            ylabel="TTFT p50 (ms)",
+            xscale="log",
+            yscale="log",
+            title="time to first token",
+        )
+        for ax in (a, b):
+            ax.set_xticks([1, 4, 8, 16], ["1", "4", "8", "16"])
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8)
+        fig.suptitle(f"SmolLM2-135M, 32-token prompts, 128 tokens, 2 threads, {meta['date'][:10]}")
+        fig.tight_layout()
+        fig.savefig(IMG / "peers-serve.png", dpi=110)
+        plt.close(fig)
+    if engine:
+        fig, ax = plt.subplots(figsize=(7.5, 4.8))
+        colors = {"32-bit": "tab:blue", "16-bit": "tab:orange"}
+        for system in ("triollm", "llama.cpp"):
+            for width in ("32-bit", "16-bit"):
+                rs = [
+                    r
+                    for r in engine
+                    if r["system"] == system
+                    and r.get("step") == "decode"
+                    and r["row"].endswith(width)
+                ]
+                if rs:
+                    ax.plot(
+                        *_series(rs, "batch", "tok_s"),
+                        styles[system],
+                        color=colors[width],
+                        label=f"{system} {rs[0]['dtype']}",
+                    )
+        batches = [1, 2, 4, 8, 12, 16]
+        context = 96
+        if bw:
+            for width, bytes_per in (("32-bit", 4), ("16-bit", 2)):
+                w = WEIGHTS * bytes_per
+                floor = [
+                    b / ((w + b * KV_BYTES_PER_POSITION * context) / (bw * 1e9)) for b in batches
+                ]
+                ax.plot(
+                    batches,
+                    floor,
+                    ":",
+                    color=colors[width],
+                    label=f"bandwidth bound {width}, (W + B·A)/β, β={bw:.0f} GB/s",
+                )
+        peak = meta.get("sgemm_gflops")
+        if peak:
+            ax.axhline(
+                peak * 1e9 / (2 * WEIGHTS),
+                color="gray",
+                ls="-.",
+                label=f"arithmetic ceiling, {peak:.0f} GFLOP/s sgemm / 2 FLOP per weight",
+            )
+        ax.set(
+            xlabel="batch (sequences decoding together)",
+            ylabel="decode tok/s",
+            xscale="log",
+            yscale="log",
+            title="decode throughput against the bounds",
+        )
+        ax.set_xticks([1, 4, 8, 16], ["1", "4", "8", "16"])
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(fontsize=7, loc="upper left")
+        fig.tight_layout()
+        fig.savefig(IMG / "peers-decode.png", dpi=110)
+        plt.close(fig)
