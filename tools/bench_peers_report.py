@@ -32,6 +32,7 @@ KV_BYTES_PER_POSITION = LAYERS * KV_DIM * 4 * 2
 # The arithmetic ceiling (docs/performance.md): 2 Zen 4 cores x two 256-bit FMA pipes
 # (32 float32 FLOP per cycle) x 2.6 GHz. The measured sgemm is plotted beside it.
 PEAK_GFLOPS = 2 * 32 * 2.6
+COLORS = {"32-bit": "tab:blue", "16-bit": "tab:orange"}
 
 
 def read(path: Path) -> list[dict[str, Any]]:
@@ -163,7 +164,7 @@ def plots(engine: list[dict], serve: list[dict], meta: dict, bw: float | None) -
     import matplotlib.pyplot as plt
 
     IMG.mkdir(parents=True, exist_ok=True)
-    styles = {"triollm": "-o", "llama.cpp": "--s"}
+    styles = {"triollm": "-o", "llama.cpp": "--s"}  # colour = weight width, line = system
     if serve:
         fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.2))
         for system in ("triollm", "llama.cpp"):
@@ -172,8 +173,9 @@ def plots(engine: list[dict], serve: list[dict], meta: dict, bw: float | None) -
                 if not rs:
                     continue
                 label = f"{system} {rs[0]['dtype']}"
-                a.plot(*_series(rs, "concurrency", "aggregate_tok_s"), styles[system], label=label)
-                b.plot(*_series(rs, "concurrency", "ttft_ms.p50"), styles[system], label=label)
+                kw = {"color": COLORS[width], "label": label}
+                a.plot(*_series(rs, "concurrency", "aggregate_tok_s"), styles[system], **kw)
+                b.plot(*_series(rs, "concurrency", "ttft_ms.p50"), styles[system], **kw)
         a.set(
             xlabel="concurrent streams",
             ylabel="aggregate output tok/s",
@@ -197,7 +199,6 @@ def plots(engine: list[dict], serve: list[dict], meta: dict, bw: float | None) -
         plt.close(fig)
     if engine:
         fig, ax = plt.subplots(figsize=(7.5, 4.8))
-        colors = {"32-bit": "tab:blue", "16-bit": "tab:orange"}
         for system in ("triollm", "llama.cpp"):
             for width in ("32-bit", "16-bit"):
                 rs = [
@@ -211,7 +212,7 @@ def plots(engine: list[dict], serve: list[dict], meta: dict, bw: float | None) -
                     ax.plot(
                         *_series(rs, "batch", "tok_s"),
                         styles[system],
-                        color=colors[width],
+                        color=COLORS[width],
                         label=f"{system} {rs[0]['dtype']}",
                     )
         batches = [1, 2, 4, 8, 12, 16]
@@ -226,16 +227,24 @@ def plots(engine: list[dict], serve: list[dict], meta: dict, bw: float | None) -
                     batches,
                     floor,
                     ":",
-                    color=colors[width],
+                    color=COLORS[width],
                     label=f"bandwidth bound {width}, (W + B·A)/β, β={bw:.0f} GB/s",
                 )
-        peak = meta.get("sgemm_gflops")
-        if peak:
+        ax.axhline(
+            PEAK_GFLOPS * 1e9 / (2 * WEIGHTS),
+            color="black",
+            ls="-.",
+            lw=1,
+            label=f"arithmetic ceiling: {PEAK_GFLOPS:.0f} GFLOP/s peak / 2 FLOP per weight",
+        )
+        sgemm = meta.get("sgemm_gflops")
+        if sgemm:
             ax.axhline(
-                peak * 1e9 / (2 * WEIGHTS),
+                sgemm * 1e9 / (2 * WEIGHTS),
                 color="gray",
                 ls="-.",
-                label=f"arithmetic ceiling, {peak:.0f} GFLOP/s sgemm / 2 FLOP per weight",
+                lw=1,
+                label=f"the same at the sgemm measured in the run, {sgemm:.0f} GFLOP/s",
             )
         ax.set(
             xlabel="batch (sequences decoding together)",

@@ -61,7 +61,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--requests",
         type=int,
         default=None,
-        help="requests per level (default: 4 x concurrency, at least 8; 16 per rate)",
+        help="requests per level (default: --requests-per-stream x concurrency; 16 per rate)",
+    )
+    load.add_argument(
+        "--requests-per-stream",
+        type=int,
+        default=4,
+        help="closed loop without --requests: this many x the concurrency, at least 8 (4)",
     )
     load.add_argument("--duration", type=float, help="stop issuing after this many s per level")
     load.add_argument("--warmup", type=int, default=1, help="requests sent before measuring (1)")
@@ -72,7 +78,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     work.add_argument("--max-tokens", default="128", help="output length, N or LO-HI (128)")
     work.add_argument(
-        "--token-ids", default="10-255", help="range the prompt's token ids come from (10-255)"
+        "--token-ids", default="20-255", help="range the prompt's token ids come from (20-255)"
     )
     work.add_argument(
         "--turns", type=int, default=0, help="multi-turn chats of this many turns (chat API)"
@@ -229,9 +235,15 @@ async def serve_main(args: argparse.Namespace) -> int:
         concs = [1]
     if args.requests is not None and args.requests < 1:
         raise UserError(f"--requests must be >= 1, got {args.requests}")
+    if args.requests_per_stream < 1:
+        raise UserError(f"--requests-per-stream must be >= 1, got {args.requests_per_stream}")
     per = max(args.turns, 1)
     levels = [
-        Level(args.requests or max(8, 4 * c) * per, concurrency=c, duration_s=args.duration)
+        Level(
+            args.requests or max(8, args.requests_per_stream * c) * per,
+            concurrency=c,
+            duration_s=args.duration,
+        )
         for c in concs
     ] + [Level(args.requests or 16 * per, rate=r, duration_s=args.duration) for r in rates]
 

@@ -4,8 +4,9 @@ Pure (no I/O); one seed gives the same requests on every server, so two systems 
 measured on the same work.
 
 - ``completions`` with **token-id prompts**: ``prompt`` is a list of ids drawn from
-  ``token_ids`` (default 10-255, ids every byte-level or byte-fallback vocabulary
-  has), so the prompt length is exact whatever the tokenizer.
+  ``token_ids`` (default 20-255: ids every byte-level or byte-fallback vocabulary
+  has, above the special tokens small vocabularies put first, SmolLM2's 0-16), so
+  the prompt length is exact whatever the tokenizer.
 - ``chat``: the OpenAI chat API takes text only, so a prompt of N "tokens" is N short
   common words; the server's ``usage.prompt_tokens`` says what it made of them.
 - **Mixed lengths**: a length written ``LO-HI`` is drawn uniformly per request.
@@ -113,7 +114,7 @@ class Workload:
     model: str
     prompt_tokens: Span
     max_tokens: Span
-    token_ids: Span = Span(10, 255)
+    token_ids: Span = Span(20, 255)
     turns: int = 0  # 0: independent requests; N >= 1: conversations of N turns
     ignore_eos: bool = True  # every request produces max_tokens (llama.cpp and triollm honour it)
     temperature: float = 0.0
