@@ -340,10 +340,11 @@ def llama_batched_bench(gguf: Path, dtype: str, rnd: int) -> list[dict]:
         "jsonl",
     ]
     la0 = loadavg()
-    out = run(cmd, capture_output=True, text=True).stdout
+    done = run(cmd, capture_output=True, text=True)
+    out = done.stdout + done.stderr  # the JSON lines go through llama.cpp's logger
     recs = []
     for line in out.splitlines():
-        if not line.startswith("{"):
+        if not line.startswith("{") or "speed_tg" not in line:
             continue
         d = json.loads(line)
         recs.append(

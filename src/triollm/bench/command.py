@@ -127,7 +127,7 @@ def check_url(url: str, allow_remote: bool) -> str:
     return url.rstrip("/")
 
 
-def _ints(text: str, flag: str) -> list[int]:
+def int_list(text: str, flag: str) -> list[int]:
     try:
         values = [int(v) for v in text.split(",") if v.strip()]
     except ValueError:
@@ -137,7 +137,7 @@ def _ints(text: str, flag: str) -> list[int]:
     return values
 
 
-def _floats(text: str, flag: str) -> list[float]:
+def rate_list(text: str, flag: str) -> list[float]:
     try:
         values = [float(v) for v in text.split(",") if v.strip()]
     except ValueError:
@@ -229,8 +229,8 @@ async def serve_main(args: argparse.Namespace) -> int:
     api = Api(args.api)
     if args.turns:
         api = Api.CHAT
-    concs = _ints(args.concurrency, "--concurrency") if args.concurrency else []
-    rates = _floats(args.rate, "--rate") if args.rate else []
+    concs = int_list(args.concurrency, "--concurrency") if args.concurrency else []
+    rates = rate_list(args.rate, "--rate") if args.rate else []
     if not concs and not rates:
         concs = [1]
     if args.requests is not None and args.requests < 1:

@@ -80,8 +80,8 @@ async def run_level(
     budget = _Budget(level, t0)
     per_unit = max(workload.turns, 1)
 
-    async def one(req_turns: int) -> None:
-        """One request, or one whole conversation of ``req_turns`` turns."""
+    async def one() -> None:
+        """One request, or one whole conversation."""
         if not workload.turns:
             rec = await send(client, base_url, workload.api, source.single(), t0=t0, clock=clock)
             records.append(rec)
@@ -103,7 +103,7 @@ async def run_level(
 
             async def worker() -> None:
                 while budget.take(per_unit, clock()):
-                    await one(per_unit)
+                    await one()
 
             for _ in range(level.concurrency):
                 nursery.start_soon(worker)
@@ -111,6 +111,6 @@ async def run_level(
             # Arrivals have their own RNG, so the gaps do not depend on the prompts drawn.
             arrivals = random.Random(f"arrivals/{workload.seed}/{level_seed}")
             while budget.take(per_unit, clock()):
-                nursery.start_soon(one, per_unit)
+                nursery.start_soon(one)
                 await trio.sleep(arrivals.expovariate(level.rate))
     return records
