@@ -53,7 +53,17 @@ def _loads(records: list[dict[str, Any]]) -> str:
 
 
 def engine_section(engine: list[dict[str, Any]]) -> list[str]:
-    out = []
+    if not engine:
+        return []
+    out = [
+        "### Engine: `bench_engine.py` vs `llama-batched-bench` / `llama-bench`",
+        "",
+        "Decode: a 32-token prompt then 128 tokens per sequence (llama.cpp's S_TG; "
+        "bench-engine's ragged steps at the same mean context, 96, on random weights of "
+        "the same shape: the speed of a step does not depend on the values). Prefill: one "
+        "512-token prompt (`llama-bench -p 512 -n 0`).",
+        "",
+    ]
     for width in ("32-bit", "16-bit"):
         ours = [r for r in engine if r["system"] == "triollm" and r["row"].endswith(width)]
         peer = [r for r in engine if r["system"] == "llama.cpp" and r["row"].endswith(width)]
@@ -67,7 +77,16 @@ def engine_section(engine: list[dict[str, Any]]) -> list[str]:
 
 
 def serve_section(serve: list[dict[str, Any]]) -> list[str]:
-    out = []
+    if not serve:
+        return []
+    out = [
+        "### Server: `triollm serve --slots 16` vs `llama-server -np 16 -cb`",
+        "",
+        "`triollm bench serve --concurrency 1,4,8,16 --requests-per-stream 2 "
+        "--prompt-tokens 32 --max-tokens 128` against each (token-id prompts, streaming, "
+        "ignore_eos), SmolLM2-135M-Instruct, 512 positions per slot on both.",
+        "",
+    ]
     for width in ("32-bit", "16-bit"):
         ours = [r for r in serve if r["system"] == "triollm" and r.get("weights") == width]
         peer = [r for r in serve if r["system"] == "llama.cpp" and r.get("weights") == width]
@@ -89,6 +108,7 @@ def write_report(results: Path) -> None:
     engine, serve = read(results / "engine.jsonl"), read(results / "serve.jsonl")
     meta = json.loads((results / "meta.json").read_text())
     bw = _med([r["bandwidth_gbs"] for r in engine if r.get("bandwidth_gbs")])
+    drawn = plots(engine, serve, meta, bw)
     lines = [
         BEGIN,
         "",
@@ -109,24 +129,9 @@ def write_report(results: Path) -> None:
         "1.00x is triollm faster). Results: `~/.cache/triollm/peers/results/"
         f"{results.name}/`.",
         "",
-        "### Engine: `bench_engine.py` vs `llama-batched-bench` / `llama-bench`",
-        "",
-        "Decode: a 32-token prompt then 128 tokens per sequence (llama.cpp's S_TG; "
-        "bench-engine's ragged steps at the same mean context, 96). Prefill: one "
-        "512-token prompt (`llama-bench -p 512`).",
-        "",
         *engine_section(engine),
-        "### Server: `triollm serve --slots 16` vs `llama-server -np 16 -cb`",
-        "",
-        "`triollm bench serve --concurrency 1,4,8,16 --prompt-tokens 32 --max-tokens 128` "
-        "against each (token-id prompts, streaming, ignore_eos), SmolLM2-135M-Instruct.",
-        "",
         *serve_section(serve),
-        "![aggregate tok/s and TTFT p50 against concurrency](img/peers-serve.png)",
-        "",
-        "![decode tok/s against batch, with the floor and the arithmetic ceiling]"
-        "(img/peers-decode.png)",
-        "",
+        *[f"![{alt}](img/{name})\n" for name, alt in drawn],
         END,
     ]
     section = "\n".join(lines)
@@ -139,7 +144,6 @@ def write_report(results: Path) -> None:
     else:
         text = text.rstrip("\n") + "\n\n## Side by side with llama.cpp\n\n" + section + "\n"
     DOC.write_text(text)
-    plots(engine, serve, meta, bw)
 
 
 def _series(records: list[dict[str, Any]], x: str, y: str) -> tuple[list[float], list[float]]:
@@ -154,12 +158,16 @@ def _series(records: list[dict[str, Any]], x: str, y: str) -> tuple[list[float],
     return xs, [statistics.median(pts[k]) for k in xs]
 
 
-def plots(engine: list[dict], serve: list[dict], meta: dict, bw: float | None) -> None:
+def plots(
+    engine: list[dict], serve: list[dict], meta: dict, bw: float | None
+) -> list[tuple[str, str]]:
+    """Draw what the results hold; (file name, alt text) of each picture drawn."""
+    drawn: list[tuple[str, str]] = []
     try:
         import matplotlib
     except ImportError:
         print("(no plots: matplotlib is in the `plots` extra)")
-        return
+        return drawn
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -197,6 +205,7 @@ def plots(engine: list[dict], serve: list[dict], meta: dict, bw: float | None) -
         fig.tight_layout()
         fig.savefig(IMG / "peers-serve.png", dpi=110)
         plt.close(fig)
+        drawn.append(("peers-serve.png", "aggregate tok/s and TTFT p50 against concurrency"))
     if engine:
         fig, ax = plt.subplots(figsize=(7.5, 4.8))
         for system in ("triollm", "llama.cpp"):
@@ -259,3 +268,5 @@ def plots(engine: list[dict], serve: list[dict], meta: dict, bw: float | None) -
         fig.tight_layout()
         fig.savefig(IMG / "peers-decode.png", dpi=110)
         plt.close(fig)
+        drawn.append(("peers-decode.png", "decode tok/s against batch, with the two bounds"))
+    return drawn
