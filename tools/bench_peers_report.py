@@ -109,23 +109,32 @@ def write_report(results: Path) -> None:
     meta = json.loads((results / "meta.json").read_text())
     bw = _med([r["bandwidth_gbs"] for r in engine if r.get("bandwidth_gbs")])
     drawn = plots(engine, serve, meta, bw)
+    records = engine + serve
+    rounds = sorted({r["round"] for r in records if "round" in r})
+    end = meta.get("date_end") or max((r.get("date", "") for r in records), default="?")
+    parts = [name for name, recs in (("engine", engine), ("serve", serve)) if recs]
     lines = [
         BEGIN,
         "",
-        f"Command: `just bench-peers` (`python tools/bench_peers.py all --rounds "
-        f"{meta['rounds']}`), {meta['date']} to {meta.get('date_end', '?')}. Machine: "
-        f"{meta['cpu']}, {meta['cores']} cores, "
+        f"Command: `python tools/bench_peers.py run --parts {','.join(parts)} --rounds "
+        f"{meta['rounds']}` then `python tools/bench_peers.py tables` (`just bench-peers` "
+        f"runs both), {meta['date']} to {end}; {len(rounds)} round(s) completed. Machine: "
+        f"{meta['cpu']}, {meta['cores']} cores"
         + (
-            f"measured bandwidth {bw:.1f} GB/s (bench-engine's streaming read, median of "
-            "the rounds' best), "
+            f", measured bandwidth {bw:.1f} GB/s (bench-engine's streaming read, median of "
+            "the rounds' best)"
             if bw
             else ""
         )
-        + (f"sgemm {meta['sgemm_gflops']:.0f} GFLOP/s, " if meta.get("sgemm_gflops") else "")
-        + f"load average {meta['load_avg_start'][0]:.1f} at the start and "
-        f"{meta.get('load_avg_end', ['?'])[0]} at the end (the machine was shared; each "
-        "table gives the range of its own load). Every system gets 2 threads; ratios are "
-        "triollm / llama.cpp, medians of the alternating rounds (for latencies, below "
+        + (
+            f", sgemm {meta['sgemm_gflops']:.0f} GFLOP/s at the start"
+            if meta.get("sgemm_gflops")
+            else ""
+        )
+        + f"; load average {meta['load_avg_start'][0]:.1f} at the start, "
+        f"{_loads(records)} over the measurements (1-minute figures at each one's start and "
+        "end: the machine was shared). Every system gets 2 threads; ratios are "
+        "triollm / llama.cpp, medians over the rounds (for latencies, below "
         "1.00x is triollm faster). Results: `~/.cache/triollm/peers/results/"
         f"{results.name}/`.",
         "",
