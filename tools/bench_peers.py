@@ -283,6 +283,7 @@ def write_ready(files: dict[str, Path]) -> None:
 THREADS = 2  # every system gets the same 2 threads (the machine's cores)
 PROMPT, NEW = 32, 128  # the workload: 32-token prompts, 128 new tokens, ignore_eos
 BATCHES = (1, 4, 8, 16)
+PREFILL = 512  # llama-bench -p 512 against bench-engine's 512-row prefill chunk
 CONCURRENCY = (1, 4, 8, 16)
 # 2 x concurrency requests per level (at least 8): c=16 sees two waves of 16 streams.
 REQUESTS_PER_STREAM = 2
@@ -424,7 +425,7 @@ def bench_engine(out: Path, rnd: int, reps: int) -> None:
         "--context",
         PROMPT + NEW // 2,
         "--prefill",
-        512,
+        PREFILL,
         "--reps",
         reps,
         "--threads",
@@ -565,7 +566,17 @@ def measure(rounds: int, reps: int, parts: set[str]) -> Path:
     results = RESULTS / now().replace(":", "")[:17]
     results.mkdir()
     (results / "meta.json").write_text(
-        json.dumps({"date": now(), "rounds": rounds, "load_avg_start": loadavg(), **machine_info()})
+        json.dumps(
+            {
+                "date": now(),
+                "rounds": rounds,
+                "load_avg_start": loadavg(),
+                "batches": BATCHES,
+                "new_tokens": NEW,
+                "prefill": PREFILL,
+                **machine_info(),
+            }
+        )
     )
     engine, serve = results / "engine.jsonl", results / "serve.jsonl"
     for rnd in range(rounds):
@@ -573,8 +584,8 @@ def measure(rounds: int, reps: int, parts: set[str]) -> Path:
             for peer, _ in PAIRS:  # A
                 _append(engine, llama_batched_bench(files[peer], peer, rnd))
             bench_engine(engine, rnd, reps)  # B
-            for peer, _ in PAIRS:
-                _append(engine, llama_bench_prefill(files[peer], peer, rnd))
+            for peer, _ in PAIRS if PREFILL else ():
+                _append(engine, llama_bench_prefill(files[peer], peer, rnd, PREFILL))
         if "serve" in parts:
             for peer, ours in PAIRS:
                 serve_round("llama.cpp", files[peer], peer, serve, rnd, 8090)  # A
@@ -624,6 +635,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=2, help="alternating A B rounds (default 2)")
     p.add_argument("--reps", type=int, default=9, help="bench-engine steps per case (9)")
     p.add_argument("--parts", default="engine,serve", help="what `run` measures")
+    p.add_argument("--batches", default="1,4,8,16", help="decode batches (1,4,8,16)")
+    p.add_argument("--new-tokens", type=int, default=128, help="tokens per sequence (128)")
+    p.add_argument("--prefill", type=int, default=512, help="prefill tokens, 0 = skip (512)")
+    p.add_argument(
+        "--peer-dtypes", default="f32,f16", help="llama.cpp's side of the pairs (f32,f16)"
+    )
     p.add_argument("--results", type=Path, help="`tables`: a results dir (default: latest)")
     args = p.parse_args(argv)
     if args.step in ("build", "all"):
@@ -633,6 +650,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.step != "models":
             write_ready(files)
     results = args.results
+    # A shorter run for a loaded machine (the defaults are the workload).
+    global BATCHES, NEW, PAIRS, PREFILL
+    BATCHES = tuple(int(b) for b in args.batches.split(","))
+    NEW, PREFILL = args.new_tokens, args.prefill
+    PAIRS = tuple(p for p in PAIRS if p[0] in args.peer_dtypes.split(","))
     if args.step in ("run", "all"):
         results = measure(args.rounds, args.reps, set(args.parts.split(",")))
     if args.step in ("tables", "all"):

@@ -52,14 +52,16 @@ def _loads(records: list[dict[str, Any]]) -> str:
     return f"{min(vals):.1f}-{max(vals):.1f}" if vals else "n/a"
 
 
-def engine_section(engine: list[dict[str, Any]]) -> list[str]:
+def engine_section(engine: list[dict[str, Any]], meta: dict[str, Any]) -> list[str]:
     if not engine:
         return []
+    new = meta.get("new_tokens", 128)
     out = [
         "### Engine: `bench_engine.py` vs `llama-batched-bench` / `llama-bench`",
         "",
-        "Decode: a 32-token prompt then 128 tokens per sequence (llama.cpp's S_TG; "
-        "bench-engine's ragged steps at the same mean context, 96, on random weights of "
+        f"Decode: a 32-token prompt then {new} tokens per sequence (llama.cpp's S_TG; "
+        f"bench-engine's ragged steps at the same mean context, {32 + new // 2}, on random "
+        "weights of "
         "the same shape: the speed of a step does not depend on the values). Prefill: one "
         "512-token prompt (`llama-bench -p 512 -n 0`).",
         "",
@@ -138,7 +140,7 @@ def write_report(results: Path) -> None:
         "1.00x is triollm faster). Results: `~/.cache/triollm/peers/results/"
         f"{results.name}/`.",
         "",
-        *engine_section(engine),
+        *engine_section(engine, meta),
         *serve_section(serve),
         *[f"![{alt}](img/{name})\n" for name, alt in drawn],
         END,
@@ -234,7 +236,7 @@ def plots(
                         label=f"{system} {rs[0]['dtype']}",
                     )
         batches = [1, 2, 4, 8, 12, 16]
-        context = 96
+        context = 32 + meta.get("new_tokens", 128) // 2
         if bw:
             for width, bytes_per in (("32-bit", 4), ("16-bit", 2)):
                 w = WEIGHTS * bytes_per
