@@ -569,6 +569,7 @@ def measure(rounds: int, reps: int, parts: set[str]) -> Path:
         json.dumps(
             {
                 "date": now(),
+                "command": "python tools/bench_peers.py " + " ".join(sys.argv[1:]),
                 "rounds": rounds,
                 "load_avg_start": loadavg(),
                 "batches": BATCHES,

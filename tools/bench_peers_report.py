@@ -62,8 +62,12 @@ def engine_section(engine: list[dict[str, Any]], meta: dict[str, Any]) -> list[s
         f"Decode: a 32-token prompt then {new} tokens per sequence (llama.cpp's S_TG; "
         f"bench-engine's ragged steps at the same mean context, {32 + new // 2}, on random "
         "weights of "
-        "the same shape: the speed of a step does not depend on the values). Prefill: one "
-        "512-token prompt (`llama-bench -p 512 -n 0`).",
+        "the same shape: the speed of a step does not depend on the values)."
+        + (
+            " Prefill: one 512-token prompt (`llama-bench -p 512 -n 0`)."
+            if any(r.get("step") == "prefill" for r in engine)
+            else ""
+        ),
         "",
     ]
     for width in ("32-bit", "16-bit"):
@@ -118,9 +122,9 @@ def write_report(results: Path) -> None:
     lines = [
         BEGIN,
         "",
-        f"Command: `python tools/bench_peers.py run --parts {','.join(parts)} --rounds "
-        f"{meta['rounds']}` then `python tools/bench_peers.py tables` (`just bench-peers` "
-        f"runs both), {meta['date']} to {end}; {len(rounds)} round(s) completed. Machine: "
+        f"Command: `{meta.get('command') or 'python tools/bench_peers.py run'}` then "
+        f"`python tools/bench_peers.py tables` (measuring {' and '.join(parts)}), "
+        f"{meta['date']} to {end}; {len(rounds)} of {meta['rounds']} round(s) completed. Machine: "
         f"{meta['cpu']}, {meta['cores']} cores"
         + (
             f", measured bandwidth {bw:.1f} GB/s (bench-engine's streaming read, median of "
@@ -238,7 +242,10 @@ def plots(
         batches = [1, 2, 4, 8, 12, 16]
         context = 32 + meta.get("new_tokens", 128) // 2
         if bw:
+            present = {r["row"].rsplit(" ", 1)[-1] for r in engine}
             for width, bytes_per in (("32-bit", 4), ("16-bit", 2)):
+                if width not in present:
+                    continue
                 w = WEIGHTS * bytes_per
                 floor = [
                     b / ((w + b * KV_BYTES_PER_POSITION * context) / (bw * 1e9)) for b in batches

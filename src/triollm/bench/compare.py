@@ -109,7 +109,9 @@ def ratios(
 def _fmt(v: float | None) -> str:
     if v is None:
         return "—"
-    return f"{v:.0f}" if abs(v) >= 100 else f"{v:.1f}"
+    if abs(v) >= 100:
+        return f"{v:.0f}"
+    return f"{v:.1f}" if abs(v) >= 1 else f"{v:.2f}"
 
 
 def ratio_table(
