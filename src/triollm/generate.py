@@ -43,7 +43,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "model_dir",
         nargs="?",
         metavar="MODEL_DIR",
-        help="a Hugging Face model directory (default: the built-in demo model)",
+        help="a Hugging Face model directory or a GGUF file (default: the built-in demo model)",
     )
     src = parser.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="the prompt text")

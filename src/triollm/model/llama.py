@@ -41,6 +41,7 @@ from triollm.errors import ModelLoadError
 from triollm.model import kernels
 from triollm.model.config import ModelConfig
 from triollm.model.matmul import PreparedWeight, linear, prepare
+from triollm.model.quant import QuantizedTensor, stack_rows
 from triollm.model.weights import (
     TensorSource,
     as_source,
@@ -219,6 +220,8 @@ class LlamaModel:
                 f"{self._source.where(key)}: tensor {key!r} has shape {tuple(arr.shape)}, "
                 f"expected {want}"
             )
+        if isinstance(arr, QuantizedTensor):  # GGUF blocks (quant.py): shape checked above
+            return arr
         if arr.dtype not in (np.float32, np.float16, np.uint16):
             raise ModelLoadError(
                 f"{self._source.where(key)}: tensor {key!r} has dtype {arr.dtype}; "
@@ -229,7 +232,9 @@ class LlamaModel:
     def _vector(self, key: str) -> np.ndarray:
         return to_f32(self._take(key))
 
-    def _prepare(self, key: str, arr: np.ndarray) -> PreparedWeight:
+    def _prepare(self, key: str, arr: np.ndarray | QuantizedTensor) -> PreparedWeight:
+        if isinstance(arr, QuantizedTensor):  # stays its blocks; linear() dispatches on it
+            return prepare(arr)  # type: ignore[return-value]
         return prepare(arr, bf16=arr.dtype == np.uint16)
 
     def _linear(self, key: str) -> PreparedWeight:
@@ -243,6 +248,8 @@ class LlamaModel:
         must share one dtype (one checkpoint never mixes them; checked anyway).
         """
         parts = [self._take(key) for key in keys]
+        if any(isinstance(a, QuantizedTensor) for a in parts):
+            return stack_rows(parts)  # type: ignore[return-value]  # one type stacks (quant.py)
         if len({a.dtype for a in parts}) != 1:
             raise ModelLoadError(
                 f"{self._source.where(keys[0])}: tensors {', '.join(keys)} have different "
@@ -256,7 +263,9 @@ class LlamaModel:
     def weight_bytes(self) -> int:
         """Bytes of parameters held in memory (prepared weights, embedding, norms)."""
         total = self.embed_tokens.nbytes + self.norm.nbytes
-        if not np.shares_memory(self.lm_head.data, self.embed_tokens):
+        if self.lm_head is not self.embed_tokens and not np.shares_memory(
+            self.lm_head.data, self.embed_tokens
+        ):
             total += self.lm_head.nbytes  # untied, or a tied head prepared into its own buffer
         for layer in self.layers:
             for value in vars(layer).values():

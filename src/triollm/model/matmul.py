@@ -48,6 +48,7 @@ Hazards
 from __future__ import annotations
 
 import os
+import typing
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -67,6 +68,9 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
+
+from triollm.model import quant
+from triollm.model.quant import Quantized, QuantizedStack, QuantizedTensor
 
 # Row count from which linear() hands a product to BLAS; None: never.
 # Measured on the 2-core target machine (docs/performance.md): the kernel beats
@@ -425,7 +429,11 @@ class PreparedWeight:
         return self.data.view(np.float16).astype(np.float32)
 
 
-def prepare(w: np.ndarray, *, bf16: bool = False) -> PreparedWeight:
+@typing.overload
+def prepare(w: np.ndarray, *, bf16: bool = False) -> PreparedWeight: ...
+@typing.overload
+def prepare(w: Quantized, *, bf16: bool = False) -> Quantized: ...
+def prepare(w: np.ndarray | Quantized, *, bf16: bool = False) -> PreparedWeight | Quantized:
     """Keep a checkpoint weight ``w`` (``[out, in]``) in the layout :func:`linear` streams.
 
     ``w`` is float32 or float16, or with ``bf16=True`` the raw uint16 bits of
@@ -433,6 +441,8 @@ def prepare(w: np.ndarray, *, bf16: bool = False) -> PreparedWeight:
     Trap: a bf16 tensor must come as its bits with ``bf16=True``; an integer
     array without the flag is rejected, never read as numbers.
     """
+    if isinstance(w, QuantizedTensor | QuantizedStack):  # GGUF blocks: kept (quant.py)
+        return w
     if w.ndim != 2:
         raise ValueError(f"weight must be 2-D [out, in], got shape {w.shape}")
     if bf16:
@@ -450,7 +460,7 @@ def prepare(w: np.ndarray, *, bf16: bool = False) -> PreparedWeight:
 
 def linear(
     x: np.ndarray,
-    w: PreparedWeight,
+    w: PreparedWeight | Quantized,
     out: np.ndarray | None = None,
     *,
     blas_min_rows: int | None = None,
@@ -477,6 +487,10 @@ def linear(
         )
     if n == 0:
         return out
+    if isinstance(w, QuantizedTensor | QuantizedStack):  # the quantized kernels (quant.py)
+        if not out.flags.c_contiguous:
+            raise ValueError("out must be C-contiguous")
+        return quant.linear(x, w, out)
     threshold = BLAS_MIN_ROWS if blas_min_rows is None else blas_min_rows
     if threshold is not None and n >= threshold:
         # compute bound: BLAS's blocked GEMM; the transposed view costs nothing here

@@ -65,9 +65,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "model_dir",
         nargs="?",
         metavar="MODEL_DIR",
-        help="a Hugging Face model directory (default: the built-in demo model)",
+        help="a Hugging Face model directory or a GGUF file (default: the built-in demo model)",
     )
     parser.add_argument("--model", dest="model_opt", metavar="DIR", help="same as MODEL_DIR")
+    parser.add_argument(
+        "--quantize",
+        choices=("q8_0", "q4_0"),
+        help="quantize a model directory's weight matrices at load (GGUF's Q8_0 / Q4_0 blocks)",
+    )
     parser.add_argument("--model-name", help="the id clients send as 'model' (default: dir name)")
     parser.add_argument(
         "--tool-call-parser",
@@ -462,7 +467,7 @@ def run(args: argparse.Namespace) -> int:
 
     model_dir = _model_dir(args)
     started = time.monotonic()
-    loaded = load_model(model_dir)
+    loaded = load_model(model_dir, quantize=args.quantize)
     stack = build_stack(
         loaded,
         capacity,

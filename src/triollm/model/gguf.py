@@ -1,0 +1,272 @@
+"""Reading a GGUF file: metadata to a :class:`ModelConfig`, tensors to the model.
+
+GGUF (llama.cpp's format, also Ollama's and LM Studio's) is one file: a
+header, typed metadata (``general.architecture``, ``llama.block_count``,
+``tokenizer.ggml.tokens`` ...), a table of tensors (name, shape, type,
+offset) and the tensor data, aligned. We read it with the ``gguf`` package,
+the format's own Python reader, which maps the file into memory: a tensor's
+bytes are a view of the mapping, read from disk when first touched, never
+copied here. Quantized tensors stay quantized
+(:class:`~triollm.model.quant.QuantizedTensor`); F32/F16/BF16 come back as
+the arrays the safetensors path gives (BF16 as its uint16 bits).
+
+The model code names tensors as Hugging Face does; :class:`GGUFSource`
+answers those names with the GGUF tensors, through the ``gguf`` package's
+own name table (``model.layers.0.self_attn.q_proj.weight`` is
+``blk.0.attn_q.weight``), so no renaming table lives here.
+
+Trap: llama.cpp's converter permutes the rows of ``attn_q`` and ``attn_k``
+of ``llama``-architecture files (Llama, Mistral, SmolLM2, TinyLlama): within
+each head it interleaves the two halves, because ggml's RoPE rotates
+adjacent pairs where Hugging Face rotates the first half against the second.
+We rotate the HF way, so :meth:`GGUFSource.get_tensor` undoes the
+permutation (a row reordering: each row is whole blocks, so it applies to
+quantized rows as they are). qwen2/qwen3 files are not permuted.
+``tests/model/test_gguf.py`` proves the result equals the HF checkpoint the
+file was written from.
+
+Every problem with the file is a :class:`~triollm.errors.ModelLoadError`
+naming the file and the key or tensor: a truncated file, an unknown tensor
+type, a missing tensor, a metadata key of the wrong type.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from triollm.errors import ModelLoadError
+from triollm.model.config import ModelConfig
+from triollm.model.quant import QuantizedTensor, QuantType
+
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+_PERMUTED_ARCHITECTURES = ("llama",)  # q/k rows interleaved by the converter
+
+
+def is_gguf(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` names a file that starts with the GGUF magic."""
+    p = Path(path)
+    if not p.is_file():
+        return False
+    with p.open("rb") as f:
+        return f.read(4) == b"GGUF"
+
+
+def _value_kind(field: Any) -> str:
+    """A metadata field's type as one word: int, float, bool, str, or array[<kind>]."""
+    from gguf import GGUFValueType as T
+
+    ints = {T.UINT8, T.INT8, T.UINT16, T.INT16, T.UINT32, T.INT32, T.UINT64, T.INT64}
+
+    def one(t: Any) -> str:
+        if t in ints:
+            return "int"
+        if t in (T.FLOAT32, T.FLOAT64):
+            return "float"
+        if t == T.BOOL:
+            return "bool"
+        if t == T.STRING:
+            return "str"
+        return t.name.lower()
+
+    if field.types and field.types[0] == T.ARRAY:
+        return f"array[{one(field.types[1]) if len(field.types) > 1 else 'empty'}]"
+    return one(field.types[0]) if field.types else "empty"
+
+
+class GGUFFile:
+    """One GGUF file, opened: typed metadata and the tensor table (data mapped)."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        from gguf import GGUFReader
+
+        try:
+            self.reader = GGUFReader(self.path, "r")
+        except Exception as exc:  # truncated or corrupt: the reader raises assorted errors
+            raise ModelLoadError(
+                f"{self.path}: not a readable GGUF file ({type(exc).__name__}: {exc}); "
+                "truncated or corrupt?"
+            ) from None
+        self.tensors = {t.name: t for t in self.reader.tensors}
+        size = self.path.stat().st_size
+        for t in self.reader.tensors:
+            end = int(t.data_offset) + int(t.n_bytes)
+            if end > size:
+                raise ModelLoadError(
+                    f"{self.path}: tensor {t.name!r} ends at byte {end}, past the end of the "
+                    f"file ({size} bytes): the file is truncated"
+                )
+
+    # -- metadata ----------------------------------------------------------------------
+
+    def has(self, key: str) -> bool:
+        return key in self.reader.fields
+
+    def get(self, key: str, kind: str, default: Any = ...) -> Any:
+        """Metadata ``key`` as ``kind`` (int, float, bool, str, array[str], ...).
+
+        ModelLoadError naming the key when it is missing (and no default is given)
+        or holds another type; an int is accepted where a float is asked.
+        """
+        field = self.reader.fields.get(key)
+        if field is None:
+            if default is ...:
+                raise ModelLoadError(f"{self.path}: metadata key {key!r} is missing")
+            return default
+        have = _value_kind(field)
+        if have != kind and not (kind == "float" and have == "int"):
+            raise ModelLoadError(f"{self.path}: metadata key {key!r} must be {kind}, got {have}")
+        value = field.contents()
+        if kind == "float":
+            return float(value)
+        if kind == "int":
+            return int(value)
+        return value
+
+    @property
+    def architecture(self) -> str:
+        arch = str(self.get("general.architecture", "str"))
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ModelLoadError(
+                f"{self.path}: general.architecture {arch!r} is not supported "
+                f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+            )
+        return arch
+
+    def config(self) -> ModelConfig:
+        """The model's shape from ``{arch}.*`` metadata, validated by :class:`ModelConfig`."""
+        arch = self.architecture
+        g = self.get
+        heads = g(f"{arch}.attention.head_count", "int")
+        d: dict[str, Any] = {
+            "model_type": arch,
+            "hidden_size": g(f"{arch}.embedding_length", "int"),
+            "intermediate_size": g(f"{arch}.feed_forward_length", "int"),
+            "num_hidden_layers": g(f"{arch}.block_count", "int"),
+            "num_attention_heads": heads,
+            "num_key_value_heads": g(f"{arch}.attention.head_count_kv", "int", heads),
+            "head_dim": g(f"{arch}.attention.key_length", "int", None),
+            "max_position_embeddings": g(f"{arch}.context_length", "int"),
+            "rms_norm_eps": g(f"{arch}.attention.layer_norm_rms_epsilon", "float"),
+            "rope_theta": g(f"{arch}.rope.freq_base", "float", 10000.0),
+            "tie_word_embeddings": "output.weight" not in self.tensors,
+            "attention_bias": "blk.0.attn_q.bias" in self.tensors,
+            "bos_token_id": g("tokenizer.ggml.bos_token_id", "int", None),
+            "eos_token_id": g("tokenizer.ggml.eos_token_id", "int", None),
+            "torch_dtype": self.weight_type(),
+        }
+        if "rope_freqs.weight" in self.tensors:
+            raise ModelLoadError(
+                f"{self.path}: tensor 'rope_freqs.weight' (per-frequency RoPE factors, "
+                "llama3 scaling) is not supported"
+            )
+        scaling = g(f"{arch}.rope.scaling.type", "str", "none")
+        if scaling == "linear":
+            d["rope_scaling"] = {
+                "rope_type": "linear",
+                "factor": g(f"{arch}.rope.scaling.factor", "float"),
+            }
+        elif scaling != "none":
+            raise ModelLoadError(
+                f"{self.path}: {arch}.rope.scaling.type {scaling!r} is not supported "
+                "(supported: none, linear)"
+            )
+        embd = self.tensors.get("token_embd.weight")
+        if embd is None:
+            raise ModelLoadError(f"{self.path}: tensor 'token_embd.weight' is missing")
+        vocab = g(f"{arch}.vocab_size", "int", None)
+        d["vocab_size"] = vocab if vocab is not None else int(embd.shape[-1])
+        return ModelConfig.from_dict(d, source=str(self.path))
+
+    def weight_type(self) -> str:
+        """The type most weight bytes are in (``Q4_1``, ``Q8_0``, ``F16`` ...)."""
+        sizes: dict[str, int] = {}
+        for t in self.reader.tensors:
+            sizes[t.tensor_type.name] = sizes.get(t.tensor_type.name, 0) + int(t.n_bytes)
+        return max(sizes, key=lambda k: sizes[k]) if sizes else "F32"
+
+    def tensor(self, name: str) -> np.ndarray | QuantizedTensor:
+        """The tensor ``name`` in our layout (see the module docstring); no copy."""
+        from gguf import GGMLQuantizationType as G
+
+        t = self.tensors.get(name)
+        if t is None:
+            raise ModelLoadError(f"{self.path}: tensor {name!r} is missing")
+        shape = tuple(int(s) for s in reversed(t.shape.tolist()))  # ggml lists ne[0] first
+        data = np.asarray(t.data)
+        kind = t.tensor_type
+        if kind in (G.F32, G.F16):
+            return data.reshape(shape)
+        if kind == G.BF16:
+            return data.view(np.uint16).reshape(shape)
+        try:
+            qtype = QuantType(int(kind))
+        except ValueError:
+            supported = ", ".join(["F32", "F16", "BF16", *(q.name for q in QuantType)])
+            raise ModelLoadError(
+                f"{self.path}: tensor {name!r} has type {kind.name}, which is not supported "
+                f"(supported: {supported})"
+            ) from None
+        if len(shape) != 2:
+            raise ModelLoadError(
+                f"{self.path}: tensor {name!r} is {kind.name} with shape {shape}; "
+                "quantized tensors must be 2-D"
+            )
+        return QuantizedTensor(qtype, (shape[0], shape[1]), data.reshape(shape[0], -1))
+
+
+class GGUFSource:
+    """A :class:`~triollm.model.weights.TensorSource` over a GGUF file, by HF tensor names."""
+
+    def __init__(self, file: GGUFFile, config: ModelConfig) -> None:
+        import gguf
+
+        self.file = file
+        self.config = config
+        arch = {
+            "llama": gguf.MODEL_ARCH.LLAMA,
+            "qwen2": gguf.MODEL_ARCH.QWEN2,
+            "qwen3": gguf.MODEL_ARCH.QWEN3,
+        }[config.model_type]
+        self._names = gguf.get_tensor_name_map(arch, config.num_hidden_layers)
+        self._permuted = config.model_type in _PERMUTED_ARCHITECTURES
+
+    def gguf_name(self, key: str) -> str:
+        name = self._names.get_name(key, try_suffixes=(".weight", ".bias"))
+        if name is None:
+            raise ModelLoadError(f"{self.file.path}: no GGUF tensor corresponds to {key!r}")
+        return name
+
+    def where(self, key: str) -> str:
+        return f"{self.file.path} ({self.gguf_name(key)})"
+
+    def get_tensor(self, key: str) -> Any:
+        """An ndarray (F32, F16, BF16 bits) or a :class:`QuantizedTensor`, by HF key."""
+        name = self.gguf_name(key)
+        if name not in self.file.tensors:
+            raise ModelLoadError(f"{self.file.path}: tensor {name!r} (for {key!r}) is missing")
+        t = self.file.tensor(name)
+        if self._permuted and (".attn_q." in name or ".attn_k." in name):
+            c = self.config
+            heads = c.num_attention_heads if ".attn_q." in name else c.num_key_value_heads
+            order = unpermute_order(t.shape[0], heads)
+            if isinstance(t, QuantizedTensor):
+                return t.take_rows(order)
+            return np.ascontiguousarray(t[order])
+        return t
+
+
+def unpermute_order(rows: int, heads: int) -> np.ndarray:
+    """The row order that undoes llama.cpp's q/k permutation: ``hf = gguf[order]``.
+
+    The converter writes, for each head, HF row ``j * head_dim/2 + i`` (half
+    ``j`` of 2, index ``i``) at position ``2 * i + j``; this is its inverse.
+    """
+    if rows % heads or (rows // heads) % 2:
+        raise ModelLoadError(f"{rows} q/k rows do not split into {heads} heads of even size")
+    half = rows // heads // 2
+    return np.arange(rows).reshape(heads, half, 2).swapaxes(1, 2).reshape(-1)

@@ -1,0 +1,186 @@
+"""GGUF files made by the tests, written the way llama.cpp's converter writes them.
+
+``write_gguf`` takes a Hugging Face config, float weights by HF name and a
+``tokenizer.json`` directory, and writes a GGUF with the ``gguf`` package's
+writer: metadata from the config, tokenizer metadata from ``tokenizer.json``
+(tokens, types, merges, special ids, the chat template), and every tensor
+under its GGUF name, q/k rows permuted for the llama architecture exactly as
+``convert_hf_to_gguf.py`` permutes them, quantized with ``gguf.quantize``
+(or given raw blocks for the K-quants, which ``gguf`` cannot quantize).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+
+from triollm.model.weights import Checkpoint, bf16_bits_to_f32
+
+ARCH = {
+    "llama": gguf.MODEL_ARCH.LLAMA,
+    "qwen2": gguf.MODEL_ARCH.QWEN2,
+    "qwen3": gguf.MODEL_ARCH.QWEN3,
+}
+
+
+def permute(w: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's converter's q/k permutation (the HF rotate-half -> interleaved pairs)."""
+    return (
+        w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    )
+
+
+def read_checkpoint(model_dir: Path) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    """config.json and every tensor of an HF directory, as float32."""
+    config = json.loads((model_dir / "config.json").read_text())
+    with Checkpoint(model_dir) as ck:
+        tensors = {}
+        for key in ck.keys():  # noqa: SIM118 (a Checkpoint, not a dict)
+            arr = ck.get_tensor(key)
+            tensors[key] = (
+                bf16_bits_to_f32(arr) if arr.dtype == np.uint16 else arr.astype(np.float32)
+            )
+    return config, tensors
+
+
+def random_blocks(
+    qtype: gguf.GGMLQuantizationType, rows: int, cols: int, rng: np.random.Generator
+) -> np.ndarray:
+    """Raw random blocks with sane scales: for the K-quants (``gguf`` cannot quantize them).
+
+    The super-block scales are drawn so that weights stay within about +-1
+    (a random model whose activations neither vanish nor overflow).
+    """
+    block_values, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+    n = cols // block_values
+    raw = rng.integers(0, 256, (rows, n, block_bytes), dtype=np.uint8)
+
+    def f16(count: int, lo: float, hi: float) -> np.ndarray:
+        v = rng.uniform(lo, hi, (rows, n, count)).astype(np.float16)
+        return v.view(np.uint8).reshape(rows, n, 2 * count)
+
+    if qtype in (gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q5_K):
+        raw[..., 0:4] = f16(2, 2e-4, 1e-3)  # d, dmin (6-bit scales, 4/5-bit values)
+    elif qtype == gguf.GGMLQuantizationType.Q6_K:
+        raw[..., 208:210] = f16(1, 2e-5, 1e-4)  # d (int8 scales, 6-bit values)
+    return raw.reshape(rows, n * block_bytes)
+
+
+def encode_tensor(
+    w: np.ndarray, qtype: gguf.GGMLQuantizationType, rng: np.random.Generator
+) -> tuple[np.ndarray, np.ndarray]:
+    """(what to write, the float32 values it stands for) for one 2-D weight."""
+    G = gguf.GGMLQuantizationType
+    if qtype == G.F32:
+        return w, w
+    if qtype == G.F16:
+        h = w.astype(np.float16)
+        return h, h.astype(np.float32)
+    if qtype == G.BF16:
+        blocks = gguf.quantize(w, G.BF16)
+        return blocks, gguf.dequantize(blocks, G.BF16).reshape(w.shape)
+    if qtype in (G.Q4_K, G.Q5_K, G.Q6_K):
+        blocks = random_blocks(qtype, w.shape[0], w.shape[1], rng)
+    else:
+        blocks = gguf.quantize(w, qtype)
+    return blocks, gguf.dequantize(blocks, qtype).reshape(w.shape).astype(np.float32)
+
+
+def _tokenizer_metadata(writer: gguf.GGUFWriter, tok_dir: Path, pre: str) -> None:
+    tj = json.loads((tok_dir / "tokenizer.json").read_text())
+    cfg = json.loads((tok_dir / "tokenizer_config.json").read_text())
+    vocab: dict[str, int] = dict(tj["model"]["vocab"])
+    special = set()
+    for added in tj["added_tokens"]:
+        vocab[added["content"]] = added["id"]
+        if added["special"]:
+            special.add(added["id"])
+    tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
+    types = [3 if i in special else 1 for i in range(len(tokens))]
+    merges = [m if isinstance(m, str) else " ".join(m) for m in tj["model"]["merges"]]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(pre)
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(merges)
+
+    def tid(field: str) -> int | None:
+        v = cfg.get(field)
+        text = v.get("content") if isinstance(v, dict) else v
+        return vocab.get(text) if text is not None else None
+
+    if (b := tid("bos_token")) is not None:
+        writer.add_bos_token_id(b)
+    if (e := tid("eos_token")) is not None:
+        writer.add_eos_token_id(e)
+    if (p := tid("pad_token")) is not None:
+        writer.add_pad_token_id(p)
+    writer.add_add_bos_token(bool(cfg.get("add_bos_token", False)))
+    if cfg.get("chat_template"):
+        writer.add_chat_template(cfg["chat_template"])
+
+
+def write_gguf(
+    path: Path,
+    config: Mapping[str, Any],
+    tensors: Mapping[str, np.ndarray],
+    tok_dir: Path,
+    weight_type: Callable[[str, np.ndarray], gguf.GGMLQuantizationType] | gguf.GGMLQuantizationType,
+    *,
+    seed: int = 0,
+    pre: str = "gpt2",
+) -> dict[str, np.ndarray]:
+    """Write ``path``; return the float32 weights the file really holds, by HF name.
+
+    ``weight_type(hf_key, array)`` (or one type for all) picks each 2-D
+    tensor's type; 1-D tensors are written F32 as llama.cpp does.
+    """
+    rng = np.random.default_rng(seed)
+    arch = config["model_type"]
+    n_layers = config["num_hidden_layers"]
+    heads = config["num_attention_heads"]
+    kv_heads = config.get("num_key_value_heads", heads)
+    names = gguf.get_tensor_name_map(ARCH[arch], n_layers)
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(n_layers)
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    if config.get("head_dim"):
+        writer.add_key_length(config["head_dim"])
+        writer.add_value_length(config["head_dim"])
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    rope = config.get("rope_parameters") or config
+    writer.add_rope_freq_base(float(rope.get("rope_theta", 10000.0)))
+    writer.add_vocab_size(config["vocab_size"])
+    _tokenizer_metadata(writer, tok_dir, pre)
+    held: dict[str, np.ndarray] = {}
+    for key, w in tensors.items():
+        if key == "lm_head.weight" and config.get("tie_word_embeddings"):
+            continue
+        name = names.get_name(key, try_suffixes=(".weight", ".bias"))
+        assert name is not None, key
+        w = np.ascontiguousarray(w, np.float32)
+        if w.ndim == 1:
+            data, values = w, w
+            raw_dtype = gguf.GGMLQuantizationType.F32
+        else:
+            raw_dtype = weight_type(key, w) if callable(weight_type) else weight_type
+            data, values = encode_tensor(w, raw_dtype, rng)
+        held[key] = values
+        if arch == "llama" and (".q_proj." in key or ".k_proj." in key):
+            n = heads if ".q_proj." in key else kv_heads
+            data = permute(data, n)  # rows are whole blocks: permuting bytes = permuting rows
+        writer.add_tensor(name, np.ascontiguousarray(data), raw_dtype=raw_dtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return held
