@@ -161,7 +161,7 @@ def test_a_truncated_file_is_refused_naming_the_tensor(tmp_path: Path) -> None:
     data = path.read_bytes()
     cut = tmp_path / "cut.gguf"
     cut.write_bytes(data[: len(data) - 1000])
-    with pytest.raises(ModelLoadError, match=r"truncated"):
+    with pytest.raises(ModelLoadError, match=r"tensor '[^']+' ends at byte \d+, past the end of"):
         load_model(cut)
     head = tmp_path / "head.gguf"
     head.write_bytes(data[:100])  # cut inside the metadata

@@ -77,29 +77,64 @@ def _value_kind(field: Any) -> str:
     return one(field.types[0]) if field.types else "empty"
 
 
+class _BadTensor(Exception):
+    """A tensor the reader cannot map, with the sentence that names it."""
+
+
+def _reader_class() -> Any:
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
+
+    class Reader(GGUFReader):  # type: ignore[misc]
+        # The package's reader maps every tensor as it opens the file and fails
+        # with a bare numpy error ("cannot reshape array ...") for a truncated
+        # file or an unknown type id; checking each entry of the tensor table
+        # first lets the error name the tensor.
+        def _build_tensors(self, start_offs: int, fields: list[Any]) -> None:
+            size = len(self.data)
+            for field in fields:
+                _, name_data, _, dims, raw_dtype, offset = field.parts
+                name = bytes(name_data).decode("utf-8", "replace")
+                try:
+                    kind = GGMLQuantizationType(int(raw_dtype[0]))
+                except ValueError:
+                    raise _BadTensor(
+                        f"tensor {name!r} has type id {int(raw_dtype[0])}, unknown to GGUF"
+                    ) from None
+                block_values, block_bytes = GGML_QUANT_SIZES[kind]
+                count = int(np.prod(dims, dtype=np.int64))
+                if dims.size and int(dims[0]) % block_values:
+                    raise _BadTensor(
+                        f"tensor {name!r} ({kind.name}) has rows of {int(dims[0])} values, "
+                        f"not whole blocks of {block_values}"
+                    )
+                end = int(start_offs + offset[0]) + count // block_values * block_bytes
+                if end > size:
+                    raise _BadTensor(
+                        f"tensor {name!r} ends at byte {end}, past the end of the file "
+                        f"({size} bytes): the file is truncated"
+                    )
+            super()._build_tensors(start_offs, fields)
+
+    return Reader
+
+
 class GGUFFile:
     """One GGUF file, opened: typed metadata and the tensor table (data mapped)."""
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
-        from gguf import GGUFReader
-
         try:
-            self.reader = GGUFReader(self.path, "r")
-        except Exception as exc:  # truncated or corrupt: the reader raises assorted errors
+            # "c": a copy-on-write mapping; the file is never written, and the
+            # arrays are writable, so the kernels are compiled for one array type
+            self.reader = _reader_class()(self.path, "c")
+        except _BadTensor as exc:
+            raise ModelLoadError(f"{self.path}: {exc}") from None
+        except Exception as exc:  # a header cut short or corrupt: assorted errors
             raise ModelLoadError(
                 f"{self.path}: not a readable GGUF file ({type(exc).__name__}: {exc}); "
                 "truncated or corrupt?"
             ) from None
         self.tensors = {t.name: t for t in self.reader.tensors}
-        size = self.path.stat().st_size
-        for t in self.reader.tensors:
-            end = int(t.data_offset) + int(t.n_bytes)
-            if end > size:
-                raise ModelLoadError(
-                    f"{self.path}: tensor {t.name!r} ends at byte {end}, past the end of the "
-                    f"file ({size} bytes): the file is truncated"
-                )
 
     # -- metadata ----------------------------------------------------------------------
 

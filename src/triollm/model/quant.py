@@ -378,15 +378,17 @@ def _quant_matmul(
                     for t in range(_GROUP):
                         _widen_span(kind, blocks[min(g + t, e)], c, kc, buf[t])
                     for r in range(r0, r1):
-                        _dot16(x[r], c, kc, buf, acc, r - r0)
+                        # a slice, so the loop index is known >= 0: an index that might
+                        # be negative (c + k) made LLVM gather x instead of loading it
+                        _dot16(x[r, c : c + kc], kc, buf, acc, r - r0)
                 for r in range(r0, r1):
                     for t in range(min(_GROUP, j1 - g)):
                         out[r, g + t] = acc[r - r0, t]
 
 
 @njit(inline="always", fastmath=True)
-def _dot16(xr: Any, c: int, kc: int, buf: Any, acc: Any, a: int) -> None:  # pragma: no cover
-    # acc[a, t] += xr[c : c + kc] . buf[t, :kc] for the sixteen widened rows t:
+def _dot16(xr: Any, kc: int, buf: Any, acc: Any, a: int) -> None:  # pragma: no cover
+    # acc[a, t] += xr[:kc] . buf[t, :kc] for the sixteen widened rows t:
     # sixteen independent sums, each one vector accumulator (the hot loop).
     w0, w1, w2, w3 = buf[0], buf[1], buf[2], buf[3]
     w4, w5, w6, w7 = buf[4], buf[5], buf[6], buf[7]
@@ -397,7 +399,7 @@ def _dot16(xr: Any, c: int, kc: int, buf: Any, acc: Any, a: int) -> None:  # pra
     s8, s9, s10, s11 = acc[a, 8], acc[a, 9], acc[a, 10], acc[a, 11]
     s12, s13, s14, s15 = acc[a, 12], acc[a, 13], acc[a, 14], acc[a, 15]
     for k in range(kc):
-        v = xr[c + k]
+        v = xr[k]
         s0 += v * w0[k]
         s1 += v * w1[k]
         s2 += v * w2[k]
@@ -589,7 +591,11 @@ def linear(x: np.ndarray, w: QuantizedTensor | QuantizedStack, out: np.ndarray) 
     if isinstance(w, QuantizedStack):
         j = 0
         for part in w.parts:
-            linear(x, part, out[:, j : j + part.shape[0]])
+            # through a contiguous temporary: a column range of `out` would be a
+            # strided array, and numba compiles the kernel once more for that layout
+            out[:, j : j + part.shape[0]] = linear(
+                x, part, np.empty((x.shape[0], part.shape[0]), np.float32)
+            )
             j += part.shape[0]
         return out
     if x.shape[0]:
@@ -636,10 +642,5 @@ class QuantizingSource:
 def warm_up() -> None:
     """Compile (or load from numba's cache) the product and the row lookup once."""
     w = quantize(np.zeros((4, 32), np.float32), QuantType.Q8_0)
-    mapped = w.blocks.copy()
-    mapped.flags.writeable = False  # a GGUF file's blocks are a read-only mapping
-    x = np.zeros((1, 32), np.float32)
-    for blocks in (w.blocks, mapped):
-        q = QuantizedTensor(w.qtype, w.shape, blocks)
-        linear(x, q, np.empty((1, 4), np.float32))
-        q[np.zeros(1, np.int64)]
+    linear(np.zeros((1, 32), np.float32), w, np.empty((1, 4), np.float32))
+    w[np.zeros(1, np.int64)]
