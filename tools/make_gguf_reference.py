@@ -15,7 +15,7 @@ template also writes between turns; without an explicit ``attention_mask``,
 transformers infers one from the pad id and masks those positions out. The
 mask is passed, all ones.
 
-Output: ``tests/fixtures/reference/smollm2-q4_1-greedy.json`` (a few KB).
+Output: ``tests/fixtures/gguf/smollm2-q4_1-greedy.json`` (a few KB).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT / "tools"))
 
 from smollm2 import SPEC, fetch  # noqa: E402
 
-OUT = ROOT / "tests" / "fixtures" / "reference" / "smollm2-q4_1-greedy.json"
+OUT = ROOT / "tests" / "fixtures" / "gguf" / "smollm2-q4_1-greedy.json"
 MAX_NEW = 24
 PROMPTS = [
     "What is the capital of France?",

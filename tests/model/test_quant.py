@@ -111,3 +111,43 @@ def test_a_quantized_weight_stays_its_blocks_in_memory() -> None:
     w = quantize(np.ones((64, 64), np.float32), QuantType.Q8_0)
     assert matmul.prepare(w) is w
     assert w.nbytes == 64 * 2 * 34  # 34 bytes per 32 weights, not 4 per weight
+
+
+@pytest.mark.parametrize("name", ["q8_0", "q4_0"])
+def test_quantize_at_load_runs_the_model_its_dequantized_weights_make(name: str) -> None:
+    # `triollm serve MODEL_DIR --quantize q8_0`: the matrices are quantized as they
+    # are read (gguf.quantize); the model then generates what a float model holding
+    # exactly those quantized values generates.
+    from pathlib import Path
+
+    from test_conformance import generate_greedy, reference
+
+    from triollm.model.llama import LlamaModel
+    from triollm.model.loader import load_model
+    from triollm.model.quant import QuantizingSource
+    from triollm.model.weights import Checkpoint, expected_shapes
+
+    fixture = Path(__file__).resolve().parent.parent / "fixtures" / "models" / "llama-gqa-f32"
+    model = load_model(fixture, quantize=name)
+    assert all(isinstance(layer.down_proj, QuantizedTensor) for layer in model.model.layers)
+    with Checkpoint(fixture) as ck:
+        source = QuantizingSource(ck, name)
+        values = {}
+        for key in expected_shapes(model.config):
+            t = source.get_tensor(key)
+            values[key] = t.dequantize() if isinstance(t, QuantizedTensor) else t
+    ref_model = LlamaModel(model.config, values)
+    ref = type(model)(model.config, ref_model, model.tokenizer, ref_model.weight_bytes, fixture)
+    prompt = reference("llama-gqa-f32")[0]["prompts"][1]["prompt_ids"]
+    want_ids, want = generate_greedy(ref, prompt, 6)
+    got_ids, got = generate_greedy(model, prompt, 6)
+    assert got_ids == want_ids
+    assert np.abs(got[0] - want[0]).max() / np.abs(want[0]).max() < 1e-4
+    assert model.weight_bytes < ref.weight_bytes / 3  # 8.5 or 4.5 bits a weight, not 32
+
+
+def test_quantize_names_the_choices_when_given_another() -> None:
+    from triollm.model.quant import QuantizingSource
+
+    with pytest.raises(ValueError, match="q8_0, q4_0"):
+        QuantizingSource(None, "q5_k")

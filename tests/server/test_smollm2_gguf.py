@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tools"))
 from smollm2 import fetch_or_skip_reason  # noqa: E402
 
-REFERENCE = ROOT / "tests" / "fixtures" / "reference" / "smollm2-q4_1-greedy.json"
+REFERENCE = ROOT / "tests" / "fixtures" / "gguf" / "smollm2-q4_1-greedy.json"
 BLOCK = 32
 
 
