@@ -20,6 +20,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("triollm.server.command", "serve a model over an OpenAI-compatible HTTP API"),
     "generate": ("triollm.generate", "generate text from a model directory, streamed to stdout"),
     "simulate": ("triollm.sim.command", "replay the seed's batching scenario under each policy"),
+    "check-policy": (
+        "triollm.check.command",
+        "prove a scheduling policy's claims with a hypothesis state machine, or break one",
+    ),
     "demo": ("triollm.mechanisms.command", "run one serving mechanism of the book and watch it"),
     "bench": ("triollm.bench.command", "load any OpenAI-compatible server and measure it"),
 }

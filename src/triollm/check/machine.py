@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from triollm.kv import blocks_for, prefix_hashes
-from triollm.plan import SampledToken, StepPlan, StepResult
+from triollm.plan import FinishReason, SampledToken, StepPlan, StepResult
 from triollm.policies import Claim, Policy, SchedulingPolicy, builtin
 from triollm.scheduler import (
     RUNNING_STATES,
@@ -99,6 +99,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.deadline: dict[int, int] = {}  # seq_id -> step by which it must have ended
         self.trace: list[str] = []  # what happened, in words (check-policy prints it)
         self.turns = 0  # _one_step calls: the simulator's clock, for a replay
+        self.now = 0  # the simulator's step the latest event belongs to (the page's ?step=)
+        # The same story as data, in the simulator's terms (check/replay.py reads it).
+        self.log: list[tuple[object, ...]] = []
         impl = self.POLICY if not isinstance(self.POLICY, Policy) else builtin(self.POLICY)
         self.claims = impl.claims if self.CLAIMS is None else self.CLAIMS
         if self.PREFIX_CACHE:
@@ -159,6 +162,21 @@ class SchedulerMachine(RuleBasedStateMachine):
             prefix_cache=self.PREFIX_CACHE,
         )
         self.s = Scheduler(cfg)
+        self.log.append(
+            (
+                "config",
+                {
+                    "slots": slots,
+                    "num_blocks": num_blocks,
+                    "block_size": block_size,
+                    "chunk_tokens": chunk,
+                    "step_rows": cfg.step_rows,
+                    "context_tokens": context,
+                    "overtake_limit": cfg.overtake_k,
+                    "preempt_watermark_blocks": watermark,
+                },
+            )
+        )
         self.say(
             f"config: {num_blocks} blocks of {block_size} positions, {slots} slot(s), "
             f"chunks of {chunk}, {cfg.step_rows} rows a step, context {context}, "
@@ -178,9 +196,9 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert exc.field in ("prompt", "max_tokens")
             return
         assert reason is None
-        self.say(
-            f"seq {seq} arrives: prompt {prompt}, max_tokens {self.s.sequence(seq).max_tokens}"
-        )
+        answer = self.s.sequence(seq).max_tokens
+        self.say(f"seq {seq} arrives: prompt {prompt}, max_tokens {answer}")
+        self.log.append(("arrive", self.turns, seq, prompt, answer, 0))
         self.issued.append(seq)
 
     @rule(data=st.data(), n=st.integers(1, 3))
@@ -201,6 +219,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                 f"seq {seq} arrives: prompt {prompt}, max_tokens {max_tokens}"
                 + (f", priority {priority}" if priority else "")
             )
+            self.log.append(("arrive", self.turns, seq, prompt, max_tokens, priority))
             self.issued.append(seq)
 
     @rule(
@@ -223,6 +242,8 @@ class SchedulerMachine(RuleBasedStateMachine):
             ids = [*opening, *(1 + i % 7 for i in range(max(0, prompt - len(opening))))]
             seq = self.s.add(ids[:prompt], max_tokens, frozenset({STOP}), cache_salt=salt)
             self.salt[seq] = salt
+            # The replay's simulator feeds [1] * prompt: the same plans, with the cache off.
+            self.log.append(("arrive", self.turns, seq, prompt, max_tokens, 0))
             self.say(
                 f"seq {seq} arrives: prompt {prompt} opening with {opening[:3]}..., "
                 f"salt {salt!r}, max_tokens {max_tokens}"
@@ -231,6 +252,7 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     @rule()
     def admit(self) -> None:
+        self.now = self.turns  # the simulator admits at the start of the next step
         queue = list(self.s.waiting_ids())
         admitted = self.s.admit_waiting()
         if admitted:
@@ -259,13 +281,15 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     def _one_step(self, data: st.DataObject) -> None:
         s = self.s
+        self.now = self.turns
         self.turns += 1
         queue = list(s.waiting_ids())
         order = list(s.waiting_order())
         try:
             plan = s.plan_step()
         except DeadlockError as exc:
-            self.say(f"step {s.statistics().step + 1}: NOTHING CAN MOVE. {exc.report.describe()}")
+            self.log.append(("plan", self.turns - 1, ()))
+            self.say(f"step {self.turns - 1}: NOTHING CAN MOVE. {exc.report.describe()}")
             raise ClaimViolated(Claim.NO_DEADLOCK, exc.report.describe()) from None
         readmitted = [q for q in queue if q in s.running_ids()]
         # Only a preempted sequence is readmitted by plan_step, and only the one first
@@ -278,22 +302,21 @@ class SchedulerMachine(RuleBasedStateMachine):
         self._check_plan(plan)
         self._record_writes(plan)
         if plan.is_empty:
+            self.log.append(("plan", self.turns - 1, ()))
             if s.running_ids():
                 admissible = any(s.would_admit(w) for w in s.waiting_ids())
                 assert s.statistics().deadlocked == (not admissible), "the detector is exact"
                 self._check_deadlock_report()
                 report = s.deadlock_report()
                 if report is not None:
-                    self.say(
-                        f"step {s.statistics().step + 1}: NOTHING CAN MOVE. {report.describe()}"
-                    )
+                    self.say(f"step {self.turns - 1}: NOTHING CAN MOVE. {report.describe()}")
                     self.check(Claim.NO_DEADLOCK, False, report.describe())
                 self.check(
                     Claim.NO_DEADLOCK,
                     False,
                     f"no row planned while {list(s.running_ids())} run",
                 )
-            self.say("step: nothing to run")
+            self.say(f"step {self.turns - 1}: nothing to run")
             return
         tokens = []
         eos: list[int] = []
@@ -309,9 +332,17 @@ class SchedulerMachine(RuleBasedStateMachine):
         if cancel_mid_step is not None and cancel_mid_step not in self.ended:
             s.cancel(cancel_mid_step)
             self.ended.add(cancel_mid_step)
+            self.log.append(("cancel_mid", self.turns - 1, cancel_mid_step))
+        self.log.append(
+            (
+                "plan",
+                self.turns - 1,
+                tuple((c.seq_id, c.prefill, c.start, c.n_rows) for c in plan.chunks),
+            )
+        )
         finished = s.commit(StepResult(plan.step, tuple(tokens), plan.n_rows))
         self.say(
-            f"step {plan.step}: "
+            f"step {self.turns - 1}: "
             + ", ".join(
                 f"seq {c.seq_id} {'prefill' if c.prefill else 'decode'} "
                 f"{c.start}..{c.start + c.n_rows - 1}" + (" EOS" if c.seq_id in eos else "")
@@ -328,6 +359,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         if any(c.prefill for c in plan.chunks) and any(not c.prefill for c in plan.chunks):
             event("a chunk rode with decodes")
         for f in finished:
+            if f.reason is FinishReason.STOP:
+                self.log.append(("eos", f.seq_id, f.n_generated))
             event(f"a sequence finished ({f.reason.value})")
             assert f.seq_id not in self.ended
             self.ended.add(f.seq_id)
@@ -347,6 +380,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     def cancel(self, data: st.DataObject) -> None:
         seq = data.draw(st.sampled_from(self.issued), label="seq to cancel")
         self.say(f"cancel seq {seq} ({self.s.state(seq).value})")
+        self.log.append(("cancel", self.turns, seq))
         self.s.cancel(seq)
         assert self.s.state(seq) in (SeqState.CANCELLED, SeqState.FINISHED)
         self.ended.add(seq)
@@ -358,6 +392,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     def finish_early(self, data: st.DataObject) -> None:
         seq = data.draw(st.sampled_from(self.issued), label="seq a stop string ends")
         self.say(f"a stop string ends seq {seq} ({self.s.state(seq).value})")
+        self.log.append(("cancel", self.turns, seq))
         self.s.finish(seq)
         self.ended.add(seq)
         self.deadline.pop(seq, None)
@@ -542,7 +577,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                 self.check(
                     Claim.BOUNDED_OVERTAKING,
                     self.passed[head] <= bound,
-                    f"seq {head}, waiting longest, was passed {self.passed[head]} times "
+                    f"seq {head}, waiting longest, was passed {self.passed[head]} time(s) "
                     f"(the bound is {bound}); seq {a} just went ahead of it",
                 )
                 self.passed.pop(a, None)

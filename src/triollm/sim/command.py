@@ -13,6 +13,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from triollm.errors import UserError
+from triollm.policies import load_policy
 from triollm.scheduler import Policy
 from triollm.sim.report import format_comparison, format_run
 from triollm.sim.runner import simulate
@@ -28,8 +29,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--policy",
         action="append",
-        choices=[p.value for p in Policy],
-        help="simulate only this policy (repeatable); default: all four",
+        metavar="POLICY",
+        help="simulate only this policy (repeatable): a built-in name "
+        f"({', '.join(p.value for p in Policy)}), module:Name or file.py:Name; default: "
+        "the four built-ins",
     )
     parser.add_argument(
         "--shared-prefix",
@@ -51,7 +54,10 @@ def run(args: argparse.Namespace) -> int:
         if args.shared_prefix < 1:
             raise UserError(f"--shared-prefix must be >= 1, got {args.shared_prefix}")
         scenario = replace(scenario, shared_prefix=args.shared_prefix, prefix_cache=True)
-    policies = [Policy(p) for p in args.policy] if args.policy else list(Policy)
+    try:
+        policies = [load_policy(p) for p in args.policy] if args.policy else list(Policy)
+    except ValueError as exc:
+        raise UserError(f"--policy: {exc}") from None
     runs = [simulate(scenario, p) for p in policies]
     print(
         f"scenario {scenario.source}: {scenario.slots} slots, {scenario.num_blocks} blocks of "

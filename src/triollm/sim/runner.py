@@ -15,10 +15,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from triollm.plan import SampledToken, StepResult
+from triollm.plan import SampledToken, StepPlan, StepResult
 from triollm.policies import SchedulingPolicy, policy_name
-from triollm.scheduler import Infeasible, Policy, Scheduler
+from triollm.scheduler import DeadlockError, Infeasible, Policy, Scheduler
 from triollm.sim.scenario import Scenario
+
+STOP = 0  # the simulated model's EOS token; every other sampled token is 1
 
 # A run that has not ended after this many steps per requested token is a bug in
 # the scheduler (every policy here either finishes or reports its deadlock).
@@ -131,6 +133,7 @@ def simulate(scenario: Scenario, policy: Policy | SchedulingPolicy) -> Run:
     }
     name_of: dict[int, str] = {}
     index = {r.name: i for i, r in enumerate(scenario.requests)}
+    requests = {r.name: r for r in scenario.requests}
     arrivals = sorted(scenario.requests, key=lambda r: r.arrival)  # stable: file order at a tie
     limit = max(r.arrival for r in arrivals) + _STEPS_PER_TOKEN_LIMIT * sum(
         r.prompt + r.answer for r in arrivals
@@ -143,16 +146,28 @@ def simulate(scenario: Scenario, policy: Policy | SchedulingPolicy) -> Run:
         while arrivals and arrivals[0].arrival == t:
             r = arrivals.pop(0)
             try:
-                seq = s.add(scenario.prompt_ids(index[r.name]), r.answer)
+                seq = s.add(
+                    scenario.prompt_ids(index[r.name]), r.budget, frozenset({STOP}), r.priority
+                )
             except Infeasible as exc:
                 outcomes[r.name] = _with(outcomes[r.name], refused=str(exc))
                 events.append(f"{r.name} refused")
                 continue
             name_of[seq] = r.name
             events.append(f"{r.name} arrives")
+        for r in scenario.requests:
+            seq_of = {n: q for q, n in name_of.items()}
+            if r.cancel == t and r.name in seq_of:
+                q = seq_of[r.name]
+                if q in s.running_ids() or q in s.waiting_ids():
+                    s.cancel(q)
+                    events.append(f"{r.name} cancelled")
         before = set(s.running_ids())
         s.admit_waiting()
-        plan = s.plan_step()
+        try:
+            plan = s.plan_step()
+        except DeadlockError:  # a policy that claims no deadlock, deadlocked: show it
+            plan = StepPlan(step=s.statistics().step, chunks=())
         running = s.running_ids()
         for seq in running:
             if seq not in before:
@@ -224,10 +239,30 @@ def simulate(scenario: Scenario, policy: Policy | SchedulingPolicy) -> Run:
                 if events:
                     steps.append(record)
                 break
+            pending = any(r.cancel is not None and r.cancel > t for r in scenario.requests)
+            if not s.running_ids() and not arrivals and not pending:
+                # Idle with a queue the policy will not admit (only a broken policy gets
+                # here: the door made every waiter fit an empty pool). Nothing will change.
+                waiting = ", ".join(name_of[q] for q in s.waiting_ids())
+                deadlock = Deadlock(
+                    t=t,
+                    description=f"nothing runs, and the policy admits none of: {waiting}",
+                    holders=(),
+                )
+                steps.append(_with_events(record, (*events, "DEADLOCK")))
+                break
             steps.append(record)
             t += 1
             continue
-        sampled = tuple(SampledToken(c.seq_id, 1) for c in plan.chunks if c.sample)
+        # The model says EOS at a request's answer-th token when its budget is larger.
+        eos_at = {q: requests[name_of[q]].answer for q in running}
+        sampled = tuple(
+            SampledToken(
+                c.seq_id, STOP if s.sequence(c.seq_id).n_generated + 1 == eos_at[c.seq_id] else 1
+            )
+            for c in plan.chunks
+            if c.sample
+        )
         finished = s.commit(StepResult(plan.step, sampled, plan.n_rows))
         for c in plan.chunks:
             o = outcomes[name_of[c.seq_id]]

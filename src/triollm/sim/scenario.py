@@ -10,8 +10,13 @@ File shape (JSON; TOML uses the same keys, with ``[[requests]]`` tables)::
      "step_rows": 12, "context_tokens": 64,
      "requests": [{"name": "A", "arrival": 0, "prompt": 10, "answer": 12}, ...]}
 
-``answer`` is the number of tokens the request generates (its max_tokens; the
-simulated model never says EOS early), ``arrival`` the step at which it arrives.
+``answer`` is the number of tokens the request generates, ``arrival`` the step at
+which it arrives. Optional, per request: ``max_tokens`` (default ``answer``; when
+larger, the model says EOS at the ``answer``-th token, but admission reserves
+for ``max_tokens``), ``cancel`` (the step at which the client leaves) and
+``priority`` (for a policy that orders by it); for the whole scenario:
+``overtake_limit`` and ``preempt_watermark_blocks`` (SchedulerConfig's). These are
+what ``triollm check-policy`` writes to replay a counter-example.
 
 Two optional keys make a shared-prefix variant (``triollm simulate
 --shared-prefix N`` sets both): ``"shared_prefix": N``, every prompt opens with the
@@ -40,7 +45,14 @@ class SimRequest:
     name: str
     arrival: int  # the step it arrives at (0 = before the first step)
     prompt: int  # prompt tokens
-    answer: int  # tokens it generates (its max_tokens)
+    answer: int  # tokens it generates (then EOS, or max_tokens reached)
+    max_tokens: int | None = None  # its budget; None: answer
+    cancel: int | None = None  # the step at which its client leaves; None: never
+    priority: int = 0
+
+    @property
+    def budget(self) -> int:
+        return self.answer if self.max_tokens is None else self.max_tokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +67,8 @@ class Scenario:
     source: str = "<built-in seed scenario>"
     shared_prefix: int = 0  # tokens every prompt opens with (the same ones)
     prefix_cache: bool = False  # the Scheduler's prefix cache (rule 9)
+    overtake_limit: int | None = None  # K; None: the Scheduler's default (slots)
+    preempt_watermark_blocks: int = 1  # the Scheduler's default
 
     def config(self, policy: Policy | SchedulingPolicy) -> SchedulerConfig:
         return SchedulerConfig(
@@ -66,6 +80,8 @@ class Scenario:
             context_tokens=self.context_tokens,
             policy=policy,
             prefix_cache=self.prefix_cache,
+            overtake_limit=self.overtake_limit,
+            preempt_watermark_blocks=self.preempt_watermark_blocks,
         )
 
     def prompt_ids(self, index: int) -> list[int]:
@@ -115,7 +131,14 @@ def parse_scenario(data: Any, source: str) -> Scenario:
     prefix_cache = data.get("prefix_cache", False)
     if not isinstance(prefix_cache, bool):
         raise UserError(f"{source}: field 'prefix_cache' must be true or false")
-    unknown = set(data) - {*_INT_FIELDS, "requests", "shared_prefix", "prefix_cache"}
+    optional: dict[str, Any] = {}
+    for key in ("overtake_limit", "preempt_watermark_blocks"):
+        if key in data:
+            v = data[key]
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise UserError(f"{source}: field {key!r} must be an integer >= 0, got {v!r}")
+            optional[key] = v
+    unknown = set(data) - {*_INT_FIELDS, *optional, "requests", "shared_prefix", "prefix_cache"}
     if unknown:
         raise UserError(f"{source}: unknown field(s) {sorted(unknown)}")
     raw_requests = data.get("requests")
@@ -130,8 +153,25 @@ def parse_scenario(data: Any, source: str) -> Scenario:
             v = r.get(key)
             if not isinstance(v, int) or isinstance(v, bool) or v < least:
                 raise UserError(f"{where}.{key} must be an integer >= {least}, got {v!r}")
+        extra: dict[str, Any] = {}
+        optional_fields: tuple[tuple[str, int | None], ...] = (
+            ("max_tokens", r["answer"]),
+            ("cancel", r["arrival"]),
+            ("priority", None),
+        )
+        for key, floor in optional_fields:
+            if key not in r:
+                continue
+            v = r[key]
+            if not isinstance(v, int) or isinstance(v, bool) or (floor is not None and v < floor):
+                bound = "an integer" if floor is None else f"an integer >= {floor}"
+                raise UserError(f"{where}.{key} must be {bound}, got {v!r}")
+            extra[key] = v
+        unknown_keys = set(r) - {"name", "arrival", "prompt", "answer", *extra}
+        if unknown_keys:
+            raise UserError(f"{where}: unknown field(s) {sorted(unknown_keys)}")
         name = str(r.get("name", chr(ord("A") + i) if i < 26 else f"R{i}"))
-        requests.append(SimRequest(name, r["arrival"], r["prompt"], r["answer"]))
+        requests.append(SimRequest(name, r["arrival"], r["prompt"], r["answer"], **extra))
     if len({r.name for r in requests}) != len(requests):
         raise UserError(f"{source}: request names must be unique")
     scenario = Scenario(
@@ -140,6 +180,7 @@ def parse_scenario(data: Any, source: str) -> Scenario:
         shared_prefix=shared_prefix,
         prefix_cache=prefix_cache,
         **values,
+        **optional,
     )
     try:
         scenario.config(Policy.RESERVE)
