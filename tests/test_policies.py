@@ -138,3 +138,15 @@ def test_a_victim_that_is_not_running_is_a_policy_error() -> None:
     s.commit(StepResult(plan.step, (SampledToken(a, 5), SampledToken(b, 5))))
     with pytest.raises(PolicyError, match="on_dry_pool chose 99"):
         s.plan_step()
+
+
+def test_simulate_loads_a_policy_by_module_and_name(capsys: pytest.CaptureFixture[str]) -> None:
+    from triollm.cli import main
+
+    spec = "triollm.policy_examples.shortest_prompt_first:ShortestPromptFirst"
+    assert main(["simulate", "--policy", spec, "--policy", "reserve"]) == 0
+    out = capsys.readouterr().out
+    assert "== shortest-prompt-first: admit the shortest waiting prompt first" in out
+    assert "== reserve:" in out
+    assert main(["simulate", "--policy", "lifo"]) == 2
+    assert "--policy: policy must be one of" in capsys.readouterr().err

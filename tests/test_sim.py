@@ -12,7 +12,13 @@ from triollm.errors import UserError
 from triollm.scheduler import Policy
 from triollm.sim.page import render_page
 from triollm.sim.runner import simulate
-from triollm.sim.scenario import Scenario, SimRequest, load_scenario, seed_scenario
+from triollm.sim.scenario import (
+    Scenario,
+    SimRequest,
+    load_scenario,
+    parse_scenario,
+    seed_scenario,
+)
 
 
 def test_the_seed_scenario_is_the_figures_constants() -> None:
@@ -201,3 +207,35 @@ def test_simulate_shared_prefix_prints_what_the_cache_found(
     assert "40 of 79 prompt tokens found cached at admission (C 8, D 12, F 12, G 8)" in out
     page = render_page([simulate(shared(12), Policy.RESERVE)])
     assert '"prefix_cache":true' in page and '"shared":[' in page
+
+
+def test_a_scenario_can_end_early_cancel_and_reserve_more_than_it_writes() -> None:
+    sc = parse_scenario(
+        {
+            "slots": 2,
+            "num_blocks": 8,
+            "block_size": 4,
+            "chunk_tokens": 8,
+            "step_rows": 12,
+            "requests": [
+                {"name": "eos", "arrival": 0, "prompt": 4, "answer": 2, "max_tokens": 12},
+                {"name": "gone", "arrival": 0, "prompt": 4, "answer": 9, "cancel": 3},
+            ],
+            "overtake_limit": 0,
+        },
+        "<test>",
+    )
+    run = simulate(sc, Policy.RESERVE)
+    eos, gone = run.outcomes
+    assert eos.done == 1  # the model said EOS at its 2nd token, not at max_tokens
+    assert run.steps[0].blocks.count("eos") == 4  # but the reservation was for 12 tokens
+    assert gone.done is None and "gone cancelled" in run.steps[3].events
+    with pytest.raises(UserError, match=r"requests\[0\]\.max_tokens must be an integer >= 3"):
+        parse_scenario(
+            {**sc_dict(), "requests": [{"arrival": 0, "prompt": 1, "answer": 3, "max_tokens": 2}]},
+            "<test>",
+        )
+
+
+def sc_dict() -> dict[str, object]:
+    return {"slots": 1, "num_blocks": 8, "block_size": 4, "chunk_tokens": 8, "step_rows": 12}

@@ -32,7 +32,7 @@ from typing import Any
 
 from triollm.errors import FieldError
 from triollm.kv import blocks_for
-from triollm.policies import Policy
+from triollm.policies import Policy, SchedulingPolicy
 from triollm.scheduler import SchedulerConfig
 
 # The default context cap. A long-context model's own limit (Llama-3.1: 131072
@@ -69,7 +69,7 @@ class Capacity:
     kv_memory_bytes: int | None = None
     chunk_tokens: int | None = None
     step_rows: int | None = None
-    policy: Policy | None = None
+    policy: Policy | SchedulingPolicy | None = None
     overtake_limit: int | None = None
     # The server and the engine share full KV blocks between prompts with the same
     # opening (docs/prefix-cache.md); results are bit-identical either way. A bare

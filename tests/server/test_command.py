@@ -18,7 +18,7 @@ from serverkit import MODEL_DIR, MODEL_ID, stack_for
 from triollm import cli
 from triollm.errors import UserError
 from triollm.policies import Policy
-from triollm.server.command import parse_size
+from triollm.server.command import parse_policy, parse_size
 from triollm.sizing import DEFAULT_CONTEXT_CAP
 
 
@@ -38,6 +38,24 @@ def test_teaching_policies_are_refused_with_the_reason(loaded, policy, capsys):
         stack_for(loaded, policy=policy)
     assert run_cli(str(MODEL_DIR), "--policy", policy.value) == 2
     assert "teaching only" in capsys.readouterr().err
+
+
+def test_a_users_policy_is_served_only_if_it_claims_no_deadlock(loaded, tmp_path, capsys):
+    spec = "triollm.policy_examples.priority:PriorityWithAging"
+    mine = parse_policy(spec)
+    assert mine.name == "priority"
+    stack = stack_for(loaded, policy=mine)
+    assert stack.service.scheduler.policy is mine
+    assert "policy priority" in "\n".join(stack.report.lines)
+    f = tmp_path / "hopeful.py"
+    f.write_text(
+        "from triollm.policies import FreeSlot\nclass Hopeful(FreeSlot):\n    name = 'hopeful'\n"
+    )
+    with pytest.raises(UserError, match="does not claim no-deadlock") as err:
+        parse_policy(f"{f}:Hopeful")
+    assert "triollm check-policy" in str(err.value)
+    assert run_cli(str(MODEL_DIR), "--policy", "no_such_module:Mine") == 2
+    assert "cannot import no_such_module" in capsys.readouterr().err
 
 
 def test_an_unknown_policy_and_bad_numbers_are_refused(loaded, capsys):

@@ -35,7 +35,7 @@ from typing import Any
 import trio
 
 from triollm.errors import UserError
-from triollm.policies import Policy, policy_name
+from triollm.policies import Claim, Policy, SchedulingPolicy, load_policy, policy_name
 from triollm.scheduler import Scheduler
 from triollm.server.app import (
     DEFAULT_BODY_TIMEOUT_S,
@@ -120,7 +120,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     cap.add_argument(
         "--policy",
         default=Policy.RESERVE.value,
-        help="admission policy: reserve (default; never deadlocks) or preempt",
+        help="admission policy: reserve (default; never deadlocks), preempt, or your own as "
+        "module:Name / file.py:Name (it must claim no-deadlock; prove it with check-policy)",
     )
     cap.add_argument(
         "--prefix-cache",
@@ -241,12 +242,24 @@ def flag_names(message: str) -> str:
     return re.sub(pattern, lambda m: FLAG_OF_FIELD[m.group(1)], message)
 
 
-def parse_policy(text: str) -> Policy:
-    """``--policy``: the two the server runs; the teaching ones are refused with why."""
-    try:
-        policy = Policy(text)
-    except ValueError:
-        raise UserError(f"--policy must be reserve or preempt, got {text!r}") from None
+def parse_policy(text: str) -> Policy | SchedulingPolicy:
+    """``--policy``: the two built-ins the server runs, or a user's policy that claims
+    no deadlock (a deadlocked server hangs every client); the teaching ones are
+    refused with why."""
+    if text not in {p.value for p in Policy}:
+        if ":" not in text:
+            raise UserError(f"--policy must be reserve or preempt (or module:Name), got {text!r}")
+        try:
+            mine = load_policy(text)
+        except ValueError as exc:
+            raise UserError(f"--policy: {exc}") from None
+        if Claim.NO_DEADLOCK not in mine.claims:
+            raise UserError(
+                f"--policy {text} does not claim no-deadlock, and a server that deadlocks "
+                f"hangs every client; claim it and prove it: triollm check-policy {text}"
+            )
+        return mine
+    policy = Policy(text)
     if policy in REFUSED_POLICIES:
         raise UserError(f"--policy {text} is refused here: {REFUSED_POLICIES[policy]}")
     return policy
@@ -271,7 +284,7 @@ def build_stack(
     from triollm.model.sampling import SamplingParams
     from triollm.model.tokenizer import IncrementalDetokenizer
 
-    if capacity.policy in REFUSED_POLICIES:
+    if isinstance(capacity.policy, Policy) and capacity.policy in REFUSED_POLICIES:
         raise UserError(
             f"--policy {capacity.policy.value} is refused here: {REFUSED_POLICIES[capacity.policy]}"
         )
