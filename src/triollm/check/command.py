@@ -63,6 +63,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "a less shrunk one is longer, not wrong)",
     )
     parser.add_argument(
+        "--no-shrink",
+        action="store_true",
+        help="report the first counter-example as found (fast, deterministic, long)",
+    )
+    parser.add_argument(
         "--claim",
         action="append",
         default=[],
@@ -110,6 +115,7 @@ def search(
     time_limit_s: float,
     ends_early: bool = True,
     shrink_time_s: float = DEFAULT_SHRINK_TIME_S,
+    shrink: bool = True,
     progress: Any = None,
 ) -> Outcome:
     """Run the machine in batches of ``_BATCH`` examples until one fails, ``examples``
@@ -154,7 +160,7 @@ def search(
             deadline=None,
             database=None,
             report_multiple_bugs=False,
-            phases=[Phase.explicit, Phase.generate, Phase.shrink],
+            phases=[Phase.explicit, Phase.generate, *([Phase.shrink] if shrink else [])],
             suppress_health_check=list(HealthCheck),
         )
         test = get_state_machine_test(Counted, settings=run_settings)
@@ -238,6 +244,7 @@ def run(args: argparse.Namespace) -> int:
         time_limit_s=args.time_limit,
         ends_early=not args.no_cancel,
         shrink_time_s=args.shrink_time,
+        shrink=not args.no_shrink,
         progress=progress,
     )
     if tty and not args.quiet:
@@ -249,7 +256,7 @@ def run(args: argparse.Namespace) -> int:
         stop = f", stopped at the {args.time_limit:g} s time limit" if out.timed_out else ""
         print(f"held: all {len(checked)} claim(s), over {searched}{stop}")
         return 0
-    if out.found_s is not None:
+    if out.found_s is not None and not args.no_shrink:
         searched += f"; found at {out.found_s:.1f} s, the rest is shrinking"
     headline = {
         "claim": "VIOLATED",
@@ -262,7 +269,7 @@ def run(args: argparse.Namespace) -> int:
     rest = [c.value for c in checked if c is not out.violated]
     if rest:
         print(f"  not established (the search stops at the first violation): {', '.join(rest)}")
-    print("\nthe shrunk counter-example, step by step:")
+    print(f"\nthe {'' if args.no_shrink else 'shrunk '}counter-example, step by step:")
     for line in out.trace:
         print(f"  {line}")
     if out.kind != "claim":

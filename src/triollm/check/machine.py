@@ -222,6 +222,9 @@ class SchedulerMachine(RuleBasedStateMachine):
             self.log.append(("arrive", self.turns, seq, prompt, max_tokens, priority))
             self.issued.append(seq)
 
+    # Only with the cache on: with it off a prompt's contents change nothing, and the
+    # rule would only dilute the search (and the stories check-policy tells).
+    @precondition(lambda self: self.PREFIX_CACHE)
     @rule(
         data=st.data(),
         opening=st.sampled_from(OPENINGS),
@@ -277,6 +280,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                 self.admit()
             else:
                 self.say("(a turn without an admission pass)")
+                self.log.append(("skip_admission", self.turns))
             self._one_step(data)
 
     def _one_step(self, data: st.DataObject) -> None:

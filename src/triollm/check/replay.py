@@ -4,9 +4,10 @@ The machine logs what it did in the simulator's terms (``SchedulerMachine.log``)
 arrivals, cancellations, EOS and each turn's plan, with the turn they happened
 before. The simulator's clock is the same: at step ``t`` the requests arriving at
 ``t`` come in, the queue admits, the Scheduler plans, and the plan is committed.
-The machine may also admit without a step, or step without admitting, which the
-simulator never does; so the scenario is replayed through the simulator and
-written only if every step's rows come out exactly as the machine saw them.
+The machine may also step without admitting (the scenario says so:
+``skip_admission``) and admit without a step, which the simulator never does; so
+the scenario is replayed through the simulator and written only if every step's
+rows come out exactly as the machine saw them.
 """
 
 from __future__ import annotations
@@ -43,7 +44,9 @@ def scenario_of(log: list[tuple[Any, ...]]) -> dict[str, Any]:
     for r in requests.values():
         if r["answer"] == r["max_tokens"]:
             del r["max_tokens"]
-    return {**config, "requests": [requests[s] for s in sorted(requests)]}
+    skipped = [e[1] for e in log if e[0] == "skip_admission"]
+    extra = {"skip_admission": skipped} if skipped else {}
+    return {**config, **extra, "requests": [requests[s] for s in sorted(requests)]}
 
 
 def replays(log: list[tuple[Any, ...]], run: Run) -> bool:
@@ -72,8 +75,8 @@ def write_replay(
         return f"(no replay written: the simulator could not finish the scenario: {exc})"
     if not replays(log, run):
         return (
-            "(no replay written: this counter-example admits without a step or steps without "
-            "admitting somewhere, which the simulator's loop never does)"
+            "(no replay written: this counter-example runs an admission pass between two "
+            "steps while requests arrive, which the simulator's loop never does)"
         )
     target.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
     html = target.with_suffix(".html")

@@ -163,7 +163,8 @@ def simulate(scenario: Scenario, policy: Policy | SchedulingPolicy) -> Run:
                     s.cancel(q)
                     events.append(f"{r.name} cancelled")
         before = set(s.running_ids())
-        s.admit_waiting()
+        if t not in scenario.skip_admission:
+            s.admit_waiting()
         try:
             plan = s.plan_step()
         except DeadlockError:  # a policy that claims no deadlock, deadlocked: show it
@@ -240,7 +241,8 @@ def simulate(scenario: Scenario, policy: Policy | SchedulingPolicy) -> Run:
                     steps.append(record)
                 break
             pending = any(r.cancel is not None and r.cancel > t for r in scenario.requests)
-            if not s.running_ids() and not arrivals and not pending:
+            skipped = t in scenario.skip_admission
+            if not s.running_ids() and not arrivals and not pending and not skipped:
                 # Idle with a queue the policy will not admit (only a broken policy gets
                 # here: the door made every waiter fit an empty pool). Nothing will change.
                 waiting = ", ".join(name_of[q] for q in s.waiting_ids())

@@ -15,7 +15,8 @@ which it arrives. Optional, per request: ``max_tokens`` (default ``answer``; whe
 larger, the model says EOS at the ``answer``-th token, but admission reserves
 for ``max_tokens``), ``cancel`` (the step at which the client leaves) and
 ``priority`` (for a policy that orders by it); for the whole scenario:
-``overtake_limit`` and ``preempt_watermark_blocks`` (SchedulerConfig's). These are
+``overtake_limit`` and ``preempt_watermark_blocks`` (SchedulerConfig's) and
+``skip_admission`` (steps at which the loop plans without admitting). These are
 what ``triollm check-policy`` writes to replay a counter-example.
 
 Two optional keys make a shared-prefix variant (``triollm simulate
@@ -69,6 +70,7 @@ class Scenario:
     prefix_cache: bool = False  # the Scheduler's prefix cache (rule 9)
     overtake_limit: int | None = None  # K; None: the Scheduler's default (slots)
     preempt_watermark_blocks: int = 1  # the Scheduler's default
+    skip_admission: frozenset[int] = frozenset()  # steps that plan without an admission pass
 
     def config(self, policy: Policy | SchedulingPolicy) -> SchedulerConfig:
         return SchedulerConfig(
@@ -116,7 +118,7 @@ def load_scenario(path: str | Path) -> Scenario:
 def parse_scenario(data: Any, source: str) -> Scenario:
     if not isinstance(data, dict):
         raise UserError(f"{source}: the scenario must be an object with the keys {_INT_FIELDS}")
-    values: dict[str, int] = {}
+    values: dict[str, Any] = {}
     for key in _INT_FIELDS:
         if key == "context_tokens" and key not in data:
             values[key] = data.get("num_blocks", 0) * data.get("block_size", 0)
@@ -131,13 +133,20 @@ def parse_scenario(data: Any, source: str) -> Scenario:
     prefix_cache = data.get("prefix_cache", False)
     if not isinstance(prefix_cache, bool):
         raise UserError(f"{source}: field 'prefix_cache' must be true or false")
-    optional: dict[str, Any] = {}
+    optional: dict[str, Any] = {}  # the optional fields present, checked
     for key in ("overtake_limit", "preempt_watermark_blocks"):
         if key in data:
             v = data[key]
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise UserError(f"{source}: field {key!r} must be an integer >= 0, got {v!r}")
             optional[key] = v
+    if "skip_admission" in data:
+        v = data["skip_admission"]
+        if not isinstance(v, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in v
+        ):
+            raise UserError(f"{source}: field 'skip_admission' must be a list of steps >= 0")
+        optional["skip_admission"] = frozenset(v)
     unknown = set(data) - {*_INT_FIELDS, *optional, "requests", "shared_prefix", "prefix_cache"}
     if unknown:
         raise UserError(f"{source}: unknown field(s) {sorted(unknown)}")
