@@ -122,7 +122,7 @@ def search(
     have run, or ``time_limit_s`` has passed (checked between batches)."""
     from hypothesis import HealthCheck, Phase, reporting, settings
     from hypothesis import seed as hypothesis_seed
-    from hypothesis.internal.conjecture import engine
+    from hypothesis.internal.conjecture import engine, providers
     from hypothesis.stateful import get_state_machine_test
 
     from triollm.check.machine import ClaimViolated, machine_for
@@ -149,6 +149,11 @@ def search(
     batch = 0
     # Hypothesis bounds shrinking by a module constant (5 minutes); lend it ours.
     shrink_limit = getattr(engine, "MAX_SHRINKING_SECONDS", None)
+    # Hazard: hypothesis also draws constants it finds in whatever local modules are
+    # loaded, so the same --seed would search differently in another process (the
+    # docs test found that). A seed must name one search: no local constants.
+    local_constants = getattr(providers, "_get_local_constants", None)
+    no_constants = getattr(providers, "Constants", None)
     while outcome.examples < examples:
         if time.monotonic() - start > time_limit_s:
             outcome.timed_out = True
@@ -169,6 +174,8 @@ def search(
         try:
             if shrink_limit is not None:
                 engine.MAX_SHRINKING_SECONDS = shrink_time_s  # type: ignore[assignment]
+            if local_constants is not None and no_constants is not None:
+                providers._get_local_constants = no_constants
             with reporting.with_reporter(lambda _msg: None):
                 test()
         except ClaimViolated as exc:
@@ -183,6 +190,8 @@ def search(
         finally:
             if shrink_limit is not None:
                 engine.MAX_SHRINKING_SECONDS = shrink_limit
+            if local_constants is not None:
+                providers._get_local_constants = local_constants
         if outcome.error is not None:
             machine = instances[0]
             outcome.trace, outcome.log = list(machine.trace), list(machine.log)
