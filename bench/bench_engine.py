@@ -32,109 +32,28 @@ import sys
 import tempfile
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import numba
 import numpy as np
-from numba import njit, prange
 
 from triollm.bench.compare import ENGINE_METRICS, ratio_table, read_jsonl, width_class
 from triollm.model import kernels, llama, matmul
 from triollm.model.config import ModelConfig
 from triollm.model.llama import LlamaModel, PagedKVCache
+from triollm.model.synthetic import (  # the random-weight model and the probe
+    SMOLLM2_135M,
+    _stream_sum,
+    decode_weight_bytes,
+    measure_bandwidth,
+    random_weights,
+)
 from triollm.plan import ChunkPlan
 
-# SmolLM2-135M's config.json, trimmed to the fields the engine reads.
-SMOLLM2_135M: dict[str, Any] = {
-    "model_type": "llama",
-    "hidden_size": 576,
-    "intermediate_size": 1536,
-    "num_hidden_layers": 30,
-    "num_attention_heads": 9,
-    "num_key_value_heads": 3,
-    "head_dim": 64,
-    "vocab_size": 49152,
-    "max_position_embeddings": 8192,
-    "rms_norm_eps": 1e-5,
-    "rope_theta": 100000.0,
-    "tie_word_embeddings": True,
-    "bos_token_id": 1,
-    "eos_token_id": 2,
-    "torch_dtype": "bfloat16",
-}
-
 BLOCK_SIZE = 32
-
-
-def random_weights(config: ModelConfig, dtype: str, seed: int = 0) -> Callable[[str], np.ndarray]:
-    """A getter ``key -> array`` making each tensor on demand (float32 or bf16 bits).
-
-    Norm weights are ones, matrices N(0, 0.02): the values do not change the
-    speed, only the shapes and dtypes do. On demand, so the raw model is never
-    in memory beside the prepared one.
-    """
-    from triollm.model.weights import expected_shapes
-
-    shapes = expected_shapes(config)
-    rng = np.random.default_rng(seed)
-
-    def get(key: str) -> np.ndarray:
-        shape = shapes[key]
-        if len(shape) == 1:
-            a = np.ones(shape, np.float32)
-        else:
-            a = rng.standard_normal(shape, dtype=np.float32)
-            a *= np.float32(0.02)
-        if dtype == "bf16":
-            return (a.view(np.uint32) >> np.uint32(16)).astype(np.uint16)  # truncation is fine
-        return a
-
-    return get
-
-
-def decode_weight_bytes(model: LlamaModel) -> int:
-    """Bytes of weights one decode step reads: every projection plus the output head."""
-    total = model.lm_head.nbytes
-    for layer in model.layers:
-        # q/k/v and gate/up are fused into one prepared weight each (llama.py)
-        for w in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj):
-            total += w.nbytes
-    return total
-
-
-# --- memory bandwidth --------------------------------------------------------
-
-
-# Not cached on disk: this file runs as __main__ and is imported by its smoke
-# test as bench_engine, and numba's cache entries name the module they were
-# compiled in. It compiles in about a second.
-@njit(nogil=True, parallel=True, fastmath=True)
-def _stream_sum(a: np.ndarray) -> float:  # pragma: no cover - numba
-    # a (chunks, m) float32: each thread sums whole rows, so every byte is read once
-    partial = np.zeros(a.shape[0], np.float32)
-    for c in prange(a.shape[0]):
-        row = a[c]
-        acc = np.float32(0.0)
-        for i in range(row.shape[0]):
-            acc += row[i]
-        partial[c] = acc
-    return float(partial.sum())
-
-
-def measure_bandwidth(gib: float = 1.0, reps: int = 7) -> tuple[float, float]:
-    """Best and median sustained read bandwidth (bytes/s) over a ``gib`` GiB array."""
-    n = int(gib * (1 << 30) // 4)
-    a = np.ones((64, n // 64), np.float32)  # written once, so every page is resident
-    _stream_sum(a[:, :1024])
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        _stream_sum(a)
-        times.append(time.perf_counter() - t)
-    return a.nbytes / min(times), a.nbytes / statistics.median(times)
 
 
 # --- steps -------------------------------------------------------------------
