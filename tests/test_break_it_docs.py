@@ -1,0 +1,44 @@
+"""The "break it" table in docs/break-it.md is current (cheap checks; the run itself
+is ``python tools/break_it.py``, too long for CI).
+
+A row whose edit changed since it was recorded shows as "not recorded for this edit
+yet" in the page, because the page is rendered from the record and the edit list
+together; the page test below keeps the quote equal to that rendering.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("break_it", ROOT / "tools" / "break_it.py")
+assert _spec is not None and _spec.loader is not None
+break_it = importlib.util.module_from_spec(_spec)
+sys.modules["break_it"] = break_it  # dataclasses look their module up by name
+_spec.loader.exec_module(break_it)
+
+
+def test_every_edit_still_applies_to_todays_code_exactly_once() -> None:
+    for m in break_it.MUTATIONS:
+        count = (ROOT / m.path).read_text().count(m.old)
+        assert count == 1, f"{m.key}: its snippet occurs {count} times in {m.path}"
+
+
+def test_the_record_names_only_rows_of_todays_list() -> None:
+    recorded = json.loads(break_it.RESULTS.read_text())
+    assert set(recorded) <= {m.key for m in break_it.MUTATIONS}
+
+
+def test_no_recorded_mechanism_is_one_that_no_test_protects() -> None:
+    recorded = json.loads(break_it.RESULTS.read_text())
+    assert [k for k, row in recorded.items() if not row["failing"]] == []
+
+
+def test_the_page_quotes_the_recorded_table() -> None:
+    recorded = json.loads(break_it.RESULTS.read_text())
+    page = break_it.PAGE.read_text()
+    quoted = page.split(break_it.BEGIN, 1)[1].split(break_it.END, 1)[0].strip()
+    assert quoted == break_it.render_table(recorded)

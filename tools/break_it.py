@@ -1,0 +1,385 @@
+"""Break each mechanism on purpose and record which tests notice: the "break it" table.
+
+A mechanism is only as real as the test that fails without it. For each row of
+``MUTATIONS`` this tool copies the project's tracked files to a scratch directory,
+applies the smallest edit that removes the mechanism (one exact snippet replaced by
+another), runs the tests of the layers the edit touches, and records every test that
+failed. It writes ``docs/break-it.json`` and the table between the markers in
+``docs/break-it.md``.
+
+    python tools/break_it.py            # every row (tens of minutes: one test run a row)
+    python tools/break_it.py --only no-utf8-holdback --only unbounded-queue
+    python tools/break_it.py --stale    # only the rows whose edit changed since recorded
+
+Not part of the CI run; ``tests/test_break_it_docs.py`` checks instead, cheaply, that
+every edit still applies to today's code exactly once, that the page quotes the table
+the last run recorded, that each row was recorded from today's edit, and
+that no row is one where nothing failed (such a row is a missing test: write it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "docs" / "break-it.json"
+PAGE = ROOT / "docs" / "break-it.md"
+BEGIN, END = "<!-- break-it table: begin -->", "<!-- break-it table: end -->"
+PER_TEST_TIMEOUT_S = 90  # a broken mechanism may hang a test; that is a failure too
+MAX_FAILURES = 12  # enough to name the mechanism's guards; a row stops there ("12+")
+
+
+@dataclass(frozen=True)
+class Mutation:
+    key: str  # a short stable name
+    mechanism: str  # what is removed, in the reader's words
+    path: str  # the file edited, relative to the project root
+    old: str  # exact snippet, present exactly once
+    new: str  # what replaces it
+    tests: tuple[str, ...]  # the test paths run for this row
+
+    def apply(self, root: Path) -> None:
+        target = root / self.path
+        text = target.read_text()
+        count = text.count(self.old)
+        if count != 1:
+            raise ValueError(f"{self.key}: the snippet occurs {count} times in {self.path}")
+        target.write_text(text.replace(self.old, self.new))
+
+
+# The edits. Each `old` is copied from the code as it is; `tests/test_break_it_docs.py`
+# fails as soon as one of them no longer matches, so this list cannot drift silently.
+MUTATIONS: tuple[Mutation, ...] = (
+    Mutation(
+        "blocking-dispatch",
+        "non-blocking dispatch (the batch loop waits for a slow client)",
+        "src/triollm/service.py",
+        """        try:
+            live.send.send_nowait(Delta(text, info, piece.tool_calls))
+        except trio.WouldBlock:
+            self._too_slow(live)""",
+        """        while True:  # broken: wait until the client has room, holding everyone
+            try:
+                live.send.send_nowait(Delta(text, info, piece.tool_calls))
+                break
+            except trio.WouldBlock:
+                __import__("time").sleep(0.001)""",
+        ("tests/test_service.py", "tests/server/test_slow_client.py", "tests/mechanisms"),
+    ),
+    Mutation(
+        "unbounded-buffer",
+        "the bounded per-request buffer",
+        "src/triollm/service.py",
+        "trio.open_memory_channel[Delta](self.config.stream_buffer_steps)",
+        'trio.open_memory_channel[Delta](float("inf"))',
+        ("tests/test_service.py", "tests/server/test_slow_client.py"),
+    ),
+    Mutation(
+        "no-answer-reservation",
+        "reserving the answer at admission (the prompt alone is taken)",
+        "src/triollm/policies.py",
+        "        return blocks_for(seq.prompt_len + seq.max_tokens, view.block_size), 0\n",
+        "        return blocks_for(seq.n_tokens, view.block_size), 0\n",
+        ("tests/test_scheduler.py", "tests/test_sim.py", "tests/mechanisms", "property_tests"),
+    ),
+    Mutation(
+        "disconnect-ignored",
+        "stopping generation when the client leaves",
+        "src/triollm/service.py",
+        """        self._recv.close()
+        return self._service._abandon(self._live, reason)""",
+        """        self._recv.close()
+        return False  # broken: the request generates on, to max_tokens""",
+        (
+            "tests/test_service.py",
+            "tests/server/test_asgi.py",
+            "tests/server/test_live_streaming.py",
+            "tests/mechanisms",
+        ),
+    ),
+    Mutation(
+        "unbounded-queue",
+        "the bounded admission queue",
+        "src/triollm/admission.py",
+        "        if len(self._waiters) >= self.max_waiters:",
+        "        if False:  # broken: every arrival waits",
+        ("tests/test_admission.py", "tests/server/test_live_streaming.py", "tests/mechanisms"),
+    ),
+    Mutation(
+        "timeout-is-a-cancel",
+        "keeping 'timed out' (429) apart from 'client left' (499)",
+        "src/triollm/admission.py",
+        """            raise QueueTimeout(
+                f"waited {self.wait_s:g} s for a slot without being admitted; retry later",
+                retry_after(self.wait_s),
+            )""",
+        """            raise trio.Cancelled._create()  # broken: a timeout looks like a leave""",
+        (
+            "tests/test_admission.py",
+            "tests/server/test_asgi.py",
+            "tests/server/test_http_edges.py",
+            "tests/mechanisms",
+        ),
+    ),
+    Mutation(
+        "missed-capacity-signal",
+        "signalling capacity when a request ends",
+        "src/triollm/service.py",
+        """                self.observer.ended_early(outcome.code)
+        self.queue.signal()""",
+        """                self.observer.ended_early(outcome.code)""",
+        (
+            "tests/test_service.py",
+            "tests/test_admission.py",
+            "tests/server/test_live_streaming.py",
+            "tests/mechanisms",
+        ),
+    ),
+    Mutation(
+        "one-admission-per-signal",
+        "one driver admitting everyone who fits (a signal admits one, as an N-reader design does)",
+        "src/triollm/scheduler.py",
+        """                self._admit(head)
+                admitted.append(head.seq_id)
+                continue""",
+        """                self._admit(head)
+                admitted.append(head.seq_id)
+                break  # broken: one admission per wake-up""",
+        (
+            "tests/test_scheduler.py",
+            "tests/test_admission.py",
+            "tests/test_service.py",
+            "property_tests",
+        ),
+    ),
+    Mutation(
+        "decode-before-prefill",
+        "prefill chunks before decode rows",
+        "src/triollm/scheduler.py",
+        """        for seq in order:
+            if seq.state is SeqState.PREFILLING and left > 0:""",
+        """        for seq in order:
+            fresh = seq.seq_id not in rows and seq.seq_id not in blocked
+            if seq.state is SeqState.DECODING and fresh and left > 0:
+                rows[seq.seq_id] = 1  # broken: every decode row before any prefill
+                left -= 1
+        for seq in order:
+            if seq.state is SeqState.PREFILLING and left > 0:""",
+        ("tests/test_scheduler.py", "tests/test_sim.py", "property_tests"),
+    ),
+    Mutation(
+        "no-chunking",
+        "chunked prefill (a prompt is prefilled in one step)",
+        "src/triollm/scheduler.py",
+        "n = min(cfg.chunk_tokens, len(seq.token_ids) - seq.computed, left)",
+        "n = min(len(seq.token_ids) - seq.computed, left)",
+        ("tests/test_scheduler.py", "tests/test_engine.py", "tests/mechanisms", "property_tests"),
+    ),
+    Mutation(
+        "no-utf8-holdback",
+        "holding back an unfinished UTF-8 character",
+        "src/triollm/model/tokenizer.py",
+        """            or window.endswith(REPLACEMENT_CHAR)
+            or self._ids[-1] in self._tok.byte_fallback_ids""",
+        """            or False  # broken: send whatever decodes now""",
+        ("tests/model/test_detok.py", "tests/test_textstream.py"),
+    ),
+    Mutation(
+        "buffered-sse",
+        "one flushed SSE event per token (the events are held until the end)",
+        "src/triollm/server/responses.py",
+        """        async for delta in self.stream:
+            yield self._chunk(delta, None)""",
+        """        held = [self._chunk(delta, None) async for delta in self.stream]  # broken
+        for chunk in held:
+            yield chunk""",
+        ("tests/server/test_live_streaming.py", "tests/server/test_asgi.py"),
+    ),
+    Mutation(
+        "no-retry-after",
+        "Retry-After on a 429",
+        "src/triollm/server/app.py",
+        """headers={"Retry-After": str(exc.retry_after_s)},""",
+        """headers={},""",
+        (
+            "tests/server/test_live_streaming.py",
+            "tests/server/test_http_edges.py",
+            "tests/mechanisms",
+        ),
+    ),
+    Mutation(
+        "cancelled-blocks-kept",
+        "freeing a cancelled sequence's blocks",
+        "src/triollm/scheduler.py",
+        """        if seq.state is SeqState.WAITING:
+            self._waiting.remove((seq.ticket, seq.seq_id))
+        else:
+            self._release(seq)""",
+        """        if seq.state is SeqState.WAITING:
+            self._waiting.remove((seq.ticket, seq.seq_id))
+        elif state is not SeqState.CANCELLED:  # broken: a cancel keeps its blocks
+            self._release(seq)""",
+        ("tests/test_scheduler.py", "tests/test_service.py", "property_tests"),
+    ),
+    Mutation(
+        "batch-dependent-kernel",
+        "batch invariance of the weight products (a row's sum depends on its batch)",
+        "src/triollm/model/matmul.py",
+        """            a0 = a1 = a2 = a3 = np.float32(0.0)
+            b0 = b1 = b2 = b3 = np.float32(0.0)""",
+        """            a0 = a1 = a2 = a3 = np.float32(1e-6) * np.float32(last > 0)  # broken
+            b0 = b1 = b2 = b3 = np.float32(0.0)""",
+        ("tests/model/test_matmul.py", "tests/model/test_batch.py"),
+    ),
+    Mutation(
+        "preempt-the-oldest",
+        "preempting the latest arrival (the oldest is evicted instead)",
+        "src/triollm/policies.py",
+        "        return max(running, key=lambda s: s.ticket).seq_id",
+        "        return min(running, key=lambda s: s.ticket).seq_id",
+        ("tests/test_scheduler.py", "property_tests"),
+    ),
+)
+
+
+def digest(m: Mutation) -> str:
+    """A digest of one edit: a recorded result counts only for the edit it was made with."""
+    blob = json.dumps(asdict(m), sort_keys=True).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def _scratch_copy(dest: Path) -> None:
+    files = subprocess.run(
+        ["git", "ls-files", "-z"], cwd=ROOT, check=True, capture_output=True
+    ).stdout.split(b"\0")
+    for name in filter(None, files):
+        src = ROOT / name.decode()
+        if src.is_file():
+            (dest / name.decode()).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dest / name.decode())
+
+
+_FAILED = re.compile(r"^(?:FAILED|ERROR) (\S+?)(?: - |$)", re.M)
+
+
+def run_one(m: Mutation) -> dict[str, object]:
+    with tempfile.TemporaryDirectory(prefix=f"break-{m.key}-") as tmp:
+        root = Path(tmp)
+        _scratch_copy(root)
+        m.apply(root)
+        env = {**os.environ, "PYTHONPATH": str(root / "src"), "HYPOTHESIS_PROFILE": "ci"}
+        started = time.monotonic()
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pytest",
+                "-q",
+                "-rfE",
+                "--tb=no",
+                "-p",
+                "no:cacheprovider",
+                f"--timeout={PER_TEST_TIMEOUT_S}",
+                f"--maxfail={MAX_FAILURES}",
+                *m.tests,
+            ],
+            cwd=root,
+            env=env,
+            capture_output=True,
+            text=True,
+        )
+        seconds = time.monotonic() - started
+    failing = sorted(set(_FAILED.findall(done.stdout)))
+    summary = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else ""
+    capped = len(failing) >= MAX_FAILURES
+    return {
+        "digest": digest(m),
+        "failing": failing,
+        "capped": capped,
+        "summary": summary,
+        "seconds": round(seconds),
+    }
+
+
+def render_table(results: dict[str, dict[str, object]]) -> str:
+    rows = [
+        "| mechanism removed | the edit | tests run | tests that fail |",
+        "| --- | --- | --- | --- |",
+    ]
+    for m in MUTATIONS:
+        edit = f"`{m.path}`: `{_one_line(m.old)}` → `{_one_line(m.new)}`"
+        r = results.get(m.key)
+        if r is None or r.get("digest") != digest(m):
+            rows.append(
+                f"| {m.mechanism} | {edit} | {', '.join(m.tests)} | "
+                "not recorded for this edit yet (`python tools/break_it.py --stale`) |"
+            )
+            continue
+        failing = r["failing"]
+        assert isinstance(failing, list)
+        names = "<br>".join(f"`{t.split('::')[-1]}`" for t in failing[:6])
+        more = f"<br>and {len(failing) - 6} more" if len(failing) > 6 else ""
+        count = f"{len(failing)}+" if r.get("capped") else f"{len(failing)}"
+        cell = f"**{count}**: {names}{more}" if failing else "**none: a missing test**"
+        rows.append(f"| {m.mechanism} | {edit} | {', '.join(m.tests)} | {cell} |")
+    return "\n".join(rows)
+
+
+def _one_line(snippet: str) -> str:
+    text = " ".join(snippet.split())
+    return (text[:70] + " …") if len(text) > 72 else text.replace("|", "\\|")
+
+
+def write_page(results: dict[str, dict[str, object]]) -> None:
+    page = PAGE.read_text()
+    head, rest = page.split(BEGIN, 1)
+    _, tail = rest.split(END, 1)
+    PAGE.write_text(f"{head}{BEGIN}\n{render_table(results)}\n{END}{tail}")
+
+
+def _write_results(results: dict[str, dict[str, object]]) -> None:
+    RESULTS.write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", action="append", metavar="KEY", help="run only this row")
+    parser.add_argument(
+        "--stale", action="store_true", help="run only rows not recorded from today's edit"
+    )
+    args = parser.parse_args(argv)
+    known = {m.key for m in MUTATIONS}
+    unknown = set(args.only or ()) - known
+    if unknown:
+        parser.error(f"unknown row(s) {sorted(unknown)}; known: {sorted(known)}")
+    results: dict[str, dict[str, object]] = (
+        json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
+    )
+    for m in MUTATIONS:
+        if args.only and m.key not in args.only:
+            continue
+        if args.stale and results.get(m.key, {}).get("digest") == digest(m):
+            continue
+        r = run_one(m)
+        results[m.key] = r
+        print(f"{m.key:<24} {len(r['failing']):>3} failing  ({r['seconds']} s)  {r['summary']}")
+        _write_results(results)  # after every row: an interrupted run keeps what it did
+    results = {m.key: results[m.key] for m in MUTATIONS if m.key in results}
+    _write_results(results)
+    write_page(results)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
