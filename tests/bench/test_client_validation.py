@@ -147,3 +147,30 @@ async def test_a_200_that_is_not_an_event_stream_is_reported() -> None:
     async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
         r = await send(client, "http://127.0.0.1:1", Api.COMPLETIONS, request(), t0=0.0)
     assert r.outcome is Outcome.CUT and kinds(r) == [Problem.BAD_EVENT]
+
+
+async def served_after(failures: list[Exception]) -> httpx.AsyncClient:
+    """A fake server whose first requests fail as ``failures`` say, then answer GOOD."""
+
+    async def handler(req: httpx.Request) -> httpx.Response:
+        if failures:
+            raise failures.pop(0)
+        return httpx.Response(
+            200, headers={"content-type": "text/event-stream"}, content="".join(GOOD).encode()
+        )
+
+    return httpx.AsyncClient(transport=httpx.MockTransport(handler))
+
+
+async def test_a_connection_closed_while_idle_is_tried_once_more_and_the_stream_counts() -> None:
+    stale = httpx.RemoteProtocolError("Server disconnected without sending a response.")
+    async with await served_after([stale]) as client:
+        r = await send(client, "http://127.0.0.1:1", Api.COMPLETIONS, request(), t0=0.0)
+    assert r.outcome is Outcome.OK and r.problems == ()
+
+
+async def test_a_second_failure_before_any_response_is_no_connection() -> None:
+    failures: list[Exception] = [httpx.ReadError("reset"), httpx.ReadError("reset again")]
+    async with await served_after(failures) as client:
+        r = await send(client, "http://127.0.0.1:1", Api.COMPLETIONS, request(), t0=0.0)
+    assert r.outcome is Outcome.NO_CONNECTION and r.status is None

@@ -81,6 +81,13 @@ def check_usage(
     return out
 
 
+# A keep-alive connection the server closed while it sat idle in the pool (hypercorn's
+# keep-alive timeout is 5 s) fails the next request before any byte of a response:
+# every HTTP client sends such a request once more on a new connection, and so do we,
+# once. A failure after a status line is never retried (that stream is measured as cut).
+STALE_CONNECTION = (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
+
+
 async def send(
     client: httpx.AsyncClient,
     base_url: str,
@@ -91,7 +98,9 @@ async def send(
     clock: Callable[[], float] = time.perf_counter,
 ) -> RequestRecord:
     """Send ``req`` and follow its stream to the end. Never raises for what the server
-    does (that is what is being measured); only cancellation propagates."""
+    does (that is what is being measured); only cancellation propagates. A request
+    that fails before any response on a pooled connection is sent once more
+    (``STALE_CONNECTION``)."""
     problems: list[tuple[Problem, str]] = []
     chunk_s: list[float] = []
     text: list[str] = []
@@ -119,59 +128,64 @@ async def send(
             **kw,
         )
 
-    try:
-        async with client.stream(
-            "POST", base_url + api.path, json=req.body, headers={"Accept": "text/event-stream"}
-        ) as response:
-            status = response.status_code
-            if status != 200:
-                await response.aread()
-                return record(
-                    _outcome_of_status(status),
-                    retry_after=response.headers.get("retry-after") if status == 429 else None,
-                )
-            async for event in EventSource(response).aiter_sse():
-                if event.data == DONE:
-                    done = True
-                    continue
-                if done:
-                    problems.append((Problem.DATA_AFTER_DONE, event.data[:120]))
-                    continue
-                try:
-                    payload = json.loads(event.data)
-                except json.JSONDecodeError:
-                    problems.append((Problem.BAD_EVENT, f"not JSON: {event.data[:120]!r}"))
-                    continue
-                if not isinstance(payload, dict):
-                    problems.append((Problem.BAD_EVENT, f"not an object: {event.data[:120]!r}"))
-                    continue
-                if "error" in payload:
-                    problems.append((Problem.ERROR_EVENT, json.dumps(payload["error"])[:200]))
-                    continue
-                if payload.get("usage"):
-                    usage = payload["usage"]
-                choices = payload.get("choices")
-                if not isinstance(choices, list):
-                    problems.append((Problem.BAD_EVENT, f"no 'choices': {event.data[:120]!r}"))
-                    continue
-                for choice in choices:
-                    piece = _text_of(choice, api)
-                    if piece:
-                        chunk_s.append(clock() - t0)
-                        text.append(piece)
-                    if choice.get("finish_reason"):
-                        finish = choice["finish_reason"]
-    except SSEError as exc:  # a 200 that is not an event stream
-        problems.append((Problem.BAD_EVENT, str(exc)))
-        return record(Outcome.CUT)
-    except (httpx.ConnectError, httpx.ConnectTimeout):
-        return record(Outcome.NO_CONNECTION)
-    except httpx.HTTPError as exc:  # reset, protocol error or timeout mid-way
-        if status is None:
+    for attempt in range(2):
+        try:
+            async with client.stream(
+                "POST", base_url + api.path, json=req.body, headers={"Accept": "text/event-stream"}
+            ) as response:
+                status = response.status_code
+                if status != 200:
+                    await response.aread()
+                    return record(
+                        _outcome_of_status(status),
+                        retry_after=response.headers.get("retry-after") if status == 429 else None,
+                    )
+                async for event in EventSource(response).aiter_sse():
+                    if event.data == DONE:
+                        done = True
+                        continue
+                    if done:
+                        problems.append((Problem.DATA_AFTER_DONE, event.data[:120]))
+                        continue
+                    try:
+                        payload = json.loads(event.data)
+                    except json.JSONDecodeError:
+                        problems.append((Problem.BAD_EVENT, f"not JSON: {event.data[:120]!r}"))
+                        continue
+                    if not isinstance(payload, dict):
+                        problems.append((Problem.BAD_EVENT, f"not an object: {event.data[:120]!r}"))
+                        continue
+                    if "error" in payload:
+                        problems.append((Problem.ERROR_EVENT, json.dumps(payload["error"])[:200]))
+                        continue
+                    if payload.get("usage"):
+                        usage = payload["usage"]
+                    choices = payload.get("choices")
+                    if not isinstance(choices, list):
+                        problems.append((Problem.BAD_EVENT, f"no 'choices': {event.data[:120]!r}"))
+                        continue
+                    for choice in choices:
+                        piece = _text_of(choice, api)
+                        if piece:
+                            chunk_s.append(clock() - t0)
+                            text.append(piece)
+                        if choice.get("finish_reason"):
+                            finish = choice["finish_reason"]
+        except SSEError as exc:  # a 200 that is not an event stream
+            problems.append((Problem.BAD_EVENT, str(exc)))
+            return record(Outcome.CUT)
+        except (httpx.ConnectError, httpx.ConnectTimeout):
             return record(Outcome.NO_CONNECTION)
-        if not done:
-            problems.append((Problem.NO_DONE, f"stream broke: {type(exc).__name__}: {exc}"))
-        return record(Outcome.CUT)
+        except httpx.HTTPError as exc:  # reset, protocol error or timeout mid-way
+            if status is None and attempt == 0 and isinstance(exc, STALE_CONNECTION):
+                sent = clock() - t0  # the pooled connection had closed while idle: again
+                continue
+            if status is None:
+                return record(Outcome.NO_CONNECTION)
+            if not done:
+                problems.append((Problem.NO_DONE, f"stream broke: {type(exc).__name__}: {exc}"))
+            return record(Outcome.CUT)
+        break
     if not done:
         problems.append((Problem.NO_DONE, "the stream ended without 'data: [DONE]'"))
     problems.extend(check_usage(usage, len(chunk_s), finish, req))
