@@ -498,6 +498,7 @@ async def test_a_preempted_sequence_readmitted_by_the_driver_wakes_the_parked_lo
 
     service.queue.run = manual_driver  # type: ignore[method-assign]
     outcomes: dict[str, object] = {}
+    p_done = trio.Event()  # the client's own record, not a service state: its own event
 
     async def client(name: str, prompt: list[int], max_tokens: int) -> None:
         stream = await service.submit(prompt, params=None, max_tokens=max_tokens)
@@ -506,6 +507,8 @@ async def test_a_preempted_sequence_readmitted_by_the_driver_wakes_the_parked_lo
         finally:
             stream.close()
         outcomes[name] = stream.outcome
+        if name == "P":
+            p_done.set()
 
     with trio.fail_after(600):  # mock time: a stall shows as TooSlowError, not a hang
         async with trio.open_nursery() as nursery:
@@ -534,7 +537,7 @@ async def test_a_preempted_sequence_readmitted_by_the_driver_wakes_the_parked_lo
             await trio.testing.wait_all_tasks_blocked()
             assert service.queue.drive() == (p,)  # the driver re-admits P
             ex.release(32)
-            await service.wait_until(lambda: "P" in outcomes)
+            await p_done.wait()
             assert isinstance(outcomes["P"], Completed)
             assert outcomes["P"].completion_tokens == 8
             nursery.cancel_scope.cancel()

@@ -628,7 +628,9 @@ class Service:
 
     async def wait_until(self, predicate: Callable[[], bool]) -> None:
         """Wait (on events, not a timer) until ``predicate()`` holds. For tests and
-        tools; the predicate is re-checked after every state change."""
+        tools; the predicate is re-checked after every state change of this service,
+        so it must read this service's state: a flag some other task sets after the
+        service's last change (a client recording its outcome) is never re-checked."""
         while not predicate():
             await self._changed.wait()
 
