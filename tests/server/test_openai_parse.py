@@ -185,7 +185,7 @@ def test_a_5xx_http_error_is_a_server_error_not_the_clients():
 
 
 def test_a_prompt_of_the_wrong_type_says_so_rather_than_required():
-    for prompt, word in ((5, "int"), ([1.0], "float"), ({"a": 1}, "dict")):
+    for prompt, word in ((5, "int"), ([1.5], "1.5"), ({"a": 1}, "dict")):
         err = refused(completion, prompt=prompt)
         assert err.param == "prompt" and word in err.message and "required" not in err.message
     assert "required" in refused(lambda: parse_completion(b'{"model": "m"}')).message

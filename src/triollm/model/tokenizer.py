@@ -313,6 +313,7 @@ class Tokenizer:
             else None
         )
         self._plain: _HFTokenizer | None = None
+        self._max_chars: int | None = None
         # Ids that decode(skip_special_tokens=True) drops: the detokenizer skips them too.
         self.special_token_ids: frozenset[int] = frozenset(
             tid for tid, added in hf.get_added_tokens_decoder().items() if added.special
@@ -452,6 +453,16 @@ class Tokenizer:
         """The whole tokenizer as ``tokenizer.json`` text (what llguidance builds its
         vocabulary from; also right for a tokenizer that was built in memory)."""
         return str(self._hf.to_str())
+
+    @property
+    def max_chars_per_token(self) -> int:
+        """The most characters one token can stand for: the longest vocabulary string
+        (added tokens included). ``len(text) / max_chars_per_token`` is a lower bound on
+        the tokens of ``text``, cheap enough to refuse a prompt before tokenizing it."""
+        if self._max_chars is None:
+            vocab = self._hf.get_vocab(with_added_tokens=True)
+            self._max_chars = max((len(t) for t in vocab), default=1) or 1
+        return self._max_chars
 
     def token_text(self, token_id: int) -> str | None:
         """The vocabulary string of one id (``"Ġthe"``, ``"▁the"``, ``"<0xF0>"``), or None."""

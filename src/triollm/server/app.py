@@ -72,6 +72,17 @@ __all__ = ["DEFAULT_MAX_BODY_BYTES", "ServedModel", "create_app", "http_error"]
 log = logging.getLogger("triollm.server")
 
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024  # 8 MiB: a long prompt is ~100 KB of JSON
+MIN_BODY_LIMIT_BYTES = 1024 * 1024
+
+
+def body_limit_for(largest_request: int, max_chars_per_token: int) -> int:
+    """The default body limit, sized to what can fit: the largest request's tokens at
+    the most characters a token can hold, 6 bytes each (JSON's ``\\uXXXX``), plus
+    64 KiB for the rest of the body; at least 1 MiB. 4,096 positions: 1 MiB."""
+    sized = largest_request * max(1, max_chars_per_token) * 6 + 64 * 1024
+    return max(MIN_BODY_LIMIT_BYTES, sized)
+
+
 DEFAULT_BODY_TIMEOUT_S = 60.0  # headers sent, body never finished: 408 after this
 
 
@@ -182,7 +193,10 @@ def create_app(
                 param="model",
                 code="model_not_found",
             )
-        prompt_ids = _prompt_ids(req, model)
+        _refuse_text_that_cannot_fit(req, model)
+        # Tokenizing and the chat template run in a worker thread: a long prompt must
+        # not stall every other stream's event loop (tests/server/test_hostile_input.py).
+        prompt_ids = await trio.to_thread.run_sync(_prompt_ids, req, model, limiter=TEXT_LIMITER)
         tool_format = _tool_format(req, model)
         spec = _constraint(req, model, tool_format)
         grammar = None
@@ -238,6 +252,39 @@ def create_app(
 
 
 # --------------------------------------------------------------------------- request -> model
+
+
+# Threads that tokenize prompts and render chat templates (their own pool: the batch
+# loop's step thread must never wait behind them for trio's default limiter).
+TEXT_LIMITER = trio.CapacityLimiter(2)
+
+
+def _refuse_text_that_cannot_fit(req: GenerationRequest, model: ServedModel) -> None:
+    """Refuse, before tokenizing, text that holds more tokens than the largest request.
+
+    One token stands for at most ``max_chars_per_token`` characters, so a text of n
+    characters is at least n / that many tokens; half that is taken as the bound,
+    a margin for normalizers that merge characters. A 7.9 MB prompt against a
+    4,096-token context is refused here in microseconds instead of being tokenized."""
+    if req.prompt_text is not None:
+        chars, param = len(req.prompt_text), "prompt"
+    elif req.messages is not None:
+        chars, param = sum(len(m.content) for m in req.messages), "messages"
+    else:
+        return
+    per_token = 2 * int(getattr(model.tokenizer, "max_chars_per_token", 0) or 0)
+    if per_token <= 0:
+        return
+    at_least = chars // per_token
+    if at_least >= model.context_tokens:
+        raise ApiError(
+            400,
+            f"'{param}' is {chars} characters, at least {at_least} tokens (one token is at "
+            f"most {per_token // 2} characters), past this server's maximum context length "
+            f"of {model.context_tokens} tokens",
+            param=param,
+            code="context_length_exceeded",
+        )
 
 
 def _prompt_ids(req: GenerationRequest, model: ServedModel) -> list[int]:

@@ -39,8 +39,8 @@ from triollm.policies import Claim, Policy, SchedulingPolicy, load_policy, polic
 from triollm.scheduler import Scheduler
 from triollm.server.app import (
     DEFAULT_BODY_TIMEOUT_S,
-    DEFAULT_MAX_BODY_BYTES,
     ServedModel,
+    body_limit_for,
     create_app,
 )
 from triollm.server.frontend import HttpConfig, Serving, serve_http
@@ -271,7 +271,7 @@ def build_stack(
     service_config: ServiceConfig,
     *,
     model_name: str | None = None,
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    max_body_bytes: int | None = None,
     body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
     tool_call_parser: ToolCallFormat | None = None,
 ) -> Stack:
@@ -346,6 +346,10 @@ def build_stack(
         ),
     )
     warm = list(tokenizer.encode("Hello")) or [0]
+    if max_body_bytes is None:  # sized to the context: a bigger body cannot fit anyway
+        max_body_bytes = body_limit_for(
+            sched_config.largest_request, getattr(tokenizer, "max_chars_per_token", 1)
+        )
     make_app = partial(
         create_app,
         service,

@@ -39,6 +39,20 @@ MAX_COMPLETION_LOGPROBS = 5
 MAX_CHAT_TOP_LOGPROBS = 20
 
 
+# An error message quotes the offending value; a 3 MB value must not come back whole.
+MAX_ERROR_MESSAGE_CHARS = 600
+# JSON integers longer than this are refused while parsing (Python's own limit, 4,300
+# digits, would surface as an internal error; no field here needs more than 20).
+MAX_INTEGER_DIGITS = 100
+
+
+def cut_message(message: str, limit: int = MAX_ERROR_MESSAGE_CHARS) -> str:
+    """``message`` at most ``limit`` characters: the rest is replaced by its length."""
+    if len(message) <= limit:
+        return message
+    return message[: limit - 40] + f"... [cut: {len(message)} characters in all]"
+
+
 class ApiError(Exception):
     """A refusal with an HTTP status and OpenAI's error body.
 
@@ -57,6 +71,7 @@ class ApiError(Exception):
         code: str | None = None,
         headers: dict[str, str] | None = None,
     ) -> None:
+        message = cut_message(message)
         super().__init__(message)
         self.status = status
         self.message = message
@@ -148,15 +163,29 @@ def _number(body: dict[str, Any], name: str, default: float) -> float:
     return float(value)
 
 
+def as_integer(value: Any) -> Any:
+    """The one rule for integral floats: JSON has one number type, so ``4.0`` is the
+    integer 4 wherever an integer is expected (as pydantic, hence vLLM, reads it);
+    ``4.5`` stays a float and is refused by the caller."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+def _kind(value: Any) -> str:
+    """How an error names a wrong value: its type, and a float's value (``2.5``)."""
+    return f"{value!r}" if isinstance(value, float) else type(value).__name__
+
+
 def _integer(
     body: dict[str, Any], name: str, lo: int | None = None, hi: int | None = None
 ) -> int | None:
     """A JSON integer; ``lo``/``hi`` only for limits of the API itself."""
-    value = body.get(name)
+    value = as_integer(body.get(name))
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int):
-        raise bad_request(f"'{name}' must be an integer, got {type(value).__name__}", name)
+        raise bad_request(f"'{name}' must be an integer, got {_kind(value)}", name)
     if (lo is not None and value < lo) or (hi is not None and value > hi):
         limit = f"at least {lo}" if hi is None else f"between {lo} and {hi}"
         raise bad_request(f"'{name}' must be {limit}, got {value}", name)
@@ -225,10 +254,10 @@ def _stop(body: dict[str, Any]) -> tuple[str, ...]:
 def _refuse_unsupported(body: dict[str, Any], kind: str) -> None:
     """Fields we do not implement are refused by name, never silently ignored:
     a client that asked for two choices and got one would miscount."""
-    n = body.get("n")
-    if n is not None and (isinstance(n, bool) or n != 1):
+    n = as_integer(body.get("n"))
+    if n is not None and (isinstance(n, bool) or n != 1 or not isinstance(n, int)):
         raise bad_request(f"'n' must be 1 (this server returns one choice), got {n!r}", "n")
-    best_of = body.get("best_of")
+    best_of = as_integer(body.get("best_of"))
     if best_of is not None and (isinstance(best_of, bool) or best_of != 1):
         raise bad_request(f"'best_of' must be 1, got {best_of!r}", "best_of")
     if body.get("echo"):
@@ -308,11 +337,29 @@ def _structured(read: Callable[..., T], *args: Any) -> T:
         raise field_error(exc) from None
 
 
+class _TooManyDigits(Exception):
+    def __init__(self, digits: int) -> None:
+        self.digits = digits
+
+
+def _parse_int(text: str) -> int:
+    if len(text.lstrip("-")) > MAX_INTEGER_DIGITS:
+        raise _TooManyDigits(len(text.lstrip("-")))
+    return int(text)
+
+
 def _load_object(raw: bytes) -> dict[str, Any]:
     try:
-        body = json.loads(raw)
+        body = json.loads(raw, parse_int=_parse_int)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise bad_request(f"the body is not valid JSON: {exc}", None, "invalid_json") from None
+    except _TooManyDigits as exc:
+        raise bad_request(
+            f"the body holds an integer of {exc.digits} digits; at most {MAX_INTEGER_DIGITS} "
+            "are accepted",
+            None,
+            "invalid_json",
+        ) from None
     except RecursionError:
         # json.loads recurses per nesting level: '[[[[...' a few thousand deep
         # exhausts the interpreter's stack.
@@ -333,6 +380,14 @@ def parse_completion(raw: bytes) -> GenerationRequest:
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         prompt = prompt[0]
+    if isinstance(prompt, list) and any(isinstance(t, float) for t in prompt):
+        # Token ids by the integral-float rule: [1, 2.0] is [1, 2]; 2.5 is named.
+        prompt = [as_integer(t) for t in prompt]
+        for i, t in enumerate(prompt):
+            if isinstance(t, float):
+                raise bad_request(
+                    f"'prompt' token ids must be integers; prompt[{i}] is {t!r}", "prompt"
+                )
     prompt_text: str | None = None
     prompt_ids: tuple[int, ...] | None = None
     if isinstance(prompt, str):
