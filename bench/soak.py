@@ -237,7 +237,7 @@ async def soak(
     tally = Tally()
     kwargs = {"slots": 4, "context_tokens": 256, "queue_depth_per_slot": 2} | (stack_kwargs or {})
     async with running_server(model_dir, **kwargs) as stack:
-        stack.served_body_limit = stack.app.app.config["MAX_CONTENT_LENGTH"]
+        stack.served_body_limit = stack.max_body_bytes
         model = stack.served.id
         first = await greedy_text(stack.port, model)
         # A first round of every kind settles the allocator and the caches; RSS is

@@ -343,7 +343,7 @@ def test_the_default_body_limit_is_sized_to_the_context(loaded):
     from triollm.server.app import MIN_BODY_LIMIT_BYTES, body_limit_for
 
     stack = stack_for(loaded, slots=2, context_tokens=256)
-    limit = stack.app.app.config["MAX_CONTENT_LENGTH"]
+    limit = stack.max_body_bytes
     assert limit == body_limit_for(256, loaded.tokenizer.max_chars_per_token)
     assert limit == MIN_BODY_LIMIT_BYTES  # 256 positions: the 1 MiB floor, not 8 MiB
     assert body_limit_for(32768, 16) > MIN_BODY_LIMIT_BYTES  # a long context gets more

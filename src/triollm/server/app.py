@@ -52,6 +52,7 @@ from triollm.model.tokenizer import ChatTemplateError
 from triollm.outcomes import Refused
 from triollm.scheduler import Infeasible
 from triollm.server import sse
+from triollm.server.door import Door, DoorPolicy
 from triollm.server.lifetime import LIFE_KEY, Lifetime, RequestLife, Stage
 from triollm.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from triollm.server.metrics import Metrics
@@ -103,6 +104,7 @@ def create_app(
     drain_nursery: trio.Nursery,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
+    door: DoorPolicy | None = None,
 ) -> Lifetime:
     """The ASGI application: quart-trio routes wrapped in :class:`Lifetime`.
 
@@ -248,7 +250,10 @@ def create_app(
         body, status = await writer.whole()
         return Response(json_text(body), status=status, mimetype="application/json")
 
-    return Lifetime(app, metrics, service, drain_nursery)
+    # The door (Host, CORS, API key, content type) inside the lifetime middleware, so
+    # its refusals are logged and a refused body's connection is closed like any other.
+    door = DoorPolicy() if door is None else door
+    return Lifetime(Door(app, door), metrics, service, drain_nursery)
 
 
 # --------------------------------------------------------------------------- request -> model

@@ -22,6 +22,7 @@ import errno
 import ipaddress
 import logging
 import math
+import os
 import re
 import signal
 import sys
@@ -43,6 +44,7 @@ from triollm.server.app import (
     body_limit_for,
     create_app,
 )
+from triollm.server.door import API_KEY_ENV, DoorPolicy
 from triollm.server.frontend import HttpConfig, Serving, serve_http
 from triollm.server.lifetime import Lifetime
 from triollm.server.metrics import Metrics
@@ -85,7 +87,28 @@ def configure(parser: argparse.ArgumentParser) -> None:
     net.add_argument(
         "--public",
         action="store_true",
-        help="allow a non-loopback --host (there is NO authentication)",
+        help="allow a non-loopback --host (add --api-key: there is no authentication otherwise)",
+    )
+    sec = parser.add_argument_group("access (docs/reliability.md)")
+    sec.add_argument(
+        "--api-key",
+        default=os.environ.get(API_KEY_ENV),
+        help=f"require 'Authorization: Bearer KEY' (default: ${API_KEY_ENV}; none = no key)",
+    )
+    sec.add_argument(
+        "--open-paths",
+        default="/health,/ready,/metrics",
+        help="paths served without the API key, comma-separated ('' = none)",
+    )
+    sec.add_argument(
+        "--allowed-origins",
+        default="",
+        help="CORS: origins whose pages may call the API, comma-separated ('*' = any)",
+    )
+    sec.add_argument(
+        "--allowed-hosts",
+        default="",
+        help="Host names accepted besides loopback ones (DNS-rebinding guard)",
     )
     # Every default below is read from the config dataclass that owns it, where its
     # reason is written (SchedulerConfig, ServiceConfig, sizing.py, HttpConfig).
@@ -217,6 +240,7 @@ class Stack:
     report: MemoryReport
     warm_prompt: list[int]
     app: Lifetime | None = None  # set by serve_stack while it serves
+    max_body_bytes: int = 0  # the body limit in force (413 past it)
 
 
 # The configs name their own fields; a user typed flags. Longest names first, so
@@ -274,6 +298,7 @@ def build_stack(
     max_body_bytes: int | None = None,
     body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
     tool_call_parser: ToolCallFormat | None = None,
+    door: DoorPolicy | None = None,
 ) -> Stack:
     """Scheduler + Batch + Service + app for ``loaded``, sized by ``sizing.py``.
 
@@ -357,12 +382,13 @@ def build_stack(
         metrics,
         max_body_bytes=max_body_bytes,
         body_timeout_s=body_timeout_s,
+        door=DoorPolicy.for_bind("127.0.0.1") if door is None else door,
     )
 
     def app_in(nursery: trio.Nursery) -> Lifetime:
         return make_app(drain_nursery=nursery)
 
-    return Stack(service, app_in, metrics, served, report, warm)
+    return Stack(service, app_in, metrics, served, report, warm, max_body_bytes=max_body_bytes)
 
 
 async def serve_stack(
@@ -463,12 +489,19 @@ def run(args: argparse.Namespace) -> int:
             f"--host {args.host} is not a loopback address; add --public to serve it "
             "(there is no authentication: anyone who can reach the port can use the model)"
         )
-    if args.public:
+    if args.public and not args.api_key:
         print(
             "triollm: WARNING: --public: no authentication; anyone who can reach "
-            f"{args.host}:{args.port} can use this server",
+            f"{args.host}:{args.port} can use this server (add --api-key)",
             file=sys.stderr,
         )
+    door = DoorPolicy.for_bind(
+        args.host,
+        api_key=args.api_key,
+        open_paths=[p.strip() for p in args.open_paths.split(",") if p.strip()],
+        allowed_origins=args.allowed_origins.split(","),
+        allowed_hosts=args.allowed_hosts.split(","),
+    )
     if not 0 <= args.port <= 65535:
         raise UserError(f"--port must be 0-65535, got {args.port}")
     # A negative grace would end the drain before it began; a negative write
@@ -493,6 +526,7 @@ def run(args: argparse.Namespace) -> int:
         model_name=args.model_name
         if args.model_name is not None
         else (None if _chosen_model_dir(args) is not None else DEMO_MODEL_NAME),
+        door=door,
     )
     print(
         f"triollm: loaded {model_dir} in {time.monotonic() - started:.1f} s\n"
