@@ -158,7 +158,8 @@ async def test_a_413_closes_the_keep_alive_connection_instead_of_hanging(loaded)
         stream = trio.SocketStream(sock)
         declared = 1_000_000
         await stream.send_all(
-            b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+            b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\n"
+            b"Content-Type: application/json\r\n"
             b"Content-Length: %d\r\n\r\n" % declared + b"a" * 8192
         )
         buf = bytearray()
