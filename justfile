@@ -58,3 +58,11 @@ docs *ARGS="build":
 # redraw the teaching pictures in docs/img from real scheduler runs (needs matplotlib: the `fixtures` extra)
 figures:
     python tools/figures.py
+
+# a soak: mixed, careless and hostile clients for 5 minutes, then every promise checked at rest
+soak *ARGS:
+    python bench/soak.py {{ARGS}}
+
+# an open-loop overload at 4x capacity for a minute: bounded queue, 429 + Retry-After, waits in budget
+overload *ARGS:
+    python bench/overload.py {{ARGS}}

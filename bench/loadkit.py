@@ -46,16 +46,20 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[rank - 1]
 
 
-def count_tasks() -> int:
-    """Tasks alive in this trio run (the whole tree, from the root)."""
+def live_tasks() -> list[str]:
+    """The names of the tasks alive in this trio run (the whole tree, from the root)."""
     todo = [trio.lowlevel.current_root_task()]
-    n = 0
+    names = []
     while todo:
         task = todo.pop()
-        n += 1
+        names.append(task.name)
         for nursery in task.child_nurseries:
             todo.extend(nursery.child_tasks)
-    return n
+    return names
+
+
+def count_tasks() -> int:
+    return len(live_tasks())
 
 
 # ----------------------------------------------------------------------------- HTTP

@@ -459,13 +459,14 @@ class Service:
         """Run steps forever; if anything beyond a step fails, fail safe and stop.
 
         A step's own failure is handled inside (the step's requests fail, the loop
-        goes on). Anything else -- commit, dispatch, a detokenizer, an observer,
-        membership -- means the loop's state can no longer be trusted, so it is not
-        restarted: every admitted request ends now with an ``internal`` error event
-        and its blocks go back, the queue closes (waiters and newcomers get 503), and
-        ``/ready`` says ``failed`` so an orchestrator replaces the process. Without
-        this the exception would end the task silently (or take the server down)
-        and every open stream would hang with no outcome.
+        goes on), and so is one request's text pipeline (that request fails).
+        Anything else -- commit, dispatch, an observer, membership -- means the
+        loop's state can no longer be trusted, so it is not restarted: every
+        admitted request ends now with an ``internal`` error event and its blocks
+        go back, the queue closes (waiters and newcomers get 503), and ``/ready``
+        says ``failed`` so an orchestrator replaces the process. Without this the
+        exception would end the task silently (or take the server down) and every
+        open stream would hang with no outcome.
         """
         try:
             await self._run_steps()
@@ -578,7 +579,11 @@ class Service:
         info = (
             (TokenInfo(tok.token_id, tok.logprob, tok.top_logprobs),) if live.want_logprobs else ()
         )
-        piece = live.text.push(tok.token_id)
+        try:
+            piece = live.text.push(tok.token_id)
+        except Exception as exc:
+            self._text_failed(live, exc)
+            return
         if piece.finish is not None:  # a stop id or a stop string ended the text
             if fin is None:  # a stop string: the scheduler does not know yet
                 self.scheduler.finish(live.seq_id, FinishReason.STOP)
@@ -586,7 +591,11 @@ class Service:
             return
         text = piece.text
         if fin is not None:  # the scheduler ended it (length, or a complete grammar)
-            end = live.text.finish(fin.reason)
+            try:
+                end = live.text.finish(fin.reason)
+            except Exception as exc:
+                self._text_failed(live, exc)
+                return
             assert end.finish is not None
             calls = piece.tool_calls + end.tool_calls
             self._complete(live, end.finish, Delta(text + end.text, info, calls))
@@ -597,6 +606,14 @@ class Service:
             live.send.send_nowait(Delta(text, info, piece.tool_calls))
         except trio.WouldBlock:
             self._too_slow(live)
+
+    def _text_failed(self, live: _Live, exc: Exception) -> None:
+        """One request's text pipeline (its detokenizer, its stop matcher) raised: that
+        request's state is broken, the loop's is not. It ends alone, its blocks back;
+        the rest of the step is delivered as usual (tests/server/test_faults.py)."""
+        log.exception("seq %d: turning its tokens into text failed", live.seq_id)
+        message = f"turning tokens into text failed: {type(exc).__name__}: {exc}"
+        self._end(live, self._failed(live, EndCode.INTERNAL, message), cancel=True)
 
     def _complete(self, live: _Live, reason: FinishReason, final: Delta) -> None:
         outcome = Completed(

@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from serverkit import MODEL_ID, live_server
 
-EXAMPLES = 80  # ~0.3 s each on this loaded 2-core machine
+EXAMPLES = 60  # ~0.3 s each on this loaded 2-core machine
 NEIGHBOUR = {
     "model": MODEL_ID,
     "prompt": "The neighbour",

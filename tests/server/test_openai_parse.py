@@ -83,7 +83,7 @@ def test_prompt_forms():
         ("echo", True),
         ("suffix", "x"),
         ("logit_bias", {"5": 1}),
-        ("stop", ["a", "b", "c", "d", "e"]),
+        ("stop", ["a"] * 17),
         ("stop", [""]),
         ("stop", 5),
         ("user", 7),

@@ -146,6 +146,11 @@ def create_app(
         # orchestrators copied from other servers probe /health, not /ready: say so.
         if service.failed is not None:
             return {"status": "failed", "reason": service.failed}, 503
+        if not service.ready and not service.closing:
+            # Warming up (kernels compiling): not serving yet, as llama-server says
+            # while loading. During the drain it stays 200: killing a draining
+            # process would cut the streams the grace is for.
+            return {"status": "warming up"}, 503
         return {"status": "ok"}
 
     @app.get("/ready")
@@ -161,20 +166,30 @@ def create_app(
     async def metrics_page() -> Response:
         return Response(metrics.render(), mimetype=None, content_type=METRICS_CONTENT_TYPE)
 
+    def model_card() -> dict[str, Any]:
+        return {
+            "id": model.id,
+            "object": "model",
+            "created": model.created,
+            "owned_by": "triollm",
+            "max_model_len": model.context_tokens,
+        }
+
     @app.get("/v1/models")
     async def models() -> Any:
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": model.id,
-                    "object": "model",
-                    "created": model.created,
-                    "owned_by": "triollm",
-                    "max_model_len": model.context_tokens,
-                }
-            ],
-        }
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/<path:model_id>")
+    async def model_by_id(model_id: str) -> Any:
+        # client.models.retrieve(id); ids may hold slashes ("org/name").
+        if model_id != model.id:
+            raise ApiError(
+                404,
+                f"the model '{model_id}' does not exist; this server serves '{model.id}'",
+                param="model",
+                code="model_not_found",
+            )
+        return model_card()
 
     @app.post("/v1/completions")
     async def completions() -> Response:
@@ -304,6 +319,12 @@ def _prompt_ids(req: GenerationRequest, model: ServedModel) -> list[int]:
     else:
         assert req.messages is not None
         messages = [m.for_template() for m in req.messages]
+        # A template without a 'developer' branch would drop or refuse that message;
+        # OpenAI's developer role is the system role of older templates (as vLLM maps it).
+        if "developer" not in getattr(tokenizer, "chat_templates", {}).get("default", ""):
+            for message in messages:
+                if message.get("role") == "developer":
+                    message["role"] = "system"
         tools = list(req.tools.definitions) if req.tools is not None else None
         try:
             ids = list(tokenizer.encode_chat(messages, tools=tools))

@@ -17,7 +17,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Protocol
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    ProcessCollector,
+    generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
@@ -26,7 +33,12 @@ from triollm.outcomes import EndCode, Refused, Unfinished
 from triollm.plan import FinishReason
 
 # Seconds. From 1 ms (a decode step of a tiny model) to a minute (a long queue wait).
-LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+# Up to two hours, as vLLM's request-latency buckets reach 7,680 s: a long answer on a
+# CPU takes minutes, and a top bucket of 60 s would put it in +Inf.
+LATENCY_BUCKETS = (
+    0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60,
+    120, 300, 600, 1200, 2400, 4800, 7680,
+)  # fmt: skip
 # Why a request ended without finishing: every member of both enums (outcomes.py).
 REJECTION_REASONS: tuple[Unfinished, ...] = (*Refused, *EndCode)
 FINISH_REASONS = (FinishReason.STOP, FinishReason.LENGTH, FinishReason.TOOL_CALLS)  # how it can end
@@ -81,6 +93,9 @@ class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
+        # process_cpu_seconds_total, process_resident_memory_bytes, ...: on a CPU
+        # server the two a user watches first (the private registry drops them).
+        ProcessCollector(registry=r)
         self.running = Gauge(
             "triollm:num_requests_running", "Sequences holding a slot.", registry=r
         )

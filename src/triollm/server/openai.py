@@ -30,9 +30,10 @@ from triollm.server.structured import Tools
 
 T = TypeVar("T")
 
-# OpenAI caps `stop` at 4 sequences; more would make the hold-back buffer (the
-# longest stop string) and the per-token search cost grow without bound.
-MAX_STOP_SEQUENCES = 4
+# A bound on `stop`: unbounded, the per-token search cost would grow without limit.
+# OpenAI caps it at 4, but code-completion clients send ~9 (vLLM and llama-server
+# take any number): 16 sequences of at most 256 characters.
+MAX_STOP_SEQUENCES = 16
 MAX_STOP_CHARS = 256
 # The legacy completions API allows at most 5 alternatives per token; chat allows 20.
 MAX_COMPLETION_LOGPROBS = 5
@@ -451,7 +452,7 @@ def _message(index: int, item: Any) -> ChatMessage:
                     f"'{param}.content[{j}].text' must be a string", f"{param}.content"
                 )
             parts.append(text)
-        content = "".join(parts)
+        content = "\n".join(parts)  # as vLLM joins text parts
     if not isinstance(content, str):
         raise bad_request(f"'{param}.content' must be a string or text parts", f"{param}.content")
     extra = _structured(structured.message_tool_fields, param, role, item)

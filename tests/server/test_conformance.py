@@ -1,0 +1,82 @@
+"""What users of the peers expect: /v1/models/{id}, the developer role, text parts
+joined as vLLM joins them, more stop strings, /health while warming, metrics that
+reach long CPU requests and carry the process's CPU and memory."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+import trio
+from serverkit import MODEL_ID, live_server
+
+from triollm.server.openai import MAX_STOP_SEQUENCES, parse_chat, parse_completion
+
+
+async def get(url: str) -> httpx.Response:
+    return await trio.to_thread.run_sync(lambda: httpx.get(url, timeout=30))
+
+
+async def test_a_model_can_be_retrieved_by_id(loaded):
+    async with live_server(loaded) as live:
+        c = openai.OpenAI(base_url=live.url + "/v1", api_key="unused", max_retries=0)
+        card = await trio.to_thread.run_sync(lambda: c.models.retrieve(MODEL_ID))
+        assert card.id == MODEL_ID
+        with pytest.raises(openai.NotFoundError):
+            await trio.to_thread.run_sync(lambda: c.models.retrieve("other/model"))
+
+
+async def test_the_developer_role_is_the_system_role_for_a_template_without_it(loaded):
+    async with live_server(loaded) as live:
+        c = openai.OpenAI(base_url=live.url + "/v1", api_key="unused", max_retries=0)
+
+        def answer(role: str) -> str:
+            r = c.chat.completions.create(
+                model=MODEL_ID,
+                messages=[
+                    {"role": role, "content": "Be brief."},
+                    {"role": "user", "content": "Hi"},
+                ],
+                max_tokens=6,
+                temperature=0,
+            )
+            return r.choices[0].message.content or ""
+
+        assert "developer" not in loaded.tokenizer.chat_templates["default"]
+        assert await trio.to_thread.run_sync(answer, "developer") == await trio.to_thread.run_sync(
+            answer, "system"
+        )
+
+
+def test_text_parts_are_joined_with_a_newline_as_vllm_does():
+    parts = [{"type": "text", "text": "Hello"}, {"type": "text", "text": "world"}]
+    req = parse_chat(
+        b'{"messages": [{"role": "user", "content": %s}]}' % repr(parts).replace("'", '"').encode()
+    )
+    assert req.messages is not None and req.messages[0].content == "Hello\nworld"
+
+
+def test_up_to_the_stated_number_of_stop_strings_is_accepted():
+    stops = [f"s{i}" for i in range(MAX_STOP_SEQUENCES)]
+    body = json.dumps({"prompt": "x", "stop": stops}).encode()
+    assert parse_completion(body).stop == tuple(stops)
+    assert MAX_STOP_SEQUENCES >= 9  # code-completion clients send about nine
+
+
+async def test_health_is_503_while_warming_up_and_200_while_draining(loaded):
+    async with live_server(loaded) as live:
+        assert (await get(live.url + "/health")).status_code == 200
+        live.service.ready = False  # as before warm_up completes
+        r = await get(live.url + "/health")
+        assert r.status_code == 503 and r.json()["status"] == "warming up"
+        live.service.ready = True
+
+
+async def test_metrics_reach_long_requests_and_carry_process_figures(loaded):
+    async with live_server(loaded) as live:
+        text = (await get(live.url + "/metrics")).text
+        assert 'triollm:e2e_request_latency_seconds_bucket{le="7680.0"}' in text
+        assert "process_resident_memory_bytes" in text
+        assert "process_cpu_seconds_total" in text
