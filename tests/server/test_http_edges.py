@@ -183,7 +183,11 @@ async def test_a_pool_smaller_than_the_context_serves_requests_without_max_token
     async with live_server(loaded, num_blocks=4, block_size=32) as live:
         models = (await get(live.url + "/v1/models")).json()
         assert models["data"][0]["max_model_len"] == 128
-        r = await post(live.url + "/v1/completions", b'{"prompt": "Hi", "ignore_eos": true}')
+        # Chat: /v1/completions without max_tokens means OpenAI's 16 instead.
+        r = await post(
+            live.url + "/v1/chat/completions",
+            b'{"messages": [{"role": "user", "content": "Hi"}], "ignore_eos": true}',
+        )
         assert r.status_code == 200, r.text
         body = r.json()
         assert body["choices"][0]["finish_reason"] == "length"

@@ -60,6 +60,7 @@ from triollm.server.openai import (
     ApiError,
     GenerationRequest,
     field_error,
+    load_object,
     parse_chat,
     parse_completion,
 )
@@ -74,6 +75,7 @@ log = logging.getLogger("triollm.server")
 
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024  # 8 MiB: a long prompt is ~100 KB of JSON
 MIN_BODY_LIMIT_BYTES = 1024 * 1024
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default on /v1/completions
 
 
 def body_limit_for(largest_request: int, max_chars_per_token: int) -> int:
@@ -199,6 +201,34 @@ def create_app(
     async def chat_completions() -> Response:
         return await _generate(parse_chat)
 
+    @app.post("/tokenize")
+    async def tokenize() -> Any:
+        # vLLM's and llama-server's endpoint: {"prompt": ...} (or llama-server's
+        # "content"), or {"messages": [...]} through the chat template. Same parsing,
+        # same limits and the same worker thread as a generation request.
+        raw: bytes = await request.get_data(cache=False, as_text=False)  # type: ignore[assignment]
+        body = load_object(raw)
+        if "content" in body and "prompt" not in body:
+            body["prompt"] = body.pop("content")
+        req = (parse_chat if "messages" in body else parse_completion)(json_text(body).encode())
+        _refuse_text_that_cannot_fit(req, model)
+        ids = await trio.to_thread.run_sync(_prompt_ids, req, model, limiter=TEXT_LIMITER)
+        return {"count": len(ids), "max_model_len": model.context_tokens, "tokens": ids}
+
+    @app.post("/detokenize")
+    async def detokenize() -> Any:
+        raw: bytes = await request.get_data(cache=False, as_text=False)  # type: ignore[assignment]
+        tokens = load_object(raw).get("tokens")
+        limit = model.vocab_limit
+        if not isinstance(tokens, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < limit for t in tokens
+        ):
+            raise ApiError(
+                400, f"'tokens' must be a list of token ids below {limit}", param="tokens"
+            )
+        text = await trio.to_thread.run_sync(model.tokenizer.decode, tokens, limiter=TEXT_LIMITER)
+        return {"prompt": text, "content": text}  # vLLM's key, llama-server's key
+
     async def _generate(parse: Callable[[bytes], GenerationRequest]) -> Response:
         life: RequestLife = request.scope[LIFE_KEY]  # type: ignore[literal-required]
         raw: bytes = await request.get_data(cache=False, as_text=False)  # type: ignore[assignment]
@@ -223,12 +253,22 @@ def create_app(
             grammar = await trio.to_thread.run_sync(model.grammars.get, spec)
         params = _sampling_params(req, model, grammar)
         parser = ToolCallParser(tool_format) if tool_format is not None else None
+        max_tokens = req.max_tokens
+        if (
+            max_tokens is None
+            and req.kind == "completion"
+            and service.config.max_tokens_default is None
+        ):
+            # OpenAI's default for /v1/completions (vLLM follows it); chat keeps "the
+            # rest of the context". Capped by the room left, so it never refuses.
+            room = service.scheduler.config.largest_request - len(prompt_ids)
+            max_tokens = min(COMPLETIONS_DEFAULT_MAX_TOKENS, room) if room >= 1 else None
         life.stage = Stage.QUEUED
         try:
             stream = await service.submit(
                 prompt_ids,
                 params=params,
-                max_tokens=req.max_tokens,
+                max_tokens=max_tokens,
                 stop=req.stop,
                 ignore_eos=req.ignore_eos,
                 want_logprobs=req.logprobs is not None,

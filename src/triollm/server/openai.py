@@ -349,6 +349,11 @@ def _parse_int(text: str) -> int:
     return int(text)
 
 
+def load_object(raw: bytes) -> dict[str, Any]:
+    """The body as a JSON object, or the 400 saying why not (``invalid_json``)."""
+    return _load_object(raw)
+
+
 def _load_object(raw: bytes) -> dict[str, Any]:
     try:
         body = json.loads(raw, parse_int=_parse_int)

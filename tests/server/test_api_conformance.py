@@ -80,3 +80,34 @@ async def test_metrics_reach_long_requests_and_carry_process_figures(loaded):
         assert 'triollm:e2e_request_latency_seconds_bucket{le="7680.0"}' in text
         assert "process_resident_memory_bytes" in text
         assert "process_cpu_seconds_total" in text
+
+
+async def test_completions_without_max_tokens_get_openais_16_and_chat_the_rest(loaded):
+    async with live_server(loaded) as live:
+        body = {"model": MODEL_ID, "prompt": "Hi", "ignore_eos": True}
+        r = await trio.to_thread.run_sync(
+            lambda: httpx.post(live.url + "/v1/completions", json=body, timeout=60)
+        )
+        assert r.json()["usage"]["completion_tokens"] == 16
+
+
+async def test_tokenize_and_detokenize_as_vllm_and_llama_server_offer_them(loaded):
+    tok = loaded.tokenizer
+    async with live_server(loaded) as live:
+
+        def post(path: str, body: dict) -> httpx.Response:
+            return httpx.post(live.url + path, json=body, timeout=30)
+
+        r = await trio.to_thread.run_sync(post, "/tokenize", {"prompt": "Hello world"})
+        assert r.json()["tokens"] == tok.encode("Hello world")
+        assert r.json()["count"] == len(r.json()["tokens"]) and r.json()["max_model_len"] == 256
+        r = await trio.to_thread.run_sync(post, "/tokenize", {"content": "Hello world"})
+        assert r.json()["tokens"] == tok.encode("Hello world")  # llama-server's key
+        msgs = [{"role": "user", "content": "Hi"}]
+        r = await trio.to_thread.run_sync(post, "/tokenize", {"messages": msgs})
+        assert r.json()["tokens"] == tok.encode_chat(msgs)
+        ids = tok.encode("Hello world", add_special_tokens=False)
+        r = await trio.to_thread.run_sync(post, "/detokenize", {"tokens": ids})
+        assert r.json()["prompt"] == r.json()["content"] == tok.decode(ids)
+        r = await trio.to_thread.run_sync(post, "/detokenize", {"tokens": [10**9]})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "tokens"
