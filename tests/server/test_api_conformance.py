@@ -111,3 +111,22 @@ async def test_tokenize_and_detokenize_as_vllm_and_llama_server_offer_them(loade
         assert r.json()["prompt"] == r.json()["content"] == tok.decode(ids)
         r = await trio.to_thread.run_sync(post, "/detokenize", {"tokens": [10**9]})
         assert r.status_code == 400 and r.json()["error"]["param"] == "tokens"
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("min_tokens", 4),
+        ("stop_token_ids", [2]),
+        ("include_stop_str_in_output", True),
+        ("chat_template_kwargs", {"enable_thinking": False}),
+    ],
+)
+def test_vllm_fields_that_change_the_output_are_refused_by_name_not_ignored(field, value):
+    from triollm.server.openai import ApiError
+
+    with pytest.raises(ApiError) as info:
+        parse_completion(json.dumps({"prompt": "x", field: value}).encode())
+    assert info.value.param == field and "not supported" in info.value.message
+    # Their neutral values change nothing and pass.
+    assert parse_completion(json.dumps({"prompt": "x", field: type(value)()}).encode())

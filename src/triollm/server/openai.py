@@ -252,6 +252,16 @@ def _stop(body: dict[str, Any]) -> tuple[str, ...]:
     return tuple(items)
 
 
+VLLM_OUTPUT_FIELDS = (
+    "min_tokens",
+    "stop_token_ids",
+    "include_stop_str_in_output",
+    "chat_template_kwargs",
+    "bad_words",
+    "allowed_token_ids",
+)
+
+
 def _refuse_unsupported(body: dict[str, Any], kind: str) -> None:
     """Fields we do not implement are refused by name, never silently ignored:
     a client that asked for two choices and got one would miscount."""
@@ -267,6 +277,11 @@ def _refuse_unsupported(body: dict[str, Any], kind: str) -> None:
         raise bad_request("'suffix' is not supported", "suffix")
     if body.get("logit_bias"):
         raise bad_request("'logit_bias' is not supported", "logit_bias")
+    # vLLM's fields that change the output: refused by name until implemented, so a
+    # client that relies on one learns it at once instead of getting other text.
+    for name in VLLM_OUTPUT_FIELDS:
+        if body.get(name):
+            raise bad_request(f"'{name}' is not supported by this server (vLLM's extension)", name)
     if kind == "completion" and body.get("tools") is not None:
         raise bad_request("'tools' is a chat field: use /v1/chat/completions", "tools")
 
