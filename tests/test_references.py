@@ -21,9 +21,6 @@ ROOT = Path(__file__).resolve().parents[1]
 # Named by work in flight that has not landed yet, each with who adds it. Delete an
 # entry when its file lands (an entry whose file exists is checked like any other).
 KNOWN_MISSING = {
-    "bench/overload.py": "issue 14 (named by bench/loadkit.py)",
-    "tests/server/test_soak.py": "issue 14 (named by bench/loadkit.py, bench/soak.py)",
-    "docs/reliability.md": "issue 14 (named by bench/soak.py, tests/model/test_chat_safety.py)",
     "docs/policies.md": "issue 15 (named by policies.py, check/machine.py)",
 }
 
