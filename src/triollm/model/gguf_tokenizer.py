@@ -27,11 +27,16 @@ Token types (``tokenizer.ggml.token_type``): 3 (control) are special tokens,
 
 Proof: ``tests/model/test_gguf_tokenizer.py`` writes GGUF files from
 ``tokenizer.json`` models and checks equal ids on a corpus of code, several
-languages, emoji, whitespace runs and special tokens.
+languages, emoji, whitespace runs and special tokens; and
+``tests/model/test_gguf_vocab_vectors.py`` takes real models' vocabularies
+(Llama 2 and Phi-3 SentencePiece, Llama 3, Qwen2, StarCoder) from llama.cpp's
+tokenizer test files, with the ids each model's own tokenizer gives.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
@@ -77,21 +82,36 @@ def _regex_split(pattern: str) -> Any:
     return build
 
 
-# tokenizer.ggml.pre -> (pre-tokenizer factory, NFC normalizer?)
-PRE_TOKENIZERS: dict[str, tuple[Any, bool]] = {
-    "default": (_gpt2_split, False),
-    "gpt2": (_gpt2_split, False),
-    "gpt-2": (_gpt2_split, False),
-    "smollm": (_digits_then_gpt2, False),
-    "starcoder": (_digits_then_gpt2, False),
-    "refact": (_digits_then_gpt2, False),
-    "llama3": (_regex_split(_LLAMA3), False),
-    "llama-v3": (_regex_split(_LLAMA3), False),
-    "llama-bpe": (_regex_split(_LLAMA3), False),
-    "smaug-bpe": (_regex_split(_LLAMA3), False),
-    "dbrx": (_regex_split(_LLAMA3), False),
-    "qwen2": (_regex_split(_QWEN2), True),
-    "deepseek-r1-qwen": (_regex_split(_QWEN2), True),
+@dataclass(frozen=True)
+class PreSplit:
+    """What a ``tokenizer.ggml.pre`` name stands for in its model's ``tokenizer.json``."""
+
+    build: Callable[[], Any]  # the pre-tokenizer
+    nfc: bool = False  # an NFC normalizer first (Qwen2)
+    # A word that is itself in the vocabulary is one token, merges or not (Llama 3's
+    # ``"ignore_merges": true``): "ệt" is a Llama 3 token no merge sequence reaches.
+    ignore_merges: bool = False
+
+
+_GPT2 = PreSplit(_gpt2_split)
+_DIGITS = PreSplit(_digits_then_gpt2)
+_LLAMA3_SPLIT = PreSplit(_regex_split(_LLAMA3), ignore_merges=True)
+_QWEN2_SPLIT = PreSplit(_regex_split(_QWEN2), nfc=True)
+
+PRE_TOKENIZERS: dict[str, PreSplit] = {
+    "default": _GPT2,
+    "gpt2": _GPT2,
+    "gpt-2": _GPT2,
+    "smollm": _DIGITS,
+    "starcoder": _DIGITS,
+    "refact": _DIGITS,
+    "llama3": _LLAMA3_SPLIT,
+    "llama-v3": _LLAMA3_SPLIT,
+    "llama-bpe": _LLAMA3_SPLIT,
+    "smaug-bpe": _LLAMA3_SPLIT,  # a Llama 3 fine-tune: Llama 3's tokenizer
+    "dbrx": PreSplit(_regex_split(_LLAMA3)),
+    "qwen2": _QWEN2_SPLIT,
+    "deepseek-r1-qwen": _QWEN2_SPLIT,
 }
 
 
@@ -179,17 +199,21 @@ def _byte_level_bpe(file: GGUFFile, tokens: list[str]) -> HFTokenizer:
             )
         merges.append((left, right))
     vocab = {tok: i for i, tok in enumerate(tokens)}
-    hf = HFTokenizer(models.BPE(vocab, merges, fuse_unk=False, byte_fallback=False))
     pre = file.get("tokenizer.ggml.pre", "str", "default")
     if pre not in PRE_TOKENIZERS:
         raise ModelLoadError(
             f"{file.path}: tokenizer.ggml.pre {pre!r} is not supported "
             f"(supported: {', '.join(sorted(PRE_TOKENIZERS))})"
         )
-    build, nfc = PRE_TOKENIZERS[pre]
-    if nfc:
+    split = PRE_TOKENIZERS[pre]
+    hf = HFTokenizer(
+        models.BPE(
+            vocab, merges, fuse_unk=False, byte_fallback=False, ignore_merges=split.ignore_merges
+        )
+    )
+    if split.nfc:
         hf.normalizer = normalizers.NFC()
-    hf.pre_tokenizer = build()
+    hf.pre_tokenizer = split.build()
     hf.decoder = decoders.ByteLevel()
     return hf
 
