@@ -12,6 +12,7 @@ under its GGUF name, q/k rows permuted for the llama architecture exactly as
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -125,6 +126,30 @@ def _tokenizer_metadata(writer: gguf.GGUFWriter, tok_dir: Path, pre: str) -> Non
         writer.add_chat_template(cfg["chat_template"])
 
 
+def llama3_rope_factors(config: Mapping[str, Any]) -> np.ndarray | None:
+    """The ``rope_freqs.weight`` llama.cpp's converter writes for llama3 RoPE scaling:
+    per frequency, 1 (short wavelengths), ``factor`` (long ones), a blend between."""
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    if rope.get("rope_type", rope.get("type")) != "llama3":
+        return None
+    theta = float((config.get("rope_parameters") or config).get("rope_theta", 10000.0))
+    dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    freqs = 1.0 / (theta ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    old = rope["original_max_position_embeddings"]
+    out = []
+    for f in freqs:
+        wavelen = 2 * math.pi / f
+        if wavelen < old / high:
+            out.append(1.0)
+        elif wavelen > old / low:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.asarray(out, np.float32)
+
+
 def write_gguf(
     path: Path,
     config: Mapping[str, Any],
@@ -179,6 +204,9 @@ def write_gguf(
             n = heads if ".q_proj." in key else kv_heads
             data = permute(data, n)  # rows are whole blocks: permuting bytes = permuting rows
         writer.add_tensor(name, np.ascontiguousarray(data), raw_dtype=raw_dtype)
+    factors = llama3_rope_factors(config)
+    if factors is not None:
+        writer.add_tensor("rope_freqs.weight", factors, raw_dtype=gguf.GGMLQuantizationType.F32)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

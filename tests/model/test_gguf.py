@@ -33,13 +33,16 @@ def make(tmp_path: Path, name: str, weight_type: G = G.F32, **kw: object) -> tup
     return path, held
 
 
-@pytest.mark.parametrize("name", ["llama-gqa-f32", "qwen2-bias-f32", "qwen3-headdim-f16"])
+@pytest.mark.parametrize(
+    "name", ["llama-gqa-f32", "qwen2-bias-f32", "qwen3-headdim-f16", "llama-tied-llama3-bf16"]
+)
 def test_a_gguf_written_from_a_checkpoint_gives_its_logits_and_greedy_ids(
     tmp_path: Path, name: str
 ) -> None:
     # llama: q/k permuted by the converter and un-permuted on load; qwen2: biases;
-    # qwen3: q/k norms and an explicit head_dim. The reference is transformers'
-    # output on the HF checkpoint (tools/make_fixtures.py), as for the directory.
+    # qwen3: q/k norms and an explicit head_dim; llama3: RoPE scaled by the file's
+    # rope_freqs.weight factors, tied output. The reference is transformers' output
+    # on the HF checkpoint (tools/make_fixtures.py), as for the directory.
     path, _ = make(tmp_path, name)
     model = load_model(path)
     summary, arrays = reference(name)
@@ -193,6 +196,21 @@ def test_a_missing_tensor_is_refused_naming_it(tmp_path: Path) -> None:
     path = tmp_path / "missing.gguf"
     write_gguf(path, config, tensors, FIXTURES / "llama-gqa-f32", G.F32)
     with pytest.raises(ModelLoadError, match=r"blk\.1\.ffn_down\.weight.*missing"):
+        load_model(path)
+
+
+def test_rope_factors_of_the_wrong_length_are_refused_naming_the_tensor(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import gguf_files
+
+    name = "llama-tied-llama3-bf16"
+    config, tensors = read_checkpoint(FIXTURES / name)
+    real = gguf_files.llama3_rope_factors
+    monkeypatch.setattr(gguf_files, "llama3_rope_factors", lambda c: real(c)[:-1])
+    path = tmp_path / "short-factors.gguf"
+    gguf_files.write_gguf(path, config, tensors, FIXTURES / name, G.F32)
+    with pytest.raises(ModelLoadError, match=r"'rope_freqs\.weight' must hold 8 positive"):
         load_model(path)
 
 

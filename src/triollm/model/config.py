@@ -42,14 +42,19 @@ class RopeScaling:
     ``rope_type`` ``linear`` divides every frequency by ``factor``. ``llama3``
     divides only the low frequencies (wavelength beyond
     ``original_max_position_embeddings / low_freq_factor``), keeps the high ones,
-    and blends in between.
+    and blends in between. ``factors`` divides frequency ``i`` by
+    ``frequency_factors[i]`` (a GGUF file's llama3 scaling, precomputed).
     """
 
-    rope_type: str  # "linear" | "llama3"
+    rope_type: str  # "linear" | "llama3" | "factors"
     factor: float
     low_freq_factor: float = 1.0  # llama3 only
     high_freq_factor: float = 4.0  # llama3 only
     original_max_position_embeddings: int = 8192  # llama3 only
+    # "factors" (GGUF files only): each frequency divided by its own factor, as the
+    # file's ``rope_freqs.weight`` tensor gives them (llama.cpp's converter writes
+    # llama3 scaling this way, computed from the four numbers above)
+    frequency_factors: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -32,6 +32,7 @@ type, a missing tensor, a metadata key of the wrong type.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 from typing import Any
@@ -39,7 +40,7 @@ from typing import Any
 import numpy as np
 
 from triollm.errors import ModelLoadError
-from triollm.model.config import ModelConfig
+from triollm.model.config import ModelConfig, RopeScaling
 from triollm.model.quant import QuantizedTensor, QuantType
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
@@ -206,11 +207,6 @@ class GGUFFile:
             "eos_token_id": g("tokenizer.ggml.eos_token_id", "int", None),
             "torch_dtype": self.weight_type(),
         }
-        if "rope_freqs.weight" in self.tensors:
-            raise ModelLoadError(
-                f"{self.path}: tensor 'rope_freqs.weight' (per-frequency RoPE factors, "
-                "llama3 scaling) is not supported"
-            )
         scaling = g(f"{arch}.rope.scaling.type", "str", "none")
         if scaling == "linear":
             d["rope_scaling"] = {
@@ -227,7 +223,33 @@ class GGUFFile:
             raise ModelLoadError(f"{self.path}: tensor 'token_embd.weight' is missing")
         vocab = g(f"{arch}.vocab_size", "int", None)
         d["vocab_size"] = vocab if vocab is not None else int(embd.shape[-1])
-        return ModelConfig.from_dict(d, source=str(self.path))
+        config = ModelConfig.from_dict(d, source=str(self.path))
+        if "rope_freqs.weight" in self.tensors:
+            config = self._with_frequency_factors(config)
+        return config
+
+    def _with_frequency_factors(self, config: ModelConfig) -> ModelConfig:
+        """Llama 3.1+ files: RoPE frequency ``i`` divided by ``rope_freqs.weight[i]``
+        (llama.cpp's converter computes the llama3 scaling into this tensor)."""
+        if config.rope_scaling is not None:
+            raise ModelLoadError(
+                f"{self.path}: tensor 'rope_freqs.weight' and "
+                f"'rope.scaling.type' {config.rope_scaling.rope_type!r} both scale RoPE; "
+                "a file may use one"
+            )
+        factors = self.tensor("rope_freqs.weight")
+        half = config.head_dim // 2
+        if not isinstance(factors, np.ndarray) or factors.dtype != np.float32:
+            raise ModelLoadError(f"{self.path}: tensor 'rope_freqs.weight' must be F32")
+        if factors.shape != (half,) or not (np.isfinite(factors).all() and (factors > 0).all()):
+            raise ModelLoadError(
+                f"{self.path}: tensor 'rope_freqs.weight' must hold {half} positive factors "
+                f"(head_dim / 2), got shape {factors.shape}"
+            )
+        scaling = RopeScaling(
+            "factors", factor=1.0, frequency_factors=tuple(float(f) for f in factors)
+        )
+        return dataclasses.replace(config, rope_scaling=scaling)
 
     def weight_type(self) -> str:
         """The type most weight bytes are in (``Q4_1``, ``Q8_0``, ``F16`` ...)."""

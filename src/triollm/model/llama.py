@@ -464,6 +464,8 @@ def inverse_frequencies(config: ModelConfig) -> np.ndarray:
         return inv_freq
     if sc.rope_type == "linear":
         return (inv_freq / np.float32(sc.factor)).astype(np.float32)
+    if sc.rope_type == "factors":
+        return (inv_freq / np.asarray(sc.frequency_factors, np.float32)).astype(np.float32)
     # llama3: stretch long wavelengths by `factor`, keep short ones, blend between.
     factor = np.float32(sc.factor)
     old_len = np.float32(sc.original_max_position_embeddings)
