@@ -33,8 +33,13 @@ def test_the_docs_quote_commands_with_their_output() -> None:
     ("page", "command", "output"), SAMPLES, ids=[f"{p}: {c}" for p, c, _ in SAMPLES]
 )
 def test_a_quoted_command_still_prints_what_the_page_shows(
-    page: str, command: str, output: str, capsys: pytest.CaptureFixture[str]
+    page: str,
+    command: str,
+    output: str,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    monkeypatch.chdir(DOCS.parent)  # a path in a command is the repository's, as in a reader's
     argv = shlex.split(command)[1:]
     assert main(argv) == 0
     printed = capsys.readouterr().out

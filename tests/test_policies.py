@@ -56,7 +56,14 @@ def test_an_object_that_is_not_a_policy_is_refused_naming_what_it_lacks() -> Non
     with pytest.raises(ValueError) as err:
         SchedulerConfig(num_blocks=4, policy=HalfAPolicy())  # type: ignore[arg-type]
     message = str(err.value)
-    for member in ("description", "grows", "deterministic", "on_dry_pool()", "waiting_order()"):
+    for member in (
+        "description",
+        "grows",
+        "deterministic",
+        "orders_by_priority",
+        "on_dry_pool()",
+        "waiting_order()",
+    ):
         assert member in message
     assert "admission_blocks" not in message
 

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import pytest
 
+from triollm.errors import FieldError
 from triollm.plan import Finished, FinishReason, SampledToken, StepPlan, StepResult
 from triollm.scheduler import (
+    PRIORITY_MAX,
+    PRIORITY_MIN,
     Infeasible,
     Policy,
     Scheduler,
@@ -90,6 +93,18 @@ def test_an_empty_prompt_and_a_zero_max_tokens_are_refused() -> None:
     with pytest.raises(Infeasible) as err:
         s.add([1], 0)
     assert err.value.field == "max_tokens"
+
+
+def test_a_priority_outside_32_bits_or_not_an_integer_is_refused_and_nothing_queues() -> None:
+    s = make()
+    for bad in (PRIORITY_MAX + 1, PRIORITY_MIN - 1, True, 1.5):
+        with pytest.raises(FieldError) as err:
+            s.add([1], 1, priority=bad)  # type: ignore[arg-type]
+        assert err.value.field == "priority"
+        assert f"between {PRIORITY_MIN} and {PRIORITY_MAX}" in str(err.value)
+    assert s.statistics().waiting == 0
+    edge = s.add([1], 1, priority=PRIORITY_MIN)
+    assert s.sequence(edge).priority == PRIORITY_MIN
 
 
 def test_no_max_tokens_means_the_rest_of_the_context() -> None:

@@ -83,6 +83,7 @@ class AdmissionScheduler(Protocol):
         max_tokens: int | None,
         stop_token_ids: frozenset[int] = ...,
         *,
+        priority: int = ...,
         cache_salt: str = ...,
     ) -> int: ...
     def admit_waiting(self) -> tuple[int, ...]: ...
@@ -181,12 +182,16 @@ class AdmissionQueue:
         max_tokens: int | None,
         stop_token_ids: frozenset[int] = frozenset(),
         *,
+        priority: int = 0,
         cache_salt: str = "",
     ) -> int:
         """Take a place in the queue, or be refused now. Returns the sequence id.
 
+        ``priority`` goes to the scheduler as it is: the policy decides what it means
+        (the queue's driver only runs the scheduler's pass, in the policy's order).
         Raises :class:`QueueFull`, :class:`QueueClosed`, or the scheduler's
-        ``Infeasible`` (a request that could never run is refused before it queues).
+        ``Infeasible`` (a request that could never run is refused before it queues)
+        or its ``FieldError`` for a priority out of range.
         """
         if self._closed:
             raise QueueClosed(self._closed_reason)
@@ -195,7 +200,9 @@ class AdmissionQueue:
                 f"the admission queue is full ({self.max_waiters} waiting); retry later",
                 retry_after(self.wait_s),
             )
-        seq_id = self._scheduler.add(prompt_ids, max_tokens, stop_token_ids, cache_salt=cache_salt)
+        seq_id = self._scheduler.add(
+            prompt_ids, max_tokens, stop_token_ids, priority=priority, cache_salt=cache_salt
+        )
         waiter = _Waiter(seq_id, trio.current_time(), trio.Event())
         self._waiters[seq_id] = waiter
         self._tickets[seq_id] = waiter

@@ -19,7 +19,10 @@ answers six questions from frozen views, and declares which claims it makes.
    a step's row budget is tight, the last ones are left out (and go first in the
    next step, the Scheduler's rule 4).
 
-``claims`` names what ``triollm check-policy`` proves about it (:class:`Claim`).
+``claims`` names what ``triollm check-policy`` proves about it (:class:`Claim`), and
+``orders_by_priority`` says whether any answer reads ``SeqView.priority``: the
+server refuses a request's non-zero ``priority`` under a policy that would ignore it
+(``Service.submit``), as vLLM refuses one without its priority scheduling.
 
 The four built-in policies are the four classes below; :class:`Policy` names them.
 
@@ -141,6 +144,7 @@ class SchedulingPolicy(Protocol):
     claims: frozenset[Claim]
     grows: bool
     deterministic: bool  # same events in, same decisions out (check-policy then writes a replay)
+    orders_by_priority: bool  # some answer reads SeqView.priority (else the server refuses one)
 
     def admission_blocks(self, seq: SeqView, view: SchedulerView) -> tuple[int, int]: ...
 
@@ -155,7 +159,7 @@ class SchedulingPolicy(Protocol):
     def overtake_bound(self, overtake_limit: int) -> int: ...
 
 
-_ATTRIBUTES = ("name", "description", "claims", "grows", "deterministic")
+_ATTRIBUTES = ("name", "description", "claims", "grows", "deterministic", "orders_by_priority")
 _METHODS = (
     "admission_blocks",
     "on_dry_pool",
@@ -175,8 +179,9 @@ def missing_members(obj: object) -> list[str]:
         is_set = isinstance(claims, (set, frozenset))
         if not is_set or not all(isinstance(c, Claim) for c in claims):
             missing.append("claims as a set of Claim members")
-    if hasattr(obj, "grows") and not isinstance(obj.grows, bool):
-        missing.append("grows as a bool")
+    for flag in ("grows", "orders_by_priority"):
+        if hasattr(obj, flag) and not isinstance(getattr(obj, flag), bool):
+            missing.append(f"{flag} as a bool")
     return missing
 
 
@@ -192,6 +197,7 @@ class BasePolicy:
     claims: frozenset[Claim] = frozenset()
     grows: bool = False
     deterministic: bool = True
+    orders_by_priority: bool = False  # set it when an answer reads SeqView.priority
 
     def admission_blocks(self, seq: SeqView, view: SchedulerView) -> tuple[int, int]:
         return blocks_for(seq.prompt_len + seq.max_tokens, view.block_size), 0

@@ -110,6 +110,8 @@ from triollm.policies import (
 )
 
 __all__ = [
+    "PRIORITY_MAX",
+    "PRIORITY_MIN",
     "RUNNING_STATES",
     "TERMINAL_STATES",
     "DeadlockError",
@@ -136,6 +138,12 @@ class SeqState(enum.Enum):
     FINISHED = "finished"
     CANCELLED = "cancelled"
 
+
+# A request's priority (smaller first) is a signed 32-bit integer: room for any ranking
+# and for a deadline in epoch seconds (earliest deadline first), and exact in every JSON
+# client (JavaScript's numbers stop being exact integers past 2**53).
+PRIORITY_MIN = -(2**31)
+PRIORITY_MAX = 2**31 - 1
 
 RUNNING_STATES = frozenset({SeqState.PREFILLING, SeqState.DECODING})
 TERMINAL_STATES = frozenset({SeqState.FINISHED, SeqState.CANCELLED})
@@ -478,16 +486,27 @@ class Scheduler:
     ) -> int:
         """Queue a request as a WAITING sequence with the next arrival ticket.
 
-        ``max_tokens=None`` means the rest of the context. ``priority`` is only read by
-        a policy that orders by it (smaller first). ``cache_salt`` is the prefix
-        cache's domain: only sequences with equal salts share blocks (rule 9).
-        Raises :class:`Infeasible`
-        (nothing queued) when it could never run. Trap: ``add`` never admits; call
-        ``admit_waiting``.
+        ``max_tokens=None`` means the rest of the context. ``priority`` (an integer in
+        ``PRIORITY_MIN..PRIORITY_MAX``, else ``FieldError``) is only read by a policy
+        that orders by it (smaller first); any other policy ignores it, and refusing
+        it is the server's business (``Service.submit``), not the simulator's.
+        ``cache_salt`` is the prefix cache's domain: only sequences with equal salts
+        share blocks (rule 9). Raises :class:`Infeasible` (nothing queued) when it
+        could never run. Trap: ``add`` never admits; call ``admit_waiting``.
         """
         problem = self._infeasible(len(prompt_ids), max_tokens)
         if problem is not None:
             raise problem
+        if (
+            isinstance(priority, bool)
+            or not isinstance(priority, int)
+            or not PRIORITY_MIN <= priority <= PRIORITY_MAX
+        ):
+            raise FieldError(
+                "priority",
+                f"'priority' must be an integer between {PRIORITY_MIN} and {PRIORITY_MAX} "
+                f"(smaller is served earlier), got {priority!r}",
+            )
         answer = self.config.context_tokens - len(prompt_ids) if max_tokens is None else max_tokens
         seq_id = self._next_id
         self._next_id += 1

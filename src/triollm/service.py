@@ -46,6 +46,7 @@ from typing import Any, Protocol
 import trio
 
 from triollm.admission import AdmissionQueue
+from triollm.errors import FieldError
 from triollm.events import (
     Completed,
     Delta,
@@ -324,13 +325,25 @@ class Service:
         internal: bool = False,
         tools: ToolCallParser | None = None,
         cache_salt: str = "",
+        priority: int = 0,
     ) -> RequestStream:
         """Queue a request and wait for its admission; returns its stream.
 
+        ``priority`` (smaller is served earlier; vLLM's convention) reaches the
+        policy's views. A non-zero one under a policy that does not order by it is
+        refused, as vLLM refuses one without priority scheduling: a client that
+        asked to go first and silently did not would draw the wrong conclusion.
         Raises ``QueueFull`` / ``QueueTimeout`` (429), ``QueueClosed`` (503), the
-        scheduler's ``Infeasible`` (400); a client that leaves while queued gets
-        ``Cancelled`` with nothing left behind.
+        scheduler's ``Infeasible`` or ``FieldError`` (400); a client that leaves
+        while queued gets ``Cancelled`` with nothing left behind.
         """
+        if priority != 0 and not self.scheduler.policy.orders_by_priority:
+            raise FieldError(
+                "priority",
+                f"'priority' is {priority}, but this server's scheduling policy "
+                f"({self.scheduler.policy.name}) does not order by priority and would "
+                "ignore it; leave it out or send 0",
+            )
         if max_tokens is None:
             # "The rest of the context" must also fit the pool: with a pool smaller
             # than slots x context, an unset max_tokens would reserve the whole
@@ -344,7 +357,9 @@ class Service:
         stop_ids = frozenset() if ignore_eos else self.eos_token_ids
         # Everything that can fail is built before enqueue: after it, a sequence exists.
         text = TextStream(self._detokenizer(prompt_ids), stops=stop, stop_ids=stop_ids, tools=tools)
-        seq_id = self.queue.enqueue(prompt_ids, max_tokens, stop_ids, cache_salt=cache_salt)
+        seq_id = self.queue.enqueue(
+            prompt_ids, max_tokens, stop_ids, priority=priority, cache_salt=cache_salt
+        )
         send, recv = trio.open_memory_channel[Delta](self.config.stream_buffer_steps)
         live = _Live(
             seq_id=seq_id,

@@ -203,3 +203,12 @@ def test_include_usage_errors_are_named_precisely():
     err = refused(completion, stream=True, stream_options={"include_usage": "yes"})
     assert err.param == "stream_options.include_usage"
     assert "'stream_options.include_usage'" in err.message
+
+
+def test_priority_is_an_integer_and_zero_when_left_out():
+    assert completion().priority == 0 and chat().priority == 0
+    assert completion(priority=-3).priority == -3 and chat(priority=7).priority == 7
+    for bad in ("high", True, 1.5, [1]):
+        for call in (completion, chat):
+            err = refused(call, priority=bad)
+            assert err.param == "priority" and "'priority' must be an integer" in err.message

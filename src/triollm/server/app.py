@@ -274,10 +274,14 @@ def create_app(
                 want_logprobs=req.logprobs is not None,
                 tools=parser,
                 cache_salt=req.cache_salt,
+                priority=req.priority,
             )
         except Infeasible as exc:
             life.stage = Stage.REFUSED
             raise field_error(exc, code="context_length_exceeded") from None
+        except FieldError as exc:  # a priority out of range, or one the policy ignores
+            life.stage = Stage.REFUSED
+            raise field_error(exc) from None
         except Refusal as exc:
             life.stage = Stage.REFUSED
             metrics.ended_early(exc.reason)

@@ -149,6 +149,7 @@ class GenerationRequest:
     grammar: GrammarSpec | None = None  # the output constraint (response_format, guided_*)
     tools: Tools | None = None  # chat: the functions the model may call, and how
     cache_salt: str = ""  # the prefix cache's domain: only equal salts share K/V blocks
+    priority: int = 0  # vLLM's extension: smaller is served earlier (the scheduler owns the range)
 
 
 # --------------------------------------------------------------------------- field readers
@@ -342,6 +343,9 @@ def _common(body: dict[str, Any], kind: Literal["completion", "chat"]) -> dict[s
         "ignore_eos": _boolean(body, "ignore_eos"),
         "grammar": _structured(structured.grammar_spec, body),
         "cache_salt": cache_salt or "",
+        # vLLM's field; its range and whether the policy reads it are the scheduler's
+        # and the service's to check (one owner each), the type is ours.
+        "priority": _integer(body, "priority") or 0,
     }
 
 
