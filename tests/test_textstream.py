@@ -89,6 +89,36 @@ def test_without_stop_ids_an_eos_id_is_ordinary_text() -> None:  # ignore_eos
     assert text.push(EOS) == TextPiece("<eos>")
 
 
+# -- rule 5: vLLM's include_stop_str_in_output and min_tokens -----------------------------
+
+
+def test_include_stop_keeps_the_matched_stop_string_and_drops_what_follows() -> None:
+    detok = FakeDetok({1: "hello E", 2: "ND and more"})
+    text = TextStream(detok, stops=["END"], include_stop=True)
+    assert text.push(1) == TextPiece("hello ")
+    assert text.push(2) == TextPiece("END", FinishReason.STOP)
+
+
+def test_include_stop_keeps_a_stop_string_completed_by_the_flushed_tail() -> None:
+    detok = FakeDetok({1: "4 </ans"}, held="wer> more")
+    text = TextStream(detok, stops=["</answer>"], include_stop=True)
+    assert text.push(1) == TextPiece("4 ")
+    assert text.finish(FinishReason.LENGTH) == TextPiece("</answer>", FinishReason.STOP)
+
+
+def test_a_stop_string_before_min_tokens_is_ordinary_text() -> None:
+    pieces = {1: "a.", 2: "b.", 3: "c.", 4: "d"}
+    text = TextStream(FakeDetok(pieces), stops=["."], min_tokens=3)
+    assert text.push(1) == TextPiece("a.")  # tokens 1 and 2: too early to stop
+    assert text.push(2) == TextPiece("b.")
+    assert text.push(3) == TextPiece("c", FinishReason.STOP)  # the third counts
+
+
+def test_stop_matcher_with_include_ends_at_the_stop_that_completes_first() -> None:
+    m = StopMatcher(["abc", "ab"], include=True)
+    assert m.feed("xabcd") == ("xab", True)
+
+
 # -- the stop matcher, TextStream's part for rule 3 --------------------------------------
 
 

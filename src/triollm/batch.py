@@ -18,7 +18,10 @@ the two pieces of state the model needs across steps:
   rows before sampling, and advanced with the sampled tokens. A grammar that is
   complete ends its sequence (``SampledToken.completes``); a matcher that fails
   costs its own sequence only (``StepResult.failed``). Unconstrained rows never
-  touch any of it.
+  touch any of it;
+- for a sequence added with :class:`~triollm.plan.MinTokens`, how many tokens it
+  must still generate before its stop ids may be sampled: until then their logits
+  are minus infinity (vLLM's ``min_tokens``).
 
 The Batch knows nothing of trio: :meth:`Batch.run` is a plain blocking call that
 the service runs in a worker thread. The kernels release the GIL, so the event
@@ -33,12 +36,15 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import cast
+
+import numpy as np
 
 from triollm.model.constrained import MaskFiller, MatcherFailed, SequenceMatcher
 from triollm.model.llama import LlamaModel, PagedKVCache
 from triollm.model.loader import LoadedModel
 from triollm.model.sampling import Sample, SamplingParams, SequenceSampler
-from triollm.plan import SampledToken, SequenceFailure, StepPlan, StepResult
+from triollm.plan import MinTokens, SampledToken, SequenceFailure, StepPlan, StepResult
 
 
 class BadChunks(ValueError):
@@ -84,6 +90,8 @@ class Batch:
         self._samplers: dict[int, SequenceSampler] = {}  # seq_id -> its sampling state
         # Invariant: a key of _matchers is a key of _samplers (added and removed together).
         self._matchers: dict[int, SequenceMatcher] = {}  # seq_id -> its grammar's matcher
+        # seq_id -> [tokens still to generate before a stop id may be sampled, the ids]
+        self._held: dict[int, tuple[list[int], np.ndarray]] = {}
         # Built on the first constrained step: a server that never sees a grammar
         # never starts the thread or allocates the mask.
         self._masks: MaskFiller | None = None
@@ -104,22 +112,31 @@ class Batch:
         self,
         seq_id: int,
         prompt_ids: Sequence[int],
-        params: SamplingParams,
+        params: SamplingParams | MinTokens,
         generated: Sequence[int] = (),
     ) -> None:
         """Start the sampling state of a new sequence (seeded, penalties see ``prompt_ids``).
 
         ``generated``: tokens the sequence already has (it is re-added after its state
         was lost); its grammar matcher is replayed over them and its sampler counts
-        them, so both stand where the sequence does.
+        them, so both stand where the sequence does. ``params`` wrapped in
+        :class:`~triollm.plan.MinTokens` holds its stop ids back for that many tokens.
         """
         if seq_id in self._samplers:
             raise ValueError(f"sequence {seq_id} is already in the batch")
-        sampler = SequenceSampler(params, prompt_ids)
+        if isinstance(params, MinTokens):
+            left = params.min_tokens - len(generated)
+            if left > 0 and params.stop_ids:
+                ids = np.fromiter(sorted(params.stop_ids), dtype=np.int64)
+                self._held[seq_id] = ([left], ids)
+            sampling = cast(SamplingParams, params.params)
+        else:
+            sampling = params
+        sampler = SequenceSampler(sampling, prompt_ids)
         for t in generated:
             sampler.accept(t)
-        if params.grammar is not None:
-            matcher = params.grammar.start()
+        if sampling.grammar is not None:
+            matcher = sampling.grammar.start()
             matcher.replay(generated)  # raises MatcherFailed: the tokens break the grammar
             self._matchers[seq_id] = matcher
         self._samplers[seq_id] = sampler
@@ -128,6 +145,7 @@ class Batch:
         """Forget a sequence's sampling state. Idempotent: cancel paths may race to it."""
         self._samplers.pop(seq_id, None)
         self._matchers.pop(seq_id, None)
+        self._held.pop(seq_id, None)
 
     def __contains__(self, seq_id: int) -> bool:
         return seq_id in self._samplers
@@ -178,12 +196,15 @@ class Batch:
         # Take the samplers and matchers now: a remove() from the event loop during
         # the forward pass must not turn into a KeyError halfway through sampling.
         rows: list[tuple[int, SequenceSampler, SequenceMatcher | None]] = []
+        held: dict[int, tuple[list[int], np.ndarray]] = {}
         for chunk in plan.chunks:
             if chunk.sample:
                 sampler = self._samplers.get(chunk.seq_id)
                 if sampler is None:
                     raise ValueError(f"sequence {chunk.seq_id} is sampled but was never added")
                 rows.append((chunk.seq_id, sampler, self._matchers.get(chunk.seq_id)))
+                if chunk.seq_id in self._held:
+                    held[chunk.seq_id] = self._held[chunk.seq_id]
         matchers = [m for _, _, m in rows if m is not None]
         filling = self._start_masks(matchers)
         try:
@@ -209,6 +230,8 @@ class Batch:
                     continue
                 finally:
                     mask_row += 1
+            if seq_id in held and held[seq_id][0][0] > 0:
+                _hold_back(row, held[seq_id][1])
             samples.append((seq_id, sampler.sample(row), matcher))
         # Matchers advance only once every row is sampled: a step that raises before
         # this point is discarded by the caller, and must leave no matcher ahead.
@@ -222,6 +245,8 @@ class Batch:
                     failed.append(SequenceFailure(seq_id, str(exc)))
                     continue
             sampled.append(SampledToken(seq_id, s.token_id, s.logprob, s.top_logprobs, completes))
+            if seq_id in held:
+                held[seq_id][0][0] -= 1  # counted only once the step's tokens stand
         return StepResult(
             step=plan.step,
             sampled=tuple(sampled),
@@ -242,3 +267,14 @@ class Batch:
         if self._mask_thread is None:
             self._mask_thread = ThreadPoolExecutor(1, thread_name_prefix="triollm-masks")
         return self._mask_thread.submit(self._fill, matchers)
+
+
+def _hold_back(row: np.ndarray, ids: np.ndarray) -> None:
+    """``min_tokens``: the stop ids cannot be sampled from ``row`` (in place). If they
+    are all that is left (a grammar allows nothing else), the row is left as it was:
+    the answer's rule wins over its length."""
+    ids = ids[ids < row.shape[0]]
+    kept = row[ids].copy()
+    row[ids] = -np.inf
+    if not np.isfinite(row).any():
+        row[ids] = kept

@@ -61,6 +61,7 @@ from triollm.outcomes import EndCode
 from triollm.plan import (
     Finished,
     FinishReason,
+    MinTokens,
     SampledToken,
     SequenceFailure,
     StepPlan,
@@ -239,6 +240,7 @@ class Service:
         self._changed = trio.Event()  # set (and replaced) on every state change, for waiters
         self._frontend_done = trio.Event()
         self.closing = False
+        self._drain_ends: float | None = None  # when the shutdown's grace runs out
         self.ready = False
         self.failed: str | None = None  # why the batch loop stopped (then never ready again)
         # (seq_id, how it ended), for tests
@@ -298,13 +300,23 @@ class Service:
             raise RuntimeError(f"the warm-up request failed: {detail}")
         self.ready = not self.closing and self.failed is None
 
-    def begin_shutdown(self) -> None:
-        """Stop admitting (waiters get 503); running streams continue."""
+    def begin_shutdown(self, drain_s: float | None = None) -> None:
+        """Stop admitting (waiters get 503); running streams continue, for up to
+        ``drain_s`` seconds if given (the grace: it sets :meth:`retry_after_s`)."""
+        if drain_s is not None and not self.closing:
+            self._drain_ends = trio.current_time() + drain_s
         self.closing = True
         self.ready = False
         self.queue.close()
         self._work.set()
         self.notify()
+
+    def retry_after_s(self) -> int:
+        """During the drain, the ``Retry-After`` a refused newcomer gets: the seconds
+        until the drain ends (at least 1), when a restarted server may answer."""
+        if self._drain_ends is None:
+            return 1
+        return max(1, math.ceil(self._drain_ends - trio.current_time()))
 
     def end_running(self) -> None:
         """The shutdown's grace ran out: end every admitted request now with a
@@ -326,6 +338,9 @@ class Service:
         tools: ToolCallParser | None = None,
         cache_salt: str = "",
         priority: int = 0,
+        stop_token_ids: Sequence[int] = (),
+        min_tokens: int = 0,
+        include_stop: bool = False,
     ) -> RequestStream:
         """Queue a request and wait for its admission; returns its stream.
 
@@ -333,6 +348,12 @@ class Service:
         policy's views. A non-zero one under a policy that does not order by it is
         refused, as vLLM refuses one without priority scheduling: a client that
         asked to go first and silently did not would draw the wrong conclusion.
+
+        ``stop_token_ids`` end the answer like EOS (also with ``ignore_eos``, as in
+        vLLM); ``min_tokens`` keeps every stop id and stop string from ending it
+        earlier (the ids through :class:`~triollm.plan.MinTokens`, the strings in the
+        TextStream); ``include_stop`` keeps a matched stop string in the text.
+
         Raises ``QueueFull`` / ``QueueTimeout`` (429), ``QueueClosed`` (503), the
         scheduler's ``Infeasible`` or ``FieldError`` (400); a client that leaves
         while queued gets ``Cancelled`` with nothing left behind.
@@ -354,9 +375,18 @@ class Service:
             room = self.scheduler.config.largest_request - len(prompt_ids)
             if room >= 1:  # else: let the scheduler name the limit the prompt breaks
                 max_tokens = room if max_tokens is None else min(max_tokens, room)
-        stop_ids = frozenset() if ignore_eos else self.eos_token_ids
+        stop_ids = (frozenset() if ignore_eos else self.eos_token_ids) | frozenset(stop_token_ids)
+        if min_tokens > 0 and stop_ids:
+            params = MinTokens(params, min_tokens, stop_ids)
         # Everything that can fail is built before enqueue: after it, a sequence exists.
-        text = TextStream(self._detokenizer(prompt_ids), stops=stop, stop_ids=stop_ids, tools=tools)
+        text = TextStream(
+            self._detokenizer(prompt_ids),
+            stops=stop,
+            stop_ids=stop_ids,
+            tools=tools,
+            include_stop=include_stop,
+            min_tokens=min_tokens,
+        )
         seq_id = self.queue.enqueue(
             prompt_ids, max_tokens, stop_ids, priority=priority, cache_salt=cache_salt
         )

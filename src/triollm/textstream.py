@@ -18,7 +18,13 @@ the text a client may see:
    the detokenizer's ``flush()`` may release text it held back; that tail goes
    through the matcher like any other piece, and a match there turns the finish
    reason into ``stop`` (it would otherwise be ``length``).
-5. **Tool calls are not text.** With a :class:`~triollm.toolcalls.ToolCallParser`
+5. **vLLM's two stop options.** ``include_stop`` (``include_stop_str_in_output``)
+   keeps the matched stop string at the end of the text. ``min_tokens``: no stop
+   string counts before the answer holds that many tokens; the text of those first
+   tokens goes straight out (a stop string that straddles the boundary is not
+   matched, as in vLLM, which checks only from that token on). The stop *ids* are
+   kept out of those tokens by the sampler (``batch.py``), so none arrives here.
+6. **Tool calls are not text.** With a :class:`~triollm.toolcalls.ToolCallParser`
    (the request gave tools), what the stop matcher releases goes through it: the
    calls in the model's syntax come out as ``tool_calls`` pieces, the rest as text,
    and an answer that made a call and ended on its own finishes ``tool_calls``.
@@ -73,8 +79,9 @@ class StopMatcher:
     :class:`TextStream`'s part for rule 3; usable alone on any stream of text.
     """
 
-    def __init__(self, stops: Sequence[str]) -> None:
+    def __init__(self, stops: Sequence[str], *, include: bool = False) -> None:
         self.stops = tuple(s for s in stops if s)
+        self.include = include  # True: a matched stop string is part of the text
         self.pending = ""
 
     def feed(self, text: str) -> tuple[str, bool]:
@@ -84,9 +91,12 @@ class StopMatcher:
         if not self.stops:
             out, self.pending = self.pending, ""
             return out, False
-        hits = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
+        hits = [(i, len(s)) for i, s in ((self.pending.find(s), s) for s in self.stops) if i >= 0]
         if hits:
-            out = self.pending[: min(hits)]
+            # The earliest stop string wins (of two starting there, the shorter: it
+            # completed first); it is cut off, or kept with ``include``.
+            at, size = min(hits)
+            out = self.pending[: at + size if self.include else at]
             self.pending = ""
             return out, True
         hold = 0
@@ -126,10 +136,15 @@ class TextStream:
         stops: Sequence[str] = (),
         stop_ids: frozenset[int] = frozenset(),
         tools: ToolCallParser | None = None,
+        include_stop: bool = False,
+        min_tokens: int = 0,
     ) -> None:
         self._detok = detokenizer
-        self._matcher = StopMatcher(stops)
-        # Rule 5: with tools, the text past the stop matcher goes through the model
+        self._matcher = StopMatcher(stops, include=include_stop)
+        # Rule 5: stop strings count from the min_tokens-th token on.
+        self._min_tokens = min_tokens
+        self._pushed = 0
+        # Rule 6: with tools, the text past the stop matcher goes through the model
         # family's tool-call parser; calls become tool_calls, the rest stays text.
         self._tools = tools
         keep = getattr(detokenizer, "keep_special", None)  # test fakes have none
@@ -145,7 +160,11 @@ class TextStream:
         self._check_open()
         if token_id in self.stop_ids:
             return self.finish(FinishReason.STOP)
-        text, matched = self._matcher.feed(self._detok.push(token_id))
+        self._pushed += 1
+        if self._pushed < self._min_tokens:  # rule 5: too early for a stop string
+            text, matched = self._detok.push(token_id), False
+        else:
+            text, matched = self._matcher.feed(self._detok.push(token_id))
         if matched:
             return self._end(text, FinishReason.STOP)
         if self._tools is None:

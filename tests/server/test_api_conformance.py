@@ -77,7 +77,10 @@ async def test_health_is_503_while_warming_up_and_200_while_draining(loaded):
 async def test_metrics_reach_long_requests_and_carry_process_figures(loaded):
     async with live_server(loaded) as live:
         text = (await get(live.url + "/metrics")).text
-        assert 'triollm:e2e_request_latency_seconds_bucket{le="7680.0"}' in text
+        bucket = (
+            f'triollm:e2e_request_latency_seconds_bucket{{le="7680.0",model_name="{MODEL_ID}"}}'
+        )
+        assert bucket in text
         assert "process_resident_memory_bytes" in text
         assert "process_cpu_seconds_total" in text
 
@@ -116,10 +119,9 @@ async def test_tokenize_and_detokenize_as_vllm_and_llama_server_offer_them(loade
 @pytest.mark.parametrize(
     ("field", "value"),
     [
-        ("min_tokens", 4),
-        ("stop_token_ids", [2]),
-        ("include_stop_str_in_output", True),
         ("chat_template_kwargs", {"enable_thinking": False}),
+        ("bad_words", ["x"]),
+        ("allowed_token_ids", [2]),
     ],
 )
 def test_vllm_fields_that_change_the_output_are_refused_by_name_not_ignored(field, value):
@@ -130,3 +132,35 @@ def test_vllm_fields_that_change_the_output_are_refused_by_name_not_ignored(fiel
     assert info.value.param == field and "not supported" in info.value.message
     # Their neutral values change nothing and pass.
     assert parse_completion(json.dumps({"prompt": "x", field: type(value)()}).encode())
+
+
+async def test_echo_returns_the_prompt_before_the_answer_whole_and_streamed(loaded):
+    async with live_server(loaded) as live:
+        c = openai.OpenAI(base_url=live.url + "/v1", api_key="unused", max_retries=0)
+        args = {"model": MODEL_ID, "max_tokens": 5, "temperature": 0}
+
+        def text(**extra) -> str:
+            return c.completions.create(**args, **extra).choices[0].text
+
+        def streamed(**extra) -> list[str]:
+            return [e.choices[0].text for e in c.completions.create(**args, stream=True, **extra)]
+
+        plain = await trio.to_thread.run_sync(lambda: text(prompt="Hello"))
+        echoed = await trio.to_thread.run_sync(lambda: text(prompt="Hello", echo=True))
+        assert echoed == "Hello" + plain
+        events = await trio.to_thread.run_sync(lambda: streamed(prompt="Hello", echo=True))
+        assert events[0] == "Hello" and "".join(events) == echoed  # the prompt comes first
+        ids = loaded.tokenizer.encode("Hello")
+        by_ids = await trio.to_thread.run_sync(lambda: text(prompt=ids, echo=True))
+        assert by_ids.startswith(loaded.tokenizer.decode(ids))
+
+
+def test_echo_with_logprobs_is_refused_with_the_reason_and_chat_has_no_echo():
+    from triollm.server.openai import ApiError
+
+    with pytest.raises(ApiError) as info:
+        parse_completion(b'{"prompt": "x", "echo": true, "logprobs": 1}')
+    assert info.value.param == "echo" and "prompt's log-probabilities" in info.value.message
+    with pytest.raises(ApiError) as info:
+        parse_chat(b'{"messages": [{"role": "user", "content": "x"}], "echo": true}')
+    assert info.value.param == "echo"

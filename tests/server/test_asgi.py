@@ -66,7 +66,7 @@ class Detok:
 
 def make_app(nursery: trio.Nursery, queue_wait_s: float = 1000.0) -> tuple[Any, Service, Metrics]:
     fake = SlowFake()
-    metrics = Metrics()
+    metrics = Metrics("m")
     service = Service(
         Scheduler(SchedulerConfig(num_blocks=8, block_size=8, slots=1, context_tokens=64)),
         fake,

@@ -121,6 +121,9 @@ FIELDS = [
     "stream_options",
     "n",
     "echo",
+    "min_tokens",
+    "stop_token_ids",
+    "include_stop_str_in_output",
     "user",
     "ignore_eos",
     "logit_bias",
@@ -158,6 +161,8 @@ field_values = {
     "stop": st.one_of(texts, st.lists(texts, max_size=8), values),
     "model": st.one_of(st.just(MODEL_ID), texts),
     "max_tokens": st.one_of(st.integers(-3, 40), numbers, values),
+    "min_tokens": st.one_of(st.integers(-3, 40), numbers, values),
+    "stop_token_ids": st.one_of(token_ids, values),
 }
 bodies = st.lists(st.sampled_from(FIELDS), unique=True, max_size=6).flatmap(
     lambda keys: st.fixed_dictionaries({k: field_values.get(k, values) for k in keys})

@@ -83,7 +83,8 @@ async def test_health_ready_models_and_metrics_move(loaded):
         assert ready.status_code == 200 and ready.json()["model"] == MODEL_ID
         before = (await get(live.url + "/metrics")).text
         assert "triollm:kv_blocks_total" in before
-        assert 'triollm:request_rejections_total{reason="queue_full"} 0.0' in before
+        label = f'model_name="{MODEL_ID}"'  # vLLM's label, on every triollm: series
+        assert f'triollm:request_rejections_total{{{label},reason="queue_full"}} 0.0' in before
         r = await post(
             live.url + "/v1/completions",
             b'{"model": "%s", "prompt": "Hi", "max_tokens": 4, "ignore_eos": true}'
@@ -91,10 +92,10 @@ async def test_health_ready_models_and_metrics_move(loaded):
         )
         assert r.status_code == 200
         after = (await get(live.url + "/metrics")).text
-        assert "triollm:generation_tokens_total 4.0" in after
-        assert 'triollm:request_success_total{finished_reason="length"} 1.0' in after
-        assert "triollm:time_to_first_token_seconds_count 1.0" in after
-        assert "triollm:num_requests_running 0.0" in after
+        assert f"triollm:generation_tokens_total{{{label}}} 4.0" in after
+        assert f'triollm:request_success_total{{finished_reason="length",{label}}} 1.0' in after
+        assert f"triollm:time_to_first_token_seconds_count{{{label}}} 1.0" in after
+        assert f"triollm:num_requests_running{{{label}}} 0.0" in after
         live.service.begin_shutdown()
         not_ready = await get(live.url + "/ready")
         assert not_ready.status_code == 503
@@ -199,9 +200,10 @@ async def test_metrics_count_failures_5xx_and_preemptions_but_not_the_warm_up(lo
     async with live_server(loaded) as live:
         metrics = live.stack.metrics
         page = (await get(live.url + "/metrics")).text
-        assert "triollm:step_rows_count 0.0" in page  # the warm-up's steps are not counted
-        assert "triollm:num_preemptions_total 0.0" in page
-        assert "triollm:num_requests_running 0.0" in page
+        label = f'{{model_name="{MODEL_ID}"}}'
+        assert f"triollm:step_rows_count{label} 0.0" in page  # the warm-up's steps: not counted
+        assert f"triollm:num_preemptions_total{label} 0.0" in page
+        assert f"triollm:num_requests_running{label} 0.0" in page
 
         async def broken(plan):
             raise RuntimeError("kernel exploded")
@@ -212,7 +214,9 @@ async def test_metrics_count_failures_5xx_and_preemptions_but_not_the_warm_up(lo
         assert metrics.rejection_count(EndCode.INTERNAL) == 1
         assert metrics.server_error_count() == 1
         page = (await get(live.url + "/metrics")).text
-        assert 'triollm:http_server_errors_total{status="500"} 1.0' in page
+        assert (
+            f'triollm:http_server_errors_total{{model_name="{MODEL_ID}",status="500"}} 1.0' in page
+        )
 
 
 async def test_a_sampling_value_out_of_range_is_a_400_naming_the_field(loaded):

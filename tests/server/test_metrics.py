@@ -8,15 +8,31 @@ from triollm.server.metrics import Metrics
 
 
 def test_every_way_a_request_ends_has_a_series_from_the_start() -> None:
-    page = Metrics().render().decode()
+    page = Metrics("m").render().decode()
     for reason in (*EndCode, *Refused):
-        assert f'triollm:request_rejections_total{{reason="{reason.value}"}} 0.0' in page
+        assert (
+            f'triollm:request_rejections_total{{model_name="m",reason="{reason.value}"}} 0.0'
+            in page
+        )
     for finish in (FinishReason.STOP, FinishReason.LENGTH):
-        assert f'triollm:request_success_total{{finished_reason="{finish.value}"}} 0.0' in page
+        assert (
+            f'triollm:request_success_total{{finished_reason="{finish.value}",model_name="m"}} 0.0'
+            in page
+        )
+
+
+def test_every_triollm_series_carries_the_model_name_as_vllm_labels_it() -> None:
+    metrics = Metrics("org/model-1")
+    metrics.token(True, 0.2)
+    lines = [line for line in metrics.render().decode().splitlines() if line[:1] not in "#"]
+    ours = [line for line in lines if line.startswith("triollm:")]
+    assert ours and all('model_name="org/model-1"' in line for line in ours)
+    assert any(line.startswith("process_") for line in lines)  # vLLM's: no model label
+    assert metrics.registry.get_sample_value("triollm:generation_tokens_total") == 1.0
 
 
 def test_counting_any_reason_never_raises_and_counts_it_alone() -> None:
-    metrics = Metrics()
+    metrics = Metrics("m")
     for reason in (*EndCode, *Refused):
         metrics.ended_early(reason)  # runs inside the batch loop: it must never raise
     metrics.ended_early(EndCode.TOO_SLOW)

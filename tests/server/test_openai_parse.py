@@ -80,7 +80,7 @@ def test_prompt_forms():
         ("stream", "yes"),
         ("n", 2),
         ("best_of", 3),
-        ("echo", True),
+        ("echo", "yes"),
         ("suffix", "x"),
         ("logit_bias", {"5": 1}),
         ("stop", ["a"] * 17),

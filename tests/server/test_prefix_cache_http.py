@@ -31,7 +31,7 @@ async def complete(url: str, **fields: object) -> dict:
 
 async def counter(url: str, name: str) -> float:
     text = (await trio.to_thread.run_sync(lambda: httpx.get(url + "/metrics", timeout=30))).text
-    m = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
+    m = re.search(rf"^{re.escape(name)}(?:\{{[^}}]*\}})? (\S+)$", text, re.M)
     assert m, f"{name} not in /metrics"
     return float(m.group(1))
 

@@ -148,6 +148,41 @@ async def test_a_refusal_during_the_drain_closes_its_keep_alive_connection(loade
     assert live.stack.metrics.aborted_connections() == 0
 
 
+async def test_during_the_drain_a_new_connection_gets_503_with_retry_after(loaded):
+    """SIGTERM with a stream running: the port keeps answering (no refused connection),
+    a newcomer gets 503 ``shutting_down`` with ``Retry-After`` and the connection
+    closes, the probes still answer, and the running stream finishes whole."""
+    async with live_server(loaded, http={"grace_s": HANG_S}) as live:
+        service = live.service
+        gate = StepGate(service)
+        running = await connect(live.port)
+        await running.send_all(request("/v1/completions", COMPLETION | {"stream": True}))
+        await service.wait_until(lambda: gate.parked)
+        live.shutdown.set()  # what SIGTERM does
+        await service.wait_until(lambda: service.closing)
+
+        newcomer = await connect(live.port)  # no fix: no answer, ever (hypercorn stopped)
+        await newcomer.send_all(request("/v1/completions", COMPLETION))
+        raw = await read_to_eof(newcomer)
+        assert status_of(raw) == 503
+        assert json.loads(body_of(raw))["error"]["code"] == "shutting_down"
+        assert 1 <= int(header(raw, "retry-after") or 0) <= HANG_S
+        assert header(raw, "connection") == "close"
+        await newcomer.aclose()
+        probe = await connect(live.port)
+        await probe.send_all(request("/health", method="GET", headers={"Connection": "close"}))
+        assert status_of(await read_to_eof(probe)) == 200  # draining, not dead
+        await probe.aclose()
+
+        gate.open()
+        raw = await read_to_eof(running)
+        events = sse_payloads(unchunk(raw))
+        assert events[-1] == "[DONE]"
+        assert events[-2]["choices"][0]["finish_reason"] == "length"
+        await running.aclose()
+    assert live.stack.metrics.aborted_connections() == 0
+
+
 async def test_a_stream_cut_by_the_end_of_the_grace_gets_the_shutdown_error_event(loaded):
     async with live_server(loaded, http={"grace_s": 0.5}) as live:
         service = live.service

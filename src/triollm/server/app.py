@@ -241,6 +241,7 @@ def create_app(
                 code="model_not_found",
             )
         _refuse_text_that_cannot_fit(req, model)
+        _check_stop_token_ids(req, model)
         # Tokenizing and the chat template run in a worker thread: a long prompt must
         # not stall every other stream's event loop (tests/server/test_hostile_input.py).
         prompt_ids = await trio.to_thread.run_sync(_prompt_ids, req, model, limiter=TEXT_LIMITER)
@@ -260,9 +261,18 @@ def create_app(
             and service.config.max_tokens_default is None
         ):
             # OpenAI's default for /v1/completions (vLLM follows it); chat keeps "the
-            # rest of the context". Capped by the room left, so it never refuses.
+            # rest of the context". Capped by the room left, so it never refuses; a
+            # min_tokens above it raises it (the client asked for that many).
             room = service.scheduler.config.largest_request - len(prompt_ids)
-            max_tokens = min(COMPLETIONS_DEFAULT_MAX_TOKENS, room) if room >= 1 else None
+            wanted = max(COMPLETIONS_DEFAULT_MAX_TOKENS, req.min_tokens)
+            max_tokens = min(wanted, room) if room >= 1 else None
+        echo = ""
+        if req.echo:  # /v1/completions: the prompt's text, then the answer's
+            echo = req.prompt_text or ""
+            if req.prompt_ids is not None:
+                echo = await trio.to_thread.run_sync(
+                    model.tokenizer.decode, list(req.prompt_ids), limiter=TEXT_LIMITER
+                )
         life.stage = Stage.QUEUED
         try:
             stream = await service.submit(
@@ -275,6 +285,9 @@ def create_app(
                 tools=parser,
                 cache_salt=req.cache_salt,
                 priority=req.priority,
+                stop_token_ids=req.stop_token_ids,
+                min_tokens=req.min_tokens,
+                include_stop=req.include_stop_str_in_output,
             )
         except Infeasible as exc:
             life.stage = Stage.REFUSED
@@ -294,12 +307,21 @@ def create_app(
             ) from None
         except QueueClosed as exc:
             life.stage = Stage.REFUSED
-            code = "server_failed" if service.failed is not None else "shutting_down"
-            raise ApiError(503, str(exc), type="service_unavailable", code=code) from None
+            if service.failed is not None:
+                raise ApiError(
+                    503, str(exc), type="service_unavailable", code="server_failed"
+                ) from None
+            raise ApiError(
+                503,
+                str(exc),
+                type="service_unavailable",
+                code="shutting_down",
+                headers={"Retry-After": str(service.retry_after_s())},
+            ) from None
         life.stream = stream
         # "generating" for a whole-body answer, so a cut one is not logged as a stream.
         life.stage = Stage.STREAMING if req.stream else Stage.GENERATING
-        writer = ResponseWriter(req, model, stream)
+        writer = ResponseWriter(req, model, stream, echo)
         if req.stream:
             response = Response(
                 writer.events(), mimetype=sse.CONTENT_TYPE, headers=dict(sse.HEADERS)
@@ -348,6 +370,17 @@ def _refuse_text_that_cannot_fit(req: GenerationRequest, model: ServedModel) -> 
             f"of {model.context_tokens} tokens",
             param=param,
             code="context_length_exceeded",
+        )
+
+
+def _check_stop_token_ids(req: GenerationRequest, model: ServedModel) -> None:
+    limit = model.vocab_limit
+    bad = [t for t in req.stop_token_ids if t >= limit]
+    if bad:
+        raise ApiError(
+            400,
+            f"'stop_token_ids' holds token id {bad[0]}, past the model's vocabulary of {limit}",
+            param="stop_token_ids",
         )
 
 

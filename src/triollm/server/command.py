@@ -9,9 +9,10 @@ The task tree (one ``trio.run``)::
        |- batch loop             service.py
        `- HTTP frontend          server/app.py: hypercorn.trio.serve + a shutdown watchdog
 
-Shutdown: the first signal closes the admission queue (waiters get 503), hypercorn
-stops accepting, and in-flight streams get ``--grace`` seconds to finish; then the
-remaining connections are aborted and the process exits 0.
+Shutdown: the first signal closes the admission queue (waiters get 503), and
+in-flight streams get ``--grace`` seconds to finish, while new requests get 503 with
+``Retry-After``; once they have ended hypercorn stops accepting, the remaining
+connections are aborted and the process exits 0.
 """
 
 from __future__ import annotations
@@ -332,7 +333,8 @@ def build_stack(
             f"{s.context_tokens} positions of context); give it a budget with --kv-memory "
             "(e.g. 2G) or shorten --context"
         ) from None
-    metrics = Metrics()
+    served_id = Path(loaded.model_dir).name if model_name is None else model_name
+    metrics = Metrics(model_name=served_id)  # vLLM's model_name label on every series
     tokenizer = loaded.tokenizer
     service = Service(
         Scheduler(sched_config),
@@ -344,7 +346,7 @@ def build_stack(
     )
     metrics.bind(service.scheduler.statistics, lambda: service.internal_running)
     served = ServedModel(
-        id=Path(loaded.model_dir).name if model_name is None else model_name,
+        id=served_id,
         tokenizer=tokenizer,
         # /v1/models' max_model_len: the largest request this server admits, which
         # a pool smaller than slots x context makes less than the context.

@@ -161,15 +161,22 @@ class Door:
         extra: list[tuple[bytes, bytes]] | None = None,
     ) -> None:
         self.refused[code] = self.refused.get(code, 0) + 1
-        body = {
-            "error": {
-                "message": message,
-                "type": "invalid_request_error",
-                "param": None,
-                "code": code,
-            }
-        }
-        await _respond(send, status, json.dumps(body).encode(), [*(extra or [])], json_body=True)
+        await send_error(send, status, message, code, headers=extra)
+
+
+async def send_error(
+    send: Any,
+    status: int,
+    message: str,
+    code: str,
+    *,
+    type: str = "invalid_request_error",
+    headers: list[tuple[bytes, bytes]] | None = None,
+) -> None:
+    """An answer in OpenAI's error shape, sent straight on the ASGI ``send`` (the
+    middlewares answer before any route runs)."""
+    body = {"error": {"message": message, "type": type, "param": None, "code": code}}
+    await _respond(send, status, json.dumps(body).encode(), [*(headers or [])], json_body=True)
 
 
 def _cors_headers(origin: str) -> list[tuple[bytes, bytes]]:

@@ -1,11 +1,14 @@
 """The HTTP frontend: hypercorn serving the app, a shutdown watchdog, abort after the grace.
 
 ``Service.run(frontend=...)`` runs :func:`serve_http` in the service's nursery
-(``server/command.py`` wires it). On shutdown the queue closes (waiters get 503),
-hypercorn stops accepting and gives in-flight requests ``grace_s`` seconds; the
-connections still open after that (a write stuck on a client that does not read)
-are aborted. Read with ``transport.py`` (the per-write deadline it installs) and
-``lifetime.py`` (the middleware whose drainers run in this nursery).
+(``server/command.py`` wires it). On shutdown the queue closes (waiters get 503)
+and in-flight streams get ``grace_s`` seconds. hypercorn keeps listening through
+that drain, so a newcomer gets a 503 with ``Retry-After`` (``lifetime.py``) rather
+than a refused connection; once the last admitted request has ended (or the grace
+ran out) hypercorn stops accepting and closes what is idle. The connections still
+open after the grace (a write stuck on a client that does not read) are aborted.
+Read with ``transport.py`` (the per-write deadline it installs) and ``lifetime.py``
+(the middleware whose drainers run in this nursery, and which answers the drain's 503s).
 """
 
 from __future__ import annotations
@@ -84,10 +87,18 @@ async def serve_http(
             on_abort=partial(_aborted, app.metrics, service),
         )
 
+        # hypercorn's own shutdown: not at the signal but once the drain is over, so
+        # that it answers new connections (with a 503) while the streams finish.
+        drained = trio.Event()
+
         async def watchdog() -> None:
             await shutdown.wait()
-            service.begin_shutdown()
-            await trio.sleep(config.grace_s)
+            service.begin_shutdown(config.grace_s)
+            deadline = trio.current_time() + config.grace_s
+            with trio.move_on_at(deadline):
+                await service.wait_until(lambda: service.live_requests == 0)
+            drained.set()
+            await trio.sleep_until(deadline)  # hypercorn is done by then, unless stuck
             # The grace ran out: end what still runs, so each stream writes its
             # shutdown error event and [DONE] (a whole-body request gets a 503).
             service.end_running()
@@ -100,7 +111,7 @@ async def serve_http(
             await hypercorn.trio.serve(
                 app,  # type: ignore[arg-type]
                 hconfig,
-                shutdown_trigger=shutdown.wait,
+                shutdown_trigger=drained.wait,
                 task_status=task_status,
             )
             nursery.cancel_scope.cancel()  # served and drained: stop the watchdog

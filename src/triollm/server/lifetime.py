@@ -18,6 +18,12 @@ Traps it designs around (read with ``transport.py``, the third one):
   That nursery is a required argument: a Lifetime cannot be built without it, so the
   guard cannot be silently off however the app is mounted (``frontend.py`` builds
   the app inside its own nursery; an in-process test passes its own).
+
+During a shutdown's drain the server still accepts connections (``frontend.py``
+keeps listening until the last stream has ended), and every new request but the
+probes is answered here, before any route runs: 503 ``shutting_down`` with
+``Retry-After`` and ``Connection: close``. A client retries later instead of
+finding the port refusing it, and a keep-alive connection cannot hold the drain open.
 """
 
 from __future__ import annotations
@@ -31,12 +37,16 @@ from typing import Any
 import trio
 
 from triollm.outcomes import EndCode
+from triollm.server.door import DEFAULT_OPEN_PATHS, send_error
 from triollm.server.metrics import Metrics
 from triollm.service import Failed, RequestStream, Service
 
 log = logging.getLogger("triollm.server")
 
 LIFE_KEY = "triollm.life"
+# What a draining server still answers: the probes (/health stays 200, /ready says
+# "shutting down"), so an orchestrator sees the drain instead of a refusal.
+DRAIN_OPEN_PATHS = DEFAULT_OPEN_PATHS
 DRAIN_LIMIT_S = 30.0  # a drainer gives up after this (a resource bound, not a timing)
 
 
@@ -132,6 +142,20 @@ class Lifetime:
 
         self.in_flight += 1
         try:
+            if self.service.closing and scope["path"] not in DRAIN_OPEN_PATHS:
+                life.stage = Stage.REFUSED
+                await send_error(
+                    watched_send,
+                    503,
+                    "the server is shutting down; retry later",
+                    "shutting_down",
+                    type="service_unavailable",
+                    headers=[
+                        (b"retry-after", str(self.service.retry_after_s()).encode()),
+                        (b"connection", b"close"),
+                    ],
+                )
+                return
             await self.app(scope, watched_receive, watched_send)
         finally:
             self.in_flight -= 1

@@ -8,6 +8,12 @@ Gauges that mirror scheduler state (running, waiting, KV blocks) are computed
 at scrape time from a ``statistics()`` callback, so they can never drift from
 the truth the way hand-incremented gauges do when a code path forgets one.
 
+Every ``triollm:`` series carries a ``model_name`` label on the page (vLLM's, so its
+dashboards' queries select ours too). It is added in one place, at render time
+(:class:`_ModelNameLabel`), so the metrics themselves and the code that reads them
+(``registry.get_sample_value``) keep their own labels only. The process metrics
+have none, as in vLLM.
+
 Trap: ``prometheus_client`` appends ``_total`` to counter names itself; the
 names below are given without it.
 """
@@ -27,6 +33,7 @@ from prometheus_client import (
 )
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 from triollm.outcomes import EndCode, Refused, Unfinished
@@ -87,12 +94,36 @@ class _SchedulerCounters(Collector):
         )
 
 
-class Metrics:
-    """The service's counters and histograms; one instance per service."""
+class _ModelNameLabel(Collector):
+    """The ``triollm:`` families of ``inner``, each sample labelled ``model_name``."""
 
-    def __init__(self) -> None:
+    def __init__(self, inner: CollectorRegistry, model_name: str) -> None:
+        self.inner = inner
+        self.model_name = model_name
+
+    def collect(self):  # type: ignore[no-untyped-def]
+        for family in self.inner.collect():
+            if not family.name.startswith("triollm:"):
+                yield family
+                continue
+            out = Metric(family.name, family.documentation, family.type, family.unit)
+            for sample in family.samples:
+                labels = {"model_name": self.model_name, **sample.labels}
+                out.add_sample(sample.name, labels, sample.value, sample.timestamp, sample.exemplar)
+            yield out
+
+
+class Metrics:
+    """The service's counters and histograms; one instance per service.
+
+    ``model_name``: the served model's id, the ``model_name`` label of every
+    ``triollm:`` series on the rendered page."""
+
+    def __init__(self, model_name: str) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
+        self.page = CollectorRegistry(auto_describe=False)  # what /metrics renders
+        self.page.register(_ModelNameLabel(r, model_name))
         # process_cpu_seconds_total, process_resident_memory_bytes, ...: on a CPU
         # server the two a user watches first (the private registry drops them).
         ProcessCollector(registry=r)
@@ -248,4 +279,4 @@ class Metrics:
         return self.registry.get_sample_value("triollm:connections_aborted_total") or 0.0
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        return generate_latest(self.page)

@@ -2,7 +2,8 @@
 
 Everything about the request's *shape* is checked here, before the request touches
 the tokenizer, the queue or the scheduler: bad JSON, a field of the wrong JSON type,
-a feature we do not implement (``n`` other than 1, ``echo``, ``logit_bias`` ...),
+a feature we do not implement (``n`` other than 1, ``echo`` with ``logprobs``,
+``logit_bias`` ...),
 limits of OpenAI's API itself (``stop``, ``logprobs``). Each refusal is an
 :class:`ApiError` whose ``param`` names the field, so the ``openai`` client shows
 the user which argument to fix. The sampling *ranges* are not checked here:
@@ -37,6 +38,9 @@ MAX_STOP_SEQUENCES = 16
 MAX_STOP_CHARS = 256
 # The legacy completions API allows at most 5 alternatives per token; chat allows 20.
 MAX_COMPLETION_LOGPROBS = 5
+# vLLM's stop_token_ids has no bound; each id is one set lookup per token, and while
+# min_tokens holds them back, one masked logit: 256 is far past any real list.
+MAX_STOP_TOKEN_IDS = 256
 MAX_CHAT_TOP_LOGPROBS = 20
 
 
@@ -150,6 +154,11 @@ class GenerationRequest:
     tools: Tools | None = None  # chat: the functions the model may call, and how
     cache_salt: str = ""  # the prefix cache's domain: only equal salts share K/V blocks
     priority: int = 0  # vLLM's extension: smaller is served earlier (the scheduler owns the range)
+    # vLLM's stop extensions (textstream.py owns the text side, batch.py the sampling)
+    stop_token_ids: tuple[int, ...] = ()  # end the answer like EOS (even with ignore_eos)
+    min_tokens: int = 0  # no stop id or stop string ends the answer before this many tokens
+    include_stop_str_in_output: bool = False  # a matched stop string stays in the text
+    echo: bool = False  # completions: the answer's text starts with the prompt's
 
 
 # --------------------------------------------------------------------------- field readers
@@ -253,14 +262,33 @@ def _stop(body: dict[str, Any]) -> tuple[str, ...]:
     return tuple(items)
 
 
-VLLM_OUTPUT_FIELDS = (
-    "min_tokens",
-    "stop_token_ids",
-    "include_stop_str_in_output",
-    "chat_template_kwargs",
-    "bad_words",
-    "allowed_token_ids",
-)
+def _stop_token_ids(body: dict[str, Any]) -> tuple[int, ...]:
+    """vLLM's ``stop_token_ids``: token ids (their range is the app's to check, against
+    the model's vocabulary)."""
+    value = body.get("stop_token_ids")
+    if value is None:
+        return ()
+    items = [as_integer(t) for t in value] if isinstance(value, list) else None
+    if items is None or not all(isinstance(t, int) and not isinstance(t, bool) for t in items):
+        raise bad_request("'stop_token_ids' must be a list of token ids", "stop_token_ids")
+    if any(t < 0 for t in items):
+        raise bad_request("'stop_token_ids' must be non-negative integers", "stop_token_ids")
+    if len(items) > MAX_STOP_TOKEN_IDS:
+        raise bad_request(
+            f"'stop_token_ids' may hold at most {MAX_STOP_TOKEN_IDS} ids, got {len(items)}",
+            "stop_token_ids",
+        )
+    return tuple(items)
+
+
+# vLLM's fields that change the output and are not implemented here. chat_template_kwargs
+# needs the chat template's renderer (model/tokenizer.py) to pass the request's own
+# variables to the template; until it does, a request relying on one is refused.
+VLLM_OUTPUT_FIELDS = {
+    "chat_template_kwargs": "the chat template is rendered with the messages and tools only",
+    "bad_words": "no token sequence can be banned from the answer",
+    "allowed_token_ids": "the vocabulary cannot be narrowed to a list (a grammar can)",
+}
 
 
 def _refuse_unsupported(body: dict[str, Any], kind: str) -> None:
@@ -272,17 +300,19 @@ def _refuse_unsupported(body: dict[str, Any], kind: str) -> None:
     best_of = as_integer(body.get("best_of"))
     if best_of is not None and (isinstance(best_of, bool) or best_of != 1):
         raise bad_request(f"'best_of' must be 1, got {best_of!r}", "best_of")
-    if body.get("echo"):
-        raise bad_request("'echo' is not supported", "echo")
+    if kind == "chat" and body.get("echo"):
+        raise bad_request("'echo' is a /v1/completions field", "echo")
     if body.get("suffix") is not None:
         raise bad_request("'suffix' is not supported", "suffix")
     if body.get("logit_bias"):
         raise bad_request("'logit_bias' is not supported", "logit_bias")
     # vLLM's fields that change the output: refused by name until implemented, so a
     # client that relies on one learns it at once instead of getting other text.
-    for name in VLLM_OUTPUT_FIELDS:
+    for name, why in VLLM_OUTPUT_FIELDS.items():
         if body.get(name):
-            raise bad_request(f"'{name}' is not supported by this server (vLLM's extension)", name)
+            raise bad_request(
+                f"'{name}' is not supported by this server (vLLM's extension): {why}", name
+            )
     if kind == "completion" and body.get("tools") is not None:
         raise bad_request("'tools' is a chat field: use /v1/chat/completions", "tools")
 
@@ -324,10 +354,20 @@ def _common(body: dict[str, Any], kind: Literal["completion", "chat"]) -> dict[s
     cache_salt = _string(body, "cache_salt")
     if cache_salt is not None and not cache_salt:
         raise bad_request("'cache_salt' must be a non-empty string (or left out)", "cache_salt")
+    max_tokens = max_completion if max_completion is not None else max_tokens
+    min_tokens = _integer(body, "min_tokens", 0) or 0
+    if max_tokens is not None and min_tokens > max_tokens:
+        raise bad_request(
+            f"'min_tokens' ({min_tokens}) must not be more than 'max_tokens' ({max_tokens})",
+            "min_tokens",
+        )
     return {
         "kind": kind,
         "model": model,
-        "max_tokens": max_completion if max_completion is not None else max_tokens,
+        "max_tokens": max_tokens,
+        "min_tokens": min_tokens,
+        "stop_token_ids": _stop_token_ids(body),
+        "include_stop_str_in_output": _boolean(body, "include_stop_str_in_output"),
         "temperature": _number(body, "temperature", 1.0),
         "top_p": _number(body, "top_p", 1.0),
         "top_k": 0 if top_k is None or top_k == -1 else top_k,  # -1 is vLLM's "off"
@@ -444,8 +484,19 @@ def parse_completion(raw: bytes) -> GenerationRequest:
             "prompt",
         )
     logprobs = _integer(body, "logprobs", 0, MAX_COMPLETION_LOGPROBS)
+    echo = _boolean(body, "echo")
+    if echo and logprobs is not None:
+        # What lm-eval's loglikelihood tasks ask for. The forward pass computes the
+        # output head only for the rows it samples (one per sequence and step), and
+        # the prefix cache skips cached prompt positions altogether: the prompt's
+        # log-probabilities are never computed, so they cannot be returned.
+        raise bad_request(
+            "'echo' with 'logprobs' is not supported: this server does not compute the "
+            "prompt's log-probabilities (only the generated tokens'); send one of the two",
+            "echo",
+        )
     return GenerationRequest(
-        prompt_text=prompt_text, prompt_ids=prompt_ids, logprobs=logprobs, **fields
+        prompt_text=prompt_text, prompt_ids=prompt_ids, logprobs=logprobs, echo=echo, **fields
     )
 
 

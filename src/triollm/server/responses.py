@@ -81,8 +81,13 @@ def error_response(err: ApiError) -> Response:
 class ResponseWriter:
     """Turns a RequestStream into OpenAI's JSON: SSE chunks or one whole object."""
 
-    def __init__(self, req: GenerationRequest, model: ServedModel, stream: RequestStream) -> None:
+    def __init__(
+        self, req: GenerationRequest, model: ServedModel, stream: RequestStream, echo: str = ""
+    ) -> None:
+        """``echo``: the prompt's text, when the completion request asked for ``echo``:
+        the answer's text starts with it (the first event of a stream carries it)."""
         self.req = req
+        self.echo = echo
         self.model = model
         self.stream = stream
         self.chat = req.kind == "chat"
@@ -191,6 +196,8 @@ class ResponseWriter:
         """The SSE body. Holds no cleanup: the middleware ends the request."""
         if self.chat:
             yield self._chunk(None, None, first=True)
+        elif self.echo:
+            yield self._chunk(Delta(self.echo, ()), None)
         async for delta in self.stream:
             yield self._chunk(delta, None)
         outcome = self.stream.outcome
@@ -214,7 +221,7 @@ class ResponseWriter:
 
     async def whole(self) -> tuple[dict[str, Any], int]:
         """The non-streaming body: (JSON object, status)."""
-        texts: list[str] = []
+        texts: list[str] = [self.echo]
         lps: list[dict[str, Any] | None] = []
         calls: list[ParsedDelta] = []
         async for delta in self.stream:
