@@ -1,9 +1,10 @@
 """The "break it" table in docs/break-it.md is current (cheap checks; the run itself
 is ``python tools/break_it.py``, too long for CI).
 
-A row whose edit changed since it was recorded shows as "not recorded for this edit
-yet" in the page, because the page is rendered from the record and the edit list
-together; the page test below keeps the quote equal to that rendering.
+A row whose edit changed since it was recorded fails here until
+``python tools/break_it.py --stale`` records it again (the page meanwhile shows it as
+"not recorded for this edit yet": it is rendered from the record and the edit list
+together, and the page test below keeps the quote equal to that rendering).
 """
 
 from __future__ import annotations
@@ -30,6 +31,16 @@ def test_every_edit_still_applies_to_todays_code_exactly_once() -> None:
 def test_the_record_names_only_rows_of_todays_list() -> None:
     recorded = json.loads(break_it.RESULTS.read_text())
     assert set(recorded) <= {m.key for m in break_it.MUTATIONS}
+
+
+def test_every_row_is_recorded_from_its_edit_as_it_is_today() -> None:
+    recorded = json.loads(break_it.RESULTS.read_text())
+    stale = [
+        m.key
+        for m in break_it.MUTATIONS
+        if recorded.get(m.key, {}).get("digest") != break_it.digest(m)
+    ]
+    assert stale == [], f"run `python tools/break_it.py --stale` to record {stale}"
 
 
 def test_no_recorded_mechanism_is_one_that_no_test_protects() -> None:

@@ -273,33 +273,72 @@ def _scratch_copy(dest: Path) -> None:
 _FAILED = re.compile(r"^(?:FAILED|ERROR) (\S+?)(?: - |$)", re.M)
 
 
+# Every row runs in the same scratch path, with numba's cache in one place outside it:
+# numba finds a compiled kernel by its source file's path and stamp (`copy2` keeps the
+# stamp), so only the first run compiles. Without this, every row compiled the kernels
+# again inside the session fixture that loads a model, past the per-test timeout, and
+# recorded that fixture's timeout as the mechanism's failure.
+SCRATCH = Path(tempfile.gettempdir()) / "triollm-break-it"
+NUMBA_CACHE = Path.home() / ".cache" / "triollm" / "break-it-numba"
+
+
+def _env(root: Path) -> dict[str, str]:
+    return {
+        **os.environ,
+        "PYTHONPATH": str(root / "src"),
+        "HYPOTHESIS_PROFILE": "ci",
+        "NUMBA_CACHE_DIR": str(NUMBA_CACHE),
+    }
+
+
+def _fresh_scratch() -> Path:
+    shutil.rmtree(SCRATCH, ignore_errors=True)
+    SCRATCH.mkdir(parents=True)
+    _scratch_copy(SCRATCH)
+    return SCRATCH
+
+
+def warm_kernels() -> None:
+    """Compile (or load) every kernel once in the unedited scratch copy, untimed."""
+    root = _fresh_scratch()
+    subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "from triollm.model.loader import load_model; "
+            "load_model('tests/fixtures/models/llama-gqa-f32')",
+        ],
+        cwd=root,
+        env=_env(root),
+        check=True,
+    )
+
+
 def run_one(m: Mutation) -> dict[str, object]:
-    with tempfile.TemporaryDirectory(prefix=f"break-{m.key}-") as tmp:
-        root = Path(tmp)
-        _scratch_copy(root)
-        m.apply(root)
-        env = {**os.environ, "PYTHONPATH": str(root / "src"), "HYPOTHESIS_PROFILE": "ci"}
-        started = time.monotonic()
-        done = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "pytest",
-                "-q",
-                "-rfE",
-                "--tb=no",
-                "-p",
-                "no:cacheprovider",
-                f"--timeout={PER_TEST_TIMEOUT_S}",
-                f"--maxfail={MAX_FAILURES}",
-                *m.tests,
-            ],
-            cwd=root,
-            env=env,
-            capture_output=True,
-            text=True,
-        )
-        seconds = time.monotonic() - started
+    root = _fresh_scratch()  # one copy per row, at the same path (see SCRATCH)
+    m.apply(root)
+    env = _env(root)
+    started = time.monotonic()
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-rfE",
+            "--tb=no",
+            "-p",
+            "no:cacheprovider",
+            f"--timeout={PER_TEST_TIMEOUT_S}",
+            f"--maxfail={MAX_FAILURES}",
+            *m.tests,
+        ],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    seconds = time.monotonic() - started
     failing = sorted(set(_FAILED.findall(done.stdout)))
     summary = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else ""
     capped = len(failing) >= MAX_FAILURES
@@ -313,16 +352,22 @@ def run_one(m: Mutation) -> dict[str, object]:
 
 
 def render_table(results: dict[str, dict[str, object]]) -> str:
+    """The table (what is removed, which tests fail), then the edits, row by row: the
+    edits are long code, and a table cell would wrap them a few letters a line."""
     rows = [
-        "| mechanism removed | the edit | tests run | tests that fail |",
-        "| --- | --- | --- | --- |",
+        "| # | mechanism removed | tests that fail without it |",
+        "| ---: | --- | --- |",
     ]
-    for m in MUTATIONS:
-        edit = f"`{m.path}`: `{_one_line(m.old)}` → `{_one_line(m.new)}`"
+    edits = ["The edits, by row (`old` → `new`, shortened; then the tests run):", ""]
+    for number, m in enumerate(MUTATIONS, 1):
+        edits.append(
+            f"{number}. `{m.path}`: `{_one_line(m.old)}` → `{_one_line(m.new)}`; "
+            f"runs {', '.join(f'`{t}`' for t in m.tests)}"
+        )
         r = results.get(m.key)
         if r is None or r.get("digest") != digest(m):
             rows.append(
-                f"| {m.mechanism} | {edit} | {', '.join(m.tests)} | "
+                f"| {number} | {m.mechanism} | "
                 "not recorded for this edit yet (`python tools/break_it.py --stale`) |"
             )
             continue
@@ -334,8 +379,8 @@ def render_table(results: dict[str, dict[str, object]]) -> str:
         more = f"<br>and {len(failing) - 6} more" if len(failing) > 6 else ""
         count = f"{len(failing)}+" if r.get("capped") else f"{len(failing)}"
         cell = f"**{count}**: {names}{more}" if failing else "**none: a missing test**"
-        rows.append(f"| {m.mechanism} | {edit} | {', '.join(m.tests)} | {cell} |")
-    return "\n".join(rows)
+        rows.append(f"| {number} | {m.mechanism} | {cell} |")
+    return "\n".join([*rows, "", *edits])
 
 
 def _test_name(node_id: str) -> str:
@@ -375,6 +420,7 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, dict[str, object]] = (
         json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
     )
+    warm_kernels()
     for m in MUTATIONS:
         if args.only and m.key not in args.only:
             continue
