@@ -127,7 +127,9 @@ def test_a_command_the_docs_show_runs(
     block: Block, command: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     argv = shlex.split(command, comments=True)
-    assert argv[0] == "triollm", f'{block}: `{command}` is not a triollm command; mark it title="not run by the tests: ..."'
+    assert argv[0] == "triollm", (
+        f'{block}: `{command}` is no triollm command; title it "not run by the tests: ..."'
+    )
     for top in ("src", "tests", "docs", "bench"):
         (tmp_path / top).symlink_to(ROOT / top)
     monkeypatch.chdir(tmp_path)

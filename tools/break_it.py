@@ -361,8 +361,7 @@ def render_table(results: dict[str, dict[str, object]]) -> str:
     edits = ["The edits, by row (`old` → `new`, shortened; then the tests run):", ""]
     for number, m in enumerate(MUTATIONS, 1):
         edits.append(
-            f"{number}. `{m.path}`: `{_one_line(m.old)}` → `{_one_line(m.new)}`; "
-            f"runs {', '.join(f'`{t}`' for t in m.tests)}"
+            f"{number}. `{m.path}`: {_edit(m)}; runs {', '.join(f'`{t}`' for t in m.tests)}"
         )
         r = results.get(m.key)
         if r is None or r.get("digest") != digest(m):
@@ -390,9 +389,20 @@ def _test_name(node_id: str) -> str:
     return parts[-2] if parts[-1] == "runTest" and len(parts) > 2 else parts[-1]
 
 
-def _one_line(snippet: str) -> str:
+def _one_line(snippet: str, skip: int = 0) -> str:
     text = " ".join(snippet.split())
+    if skip:
+        text = "… " + text[skip:]
     return (text[:70] + " …") if len(text) > 72 else text.replace("|", "\\|")
+
+
+def _edit(m: Mutation) -> str:
+    """`old` → `new`, one line each; when they open alike, both start a little before
+    where they differ, so the shortened forms still show the change."""
+    old, new = (" ".join(t.split()) for t in (m.old, m.new))
+    same = next((i for i, (a, b) in enumerate(zip(old, new, strict=False)) if a != b), 0)
+    skip = old.rfind(" ", 0, same - 10) + 1 if same > 40 else 0  # from a word's start
+    return f"`{_one_line(m.old, skip)}` → `{_one_line(m.new, skip)}`"
 
 
 def write_page(results: dict[str, dict[str, object]]) -> None:
