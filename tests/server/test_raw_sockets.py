@@ -16,7 +16,15 @@ from __future__ import annotations
 import json
 
 import trio
-from serverkit import MODEL_ID, StepGate, live_server, read_until, sse_payloads, unchunk
+from serverkit import (
+    MODEL_ID,
+    StepGate,
+    live_server,
+    raw_post,
+    read_until,
+    sse_payloads,
+    unchunk,
+)
 
 HANG_S = 30  # a hang guard: far longer than any of these exchanges takes
 
@@ -181,6 +189,30 @@ async def test_during_the_drain_a_new_connection_gets_503_with_retry_after(loade
         assert events[-2]["choices"][0]["finish_reason"] == "length"
         await running.aclose()
     assert live.stack.metrics.aborted_connections() == 0
+
+
+async def test_the_drain_waits_for_a_slow_readers_last_bytes_and_still_answers_newcomers(loaded):
+    """A stream the service has finished while its response is still being written (a
+    client reading slowly): the drain is not over, so the port still answers with 503."""
+    slow_body = COMPLETION | {"stream": True, "max_tokens": 200, "logprobs": 5}
+    async with live_server(loaded, http={"grace_s": HANG_S, "send_buffer_bytes": 4096}) as live:
+        service, app = live.service, live.stack.app
+        slow = await raw_post(live.port, "/v1/completions", slow_body, rcvbuf=2048)
+        await service.wait_until(lambda: service.live_requests == 0 and app.in_flight == 1)
+        live.shutdown.set()
+        await service.wait_until(lambda: service.closing)
+
+        newcomer = await connect(live.port)  # no fix: the drain looked over, port closed
+        await newcomer.send_all(request("/v1/completions", COMPLETION))
+        raw = await read_to_eof(newcomer)
+        assert status_of(raw) == 503
+        await newcomer.aclose()
+
+        raw = await read_to_eof(slow)
+        events = sse_payloads(unchunk(raw))
+        assert events[-1] == "[DONE]"
+        assert events[-2]["choices"][0]["finish_reason"] == "length"
+        await slow.aclose()
 
 
 async def test_a_stream_cut_by_the_end_of_the_grace_gets_the_shutdown_error_event(loaded):

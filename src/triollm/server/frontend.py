@@ -4,9 +4,10 @@
 (``server/command.py`` wires it). On shutdown the queue closes (waiters get 503)
 and in-flight streams get ``grace_s`` seconds. hypercorn keeps listening through
 that drain, so a newcomer gets a 503 with ``Retry-After`` (``lifetime.py``) rather
-than a refused connection; once the last admitted request has ended (or the grace
-ran out) hypercorn stops accepting and closes what is idle. The connections still
-open after the grace (a write stuck on a client that does not read) are aborted.
+than a refused connection; once the last request has ended and its response is
+written (or the grace ran out) hypercorn stops accepting and closes what is idle.
+The connections still open after the grace (a write stuck on a client that does
+not read) are aborted.
 Read with ``transport.py`` (the per-write deadline it installs) and ``lifetime.py``
 (the middleware whose drainers run in this nursery, and which answers the drain's 503s).
 """
@@ -96,7 +97,10 @@ async def serve_http(
             service.begin_shutdown(config.grace_s)
             deadline = trio.current_time() + config.grace_s
             with trio.move_on_at(deadline):
-                await service.wait_until(lambda: service.live_requests == 0)
+                # Drained: no request left in the service, and no response still being
+                # written (a slow reader's stream may end in the service long before
+                # its last bytes leave).
+                await service.wait_until(lambda: service.live_requests == 0 and app.in_flight == 0)
             drained.set()
             await trio.sleep_until(deadline)  # hypercorn is done by then, unless stuck
             # The grace ran out: end what still runs, so each stream writes its
