@@ -11,7 +11,7 @@ import pytest
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
-from triollm.errors import ModelLoadError, UserError
+from triollm.errors import FieldError, ModelLoadError, UserError
 from triollm.model.tokenizer import ChatTemplateError, Tokenizer
 
 CORPUS = ["Hello world, the quick brown fox. Emoji 😀 and 中文 too.", "the cat sat"] * 10
@@ -175,6 +175,34 @@ def test_chat_template_renders_messages_with_the_generation_prompt(tmp_path: Pat
         "<s><|system|>\nBe brief.</s>\n<|user|>\nHi 😀</s>\n<|assistant|>\n"
     )
     assert not tok.apply_chat_template(msgs, add_generation_prompt=False).endswith("assistant|>\n")
+
+
+THINKING = (
+    "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    "{% if enable_thinking is defined and not enable_thinking %} /no_think{% endif %}"
+)
+
+
+def test_a_requests_template_variables_reach_the_template(tmp_path: Path) -> None:
+    tok = chat_model(tmp_path, THINKING)
+    msgs = [{"role": "user", "content": "hi"}]
+    assert tok.apply_chat_template(msgs) == "hi"
+    assert tok.apply_chat_template(msgs, template_kwargs={"enable_thinking": False}) == (
+        "hi /no_think"
+    )
+    with_kwargs = tok.encode_chat(msgs, template_kwargs={"enable_thinking": False})
+    assert with_kwargs == tok.encode("hi /no_think", add_special_tokens=True)
+
+
+def test_a_template_variable_the_server_sets_is_refused_naming_the_field(
+    tmp_path: Path,
+) -> None:
+    tok = chat_model(tmp_path, THINKING)
+    with pytest.raises(FieldError, match=r"'chat_template_kwargs\.messages'") as caught:
+        tok.apply_chat_template(
+            [{"role": "user", "content": "hi"}], template_kwargs={"messages": []}
+        )
+    assert caught.value.field == "chat_template_kwargs"
 
 
 def test_encode_chat_has_exactly_one_bos(tmp_path: Path) -> None:

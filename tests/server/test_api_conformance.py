@@ -119,7 +119,6 @@ async def test_tokenize_and_detokenize_as_vllm_and_llama_server_offer_them(loade
 @pytest.mark.parametrize(
     ("field", "value"),
     [
-        ("chat_template_kwargs", {"enable_thinking": False}),
         ("bad_words", ["x"]),
         ("allowed_token_ids", [2]),
     ],

@@ -44,7 +44,7 @@ import jinja2.parser
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _HFTokenizer
 
-from triollm.errors import ModelLoadError, UserError
+from triollm.errors import FieldError, ModelLoadError, UserError
 
 REPLACEMENT_CHAR = "\ufffd"  # what a lossy UTF-8 decode prints for an incomplete character
 
@@ -139,6 +139,20 @@ def _raise_exception(message: str) -> None:
 RENDER_TIME_LIMIT_S = 2.0
 RENDER_OPERATION_LIMIT = 1_000_000
 RENDER_OUTPUT_LIMIT_CHARS = 16 * 1024 * 1024
+# The variables apply_chat_template gives every template; a request's own template
+# variables (chat_template_kwargs) may not replace them.
+TEMPLATE_VARIABLES = frozenset(
+    {
+        "messages",
+        "add_generation_prompt",
+        "tools",
+        "documents",
+        "bos_token",
+        "eos_token",
+        "unk_token",
+        "pad_token",
+    }
+)
 
 
 class _RenderBudget:
@@ -514,13 +528,17 @@ class Tokenizer:
         *,
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> str:
         """Render ``messages`` (``[{"role": ..., "content": ...}]``) with the model's template.
 
         ``add_generation_prompt`` appends the assistant header so the model answers rather
         than continuing the user's turn. ``tools`` are OpenAI function tools, passed to
         the template as transformers passes them (``tools=``; a message's own tool fields,
-        ``tool_calls`` / ``tool_call_id``, stay in the message). Raises
+        ``tool_calls`` / ``tool_call_id``, stay in the message). ``template_kwargs`` are
+        further variables for the template (vLLM's ``chat_template_kwargs``, e.g.
+        Qwen3's ``enable_thinking``); a name the renderer sets itself
+        (:data:`TEMPLATE_VARIABLES`) is a ``UserError``. Raises
         :class:`~triollm.errors.UserError` when the model has no chat template (a base
         model) or the template refuses the messages.
         """
@@ -532,6 +550,14 @@ class Tokenizer:
                 "use a plain prompt instead of chat"
             )
         template = self._template("default")
+        taken = sorted(set(template_kwargs or ()) & TEMPLATE_VARIABLES)
+        if taken:
+            raise FieldError(
+                "chat_template_kwargs",
+                f"'chat_template_kwargs.{taken[0]}': the chat template variable {taken[0]!r} "
+                f"is set by the server (it sets {', '.join(sorted(TEMPLATE_VARIABLES))}); "
+                "it cannot be passed",
+            )
         budget = _RenderBudget(RENDER_OUTPUT_LIMIT_CHARS)
         token = _budget.set(budget)
         # The token variables come from tokenizer_config.json only, as in transformers:
@@ -548,6 +574,7 @@ class Tokenizer:
                 eos_token=self._special_strings.get("eos_token", ""),
                 unk_token=self._special_strings.get("unk_token", ""),
                 pad_token=self._special_strings.get("pad_token", ""),
+                **(template_kwargs or {}),
             ):
                 size += len(piece)
                 if size > budget.output_limit:
@@ -579,6 +606,7 @@ class Tokenizer:
         *,
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> list[int]:
         """Token ids of the rendered conversation, with exactly one BOS when the model has one.
 
@@ -590,7 +618,10 @@ class Tokenizer:
         :meth:`encode` keeps reading control tokens there.
         """
         text = self.apply_chat_template(
-            messages, add_generation_prompt=add_generation_prompt, tools=tools
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            tools=tools,
+            template_kwargs=template_kwargs,
         )
         forged = [
             i
@@ -601,7 +632,7 @@ class Tokenizer:
         ]
         if not forged:
             return self.encode(text, add_special_tokens=True)
-        spans = self._content_spans(messages, text, add_generation_prompt, tools)
+        spans = self._content_spans(messages, text, add_generation_prompt, tools, template_kwargs)
         if spans is None:
             i = forged[0]
             found = self._control_re.search(messages[i]["content"])  # type: ignore[union-attr]
@@ -647,6 +678,7 @@ class Tokenizer:
         text: str,
         add_generation_prompt: bool,
         tools: list[dict[str, Any]] | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> list[tuple[int, int]] | None:
         """Where each message's text sits in the rendered ``text``, as character spans;
         None when the template does not copy the messages' text verbatim.
@@ -661,7 +693,10 @@ class Tokenizer:
         ]
         try:
             skeleton = self.apply_chat_template(
-                marked, add_generation_prompt=add_generation_prompt, tools=tools
+                marked,
+                add_generation_prompt=add_generation_prompt,
+                tools=tools,
+                template_kwargs=template_kwargs,
             )
         except (UserError, ChatTemplateError):
             return None

@@ -404,7 +404,13 @@ def _prompt_ids(req: GenerationRequest, model: ServedModel) -> list[int]:
                     message["role"] = "system"
         tools = list(req.tools.definitions) if req.tools is not None else None
         try:
-            ids = list(tokenizer.encode_chat(messages, tools=tools))
+            ids = list(
+                tokenizer.encode_chat(
+                    messages, tools=tools, template_kwargs=dict(req.template_kwargs)
+                )
+            )
+        except FieldError as exc:  # a template variable the server sets itself
+            raise ApiError(400, str(exc), param=exc.field) from None
         except UserError as exc:
             raise ApiError(400, str(exc), param="messages") from None
         except ChatTemplateError as exc:

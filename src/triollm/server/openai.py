@@ -20,6 +20,7 @@ checks for ``bool`` first, or ``"max_tokens": true`` would mean one token.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
@@ -42,6 +43,9 @@ MAX_COMPLETION_LOGPROBS = 5
 # min_tokens holds them back, one masked logit: 256 is far past any real list.
 MAX_STOP_TOKEN_IDS = 256
 MAX_CHAT_TOP_LOGPROBS = 20
+# chat_template_kwargs: a template reads a handful of switches (enable_thinking ...)
+MAX_TEMPLATE_KWARGS = 32
+_IDENTIFIER = re.compile(r"[A-Za-z][A-Za-z0-9_]*")
 
 
 # An error message quotes the offending value; a 3 MB value must not come back whole.
@@ -159,6 +163,9 @@ class GenerationRequest:
     min_tokens: int = 0  # no stop id or stop string ends the answer before this many tokens
     include_stop_str_in_output: bool = False  # a matched stop string stays in the text
     echo: bool = False  # completions: the answer's text starts with the prompt's
+    # chat: further variables for the chat template (vLLM's chat_template_kwargs), as
+    # (name, JSON value) pairs; the tokenizer refuses the names it sets itself
+    template_kwargs: tuple[tuple[str, Any], ...] = ()
 
 
 # --------------------------------------------------------------------------- field readers
@@ -281,11 +288,8 @@ def _stop_token_ids(body: dict[str, Any]) -> tuple[int, ...]:
     return tuple(items)
 
 
-# vLLM's fields that change the output and are not implemented here. chat_template_kwargs
-# needs the chat template's renderer (model/tokenizer.py) to pass the request's own
-# variables to the template; until it does, a request relying on one is refused.
+# vLLM's fields that change the output and are not implemented here.
 VLLM_OUTPUT_FIELDS = {
-    "chat_template_kwargs": "the chat template is rendered with the messages and tools only",
     "bad_words": "no token sequence can be banned from the answer",
     "allowed_token_ids": "the vocabulary cannot be narrowed to a list (a grammar can)",
 }
@@ -315,6 +319,11 @@ def _refuse_unsupported(body: dict[str, Any], kind: str) -> None:
             )
     if kind == "completion" and body.get("tools") is not None:
         raise bad_request("'tools' is a chat field: use /v1/chat/completions", "tools")
+    if kind == "completion" and body.get("chat_template_kwargs") is not None:
+        raise bad_request(
+            "'chat_template_kwargs' is a chat field: use /v1/chat/completions",
+            "chat_template_kwargs",
+        )
 
 
 def _common(body: dict[str, Any], kind: Literal["completion", "chat"]) -> dict[str, Any]:
@@ -559,5 +568,36 @@ def parse_chat(raw: bytes) -> GenerationRequest:
             "tool_choice",
         )
     return GenerationRequest(
-        messages=parsed, logprobs=(top or 0) if want else None, tools=tools, **fields
+        messages=parsed,
+        logprobs=(top or 0) if want else None,
+        tools=tools,
+        template_kwargs=_template_kwargs(body),
+        **fields,
     )
+
+
+def _template_kwargs(body: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
+    """``chat_template_kwargs``: an object of template variables (Qwen3's
+    ``enable_thinking``), each name a template identifier; values any JSON."""
+    value = body.get("chat_template_kwargs")
+    if value is None:
+        return ()
+    if not isinstance(value, dict):
+        raise bad_request(
+            "'chat_template_kwargs' must be an object of template variables",
+            "chat_template_kwargs",
+        )
+    if len(value) > MAX_TEMPLATE_KWARGS:
+        raise bad_request(
+            f"'chat_template_kwargs' may hold at most {MAX_TEMPLATE_KWARGS} variables, "
+            f"got {len(value)}",
+            "chat_template_kwargs",
+        )
+    for name in value:
+        if not _IDENTIFIER.fullmatch(name):
+            raise bad_request(
+                f"'chat_template_kwargs' names must be template identifiers (a letter, then "
+                f"letters, digits or _), got {name[:60]!r}",
+                "chat_template_kwargs",
+            )
+    return tuple(value.items())
