@@ -90,7 +90,7 @@ def _reader_class() -> Any:
         # memmap slice costs ~20 us of subclass bookkeeping: a Llama 3 vocabulary
         # (128k tokens, 280k merges, ~1M slices) took 28 s to open. A plain ndarray
         # view of the same mapping slices in under 1 us; nothing is copied.
-        @property
+        @property  # type: ignore[override]  # a plain view of the memmap, on purpose
         def data(self) -> np.ndarray:
             return self._plain
 
