@@ -68,6 +68,21 @@ Rules (docs/scheduling.md teaches each one, with the test that proves it):
    published; on release they stay findable (cached) until the pool needs them.
    Cached blocks count as available to every admission rule above, which is why
    none of them changes: a block anybody holds is never evicted or rewritten.
+10. **The n choices of one prompt are a group** (``add_group``; OpenAI's ``n``).
+    The door refuses a group that an empty pool or the slots could not hold.
+    A group is admitted all together or not at all: a slot for each member, and
+    in one check the blocks of every member, where the prompt's usable full blocks
+    (``(prompt - 1) // block_size``, the same cut as a cache hit) are counted once:
+    the first member (the *writer*) takes them, every other member holds the same
+    blocks (a reference each) and takes only the rest of what the policy asks for
+    it. So a half-admitted group, holding blocks while it waits for the rest of its
+    slots, cannot exist. The writer prefills the prompt; the others start at the
+    first unshared position and are not planned until the writer's committed
+    positions cover the shared blocks (a shared block is read only once written,
+    and written by one sequence only). A writer that ends or is evicted before then
+    hands the writing to the next member, which continues from the writer's last
+    committed position. Once admitted, each member is a sequence like any other
+    (a preempted one comes back alone, through the prefix cache when it is on).
 
 Theory of operation (one turn of the batch loop)::
 
@@ -278,6 +293,9 @@ class SequenceInfo:
     first_token_step: int | None  # the step whose commit gave its first token; None before
     preemptions: int
     cached_tokens: int = 0  # prompt tokens its first admission found in the prefix cache
+    # Rule 10: the group member whose prefill it waits for (it is not planned until that
+    # one has committed the shared blocks); None: it runs like any other.
+    waits_for: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -344,6 +362,7 @@ class _Seq:
         "cached_tokens",
         "computed",
         "first_token_step",
+        "group",
         "hashes",
         "left_out",
         "max_tokens",
@@ -359,6 +378,7 @@ class _Seq:
         "stop_ids",
         "ticket",
         "token_ids",
+        "waits_for",
     )
 
     def __init__(
@@ -397,10 +417,25 @@ class _Seq:
         # published); every write of this sequence lands at or past published * block_size.
         self.published = 0
         self.cached_tokens: int | None = None  # set by the first admission
+        # Rule 10. While it waits for its first admission: its group (else None).
+        self.group: _Group | None = None
+        # Admitted from a group and not yet runnable: the member that writes the shared
+        # prompt blocks. Invariant: set only while this one is PREFILLING with
+        # computed == its shared blocks' positions > waits_for.computed.
+        self.waits_for: _Seq | None = None
 
     @property
     def n_generated(self) -> int:
         return len(self.token_ids) - self.prompt_len
+
+
+class _Group:
+    """The waiting members of one ``add_group`` (rule 10), in ticket order."""
+
+    __slots__ = ("members",)
+
+    def __init__(self, members: list[_Seq]) -> None:
+        self.members = members
 
 
 class Scheduler:
@@ -433,6 +468,8 @@ class Scheduler:
         self._preemptions_total = 0
         self._cache_queries = 0
         self._cache_hits = 0
+        # Within one admit_waiting pass: a group member admitted -> its whole group.
+        self._companions: dict[int, tuple[int, ...]] = {}
 
     # -- the door ---------------------------------------------------------------
 
@@ -517,6 +554,65 @@ class Scheduler:
         bisect.insort(self._waiting, (seq.ticket, seq_id))
         return seq_id
 
+    def add_group(
+        self,
+        prompt_ids: Sequence[int],
+        max_tokens: int | None,
+        stop_token_ids: frozenset[int] = frozenset(),
+        n: int = 1,
+        priority: int = 0,
+        *,
+        cache_salt: str = "",
+    ) -> tuple[int, ...]:
+        """Queue ``n`` sequences of one prompt (OpenAI's ``n`` choices), admitted
+        together or not at all, the prompt's full blocks computed once (rule 10).
+
+        Consecutive tickets, one per member. Raises :class:`Infeasible` naming ``n``
+        when the slots or an empty pool could not hold the whole group (nothing
+        queued), and whatever ``add`` raises for one member.
+        """
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise Infeasible("n", f"n must be an integer >= 1, got {n!r}")
+        problem = self._infeasible(len(prompt_ids), max_tokens) or self._group_infeasible(
+            len(prompt_ids), max_tokens, n
+        )
+        if problem is not None:
+            raise problem
+        ids = tuple(
+            self.add(prompt_ids, max_tokens, stop_token_ids, priority, cache_salt=cache_salt)
+            for _ in range(n)
+        )
+        if n > 1:
+            group = _Group([self._seqs[i] for i in ids])
+            for seq in group.members:
+                seq.group = group
+        return ids
+
+    def _group_infeasible(
+        self, prompt_len: int, max_tokens: int | None, n: int
+    ) -> Infeasible | None:
+        cfg = self.config
+        if n > cfg.slots:
+            return Infeasible(
+                "n", f"n ({n}) is more than the {cfg.slots} slots: the choices run together"
+            )
+        answer = cfg.context_tokens - prompt_len if max_tokens is None else max_tokens
+        whole = blocks_for(prompt_len + answer, cfg.block_size)
+        need = whole + (n - 1) * (whole - self._shared_blocks(prompt_len))
+        if need > cfg.num_blocks:
+            return Infeasible(
+                "n",
+                f"{n} choices of prompt ({prompt_len} tokens) + max_tokens ({answer}) need "
+                f"{need} blocks of {cfg.block_size} (the prompt's full blocks counted once), "
+                f"but the whole pool has {cfg.num_blocks}",
+            )
+        return None
+
+    def _shared_blocks(self, n_tokens: int) -> int:
+        """Leading full blocks a sequence of ``n_tokens`` can take from someone else
+        (the cache, or its group's writer): all but the one its last token is in."""
+        return (n_tokens - 1) // self.config.block_size
+
     # -- admission ----------------------------------------------------------------
 
     def _view(self, seq: _Seq) -> SeqView:
@@ -579,21 +675,36 @@ class Scheduler:
         if not self.config.prefix_cache:
             return ()
         bs = self.config.block_size
-        usable = (len(seq.token_ids) - 1) // bs
+        usable = self._shared_blocks(len(seq.token_ids))
         if len(seq.hashes) < usable:
             seq.hashes = prefix_hashes(seq.token_ids, bs, seq.salt, known=seq.hashes)
         return self.pool.lookup(seq.hashes[:usable])
 
     def _can_admit(self, seq: _Seq) -> bool:
-        if len(self._running) >= self.config.slots:
+        members = seq.group.members if seq.group is not None else [seq]
+        if len(self._running) + len(members) > self.config.slots:
             return False
         if not self.policy.admits_now(self._scheduler_view()):
             return False
-        take, keep_free = self._admission_blocks(seq)
-        hits = self._cache_hits_for(seq)
+        fresh, keep_free, hits = self._group_need(members)
         # Cached-but-free blocks count as available: allocate evicts them on demand.
         # The hits themselves are not counted twice (available(holding=...)).
-        return take - len(hits) + keep_free <= self.pool.available(holding=hits)
+        return fresh + keep_free <= self.pool.available(holding=hits)
+
+    def _group_need(self, members: Sequence[_Seq]) -> tuple[int, int, tuple[int, ...]]:
+        """(fresh blocks, blocks to leave free, cache hits) to admit ``members`` together:
+        the writer's blocks minus its hits, plus each other member's minus the shared
+        ones (rule 10); a lone sequence is a group of one. Changes nothing."""
+        writer, *others = members
+        take, keep_free = self._admission_blocks(writer)
+        hits = self._cache_hits_for(writer)
+        fresh = take - len(hits)
+        shared = self._shared_blocks(len(writer.token_ids))
+        for other in others:
+            take, keep = self._admission_blocks(other)
+            fresh += take - shared  # take >= the prompt's blocks > shared (checked)
+            keep_free = max(keep_free, keep)
+        return fresh, keep_free, hits
 
     def _ordered_waiting(self) -> list[_Seq]:
         """The waiters in the policy's order (rule 3's head first); checked."""
@@ -607,22 +718,56 @@ class Scheduler:
         return [self._seqs[s] for s in order]
 
     def _admit(self, seq: _Seq) -> None:
+        """Admit ``seq``, or its whole group (rule 10); ``_can_admit`` said yes."""
+        if seq.group is not None:
+            self._companions[seq.seq_id] = self._admit_group(seq.group)
+            return
         take, _ = self._admission_blocks(seq)
         hits = self._cache_hits_for(seq)
         fresh = self.pool.acquire(hits, take - len(hits))  # hits + the rest, or nothing
         if fresh is None:  # _can_admit said yes a moment ago; nothing ran in between
             raise RuntimeError(f"admission of seq {seq.seq_id} found {take} blocks gone")
+        self._enter(seq, [*hits, *fresh], len(hits))
+
+    def _admit_group(self, group: _Group) -> tuple[int, ...]:
+        members = list(group.members)
+        fresh, keep_free, hits = self._group_need(members)
+        if fresh + keep_free > self.pool.available(holding=hits):  # _can_admit said yes
+            raise RuntimeError(
+                f"admission of group {[m.seq_id for m in members]} found blocks gone"
+            )
+        writer, *others = members
+        take, _ = self._admission_blocks(writer)
+        got = self.pool.acquire(hits, take - len(hits))
+        assert got is not None  # counted above, for the whole group at once
+        self._enter(writer, [*hits, *got], len(hits))
+        k = self._shared_blocks(len(writer.token_ids))
+        shared = writer.blocks[:k]
+        for other in others:
+            take, _ = self._admission_blocks(other)
+            got = self.pool.acquire(shared, take - k)
+            assert got is not None
+            self._enter(other, [*shared, *got], k)
+            if writer.computed < other.computed:  # the writer has positions to compute
+                other.waits_for = writer
+        for m in members:
+            m.group = None  # admitted: from here on each is a sequence of its own
+        return tuple(m.seq_id for m in members)
+
+    def _enter(self, seq: _Seq, blocks: list[int], shared: int) -> None:
+        """The bookkeeping of one admission: ``blocks`` are taken, their first
+        ``shared`` already written by someone else (a cache hit, or the group's writer)."""
         self._waiting.remove((seq.ticket, seq.seq_id))
         for ticket, sid in self._waiting:  # sorted by ticket: the ones it passed come first
             if ticket > seq.ticket:
                 break
             self._seqs[sid].overtaken += 1
         seq.overtaken = 0
-        seq.blocks = [*hits, *fresh]
+        seq.blocks = blocks
         seq.state = SeqState.PREFILLING
         # The prefill starts at the first uncached position; the engine needs nothing else.
-        seq.published = len(hits)
-        seq.computed = len(hits) * self.config.block_size
+        seq.published = shared
+        seq.computed = shared * self.config.block_size
         if self.config.prefix_cache:
             self._cache_queries += len(seq.token_ids)
             self._cache_hits += seq.computed
@@ -666,11 +811,13 @@ class Scheduler:
             if follower is None:
                 break
             # Admitting a follower only uses capacity up: the head still cannot fit,
-            # and the followers tried before this one still cannot either.
+            # and the followers tried before this one still cannot either. A group
+            # passes as one (its members arrived together).
             self._admit(follower)
             head.passed += 1
             admitted.append(follower.seq_id)
-        return tuple(admitted)
+        # A group's other members entered with the one named (rule 10).
+        return tuple(q for a in admitted for q in self._companions.pop(a, (a,)))
 
     # -- one step -----------------------------------------------------------------
 
@@ -700,6 +847,8 @@ class Scheduler:
         # (b) prefill chunks: a waiting caller measures time to first token.
         for seq in order:
             if seq.state is SeqState.PREFILLING and left > 0:
+                if not self._ready(seq):
+                    continue  # rule 10: its group's writer has not written what it reads
                 n = min(cfg.chunk_tokens, len(seq.token_ids) - seq.computed, left)
                 rows[seq.seq_id] = n
                 left -= n
@@ -723,6 +872,17 @@ class Scheduler:
         plan = StepPlan(step=self._step, chunks=tuple(chunks))
         self._inflight = plan
         return plan
+
+    def _ready(self, seq: _Seq) -> bool:
+        """May this prefilling sequence run? Not while its group's writer has yet to
+        commit the shared blocks it will read (rule 10)."""
+        writer = seq.waits_for
+        if writer is None:
+            return True
+        if writer.computed < seq.computed:
+            return False
+        seq.waits_for = None
+        return True
 
     def _decode_order(self, decoding: list[_Seq]) -> list[_Seq]:
         order = list(self.policy.decode_order(tuple(self._view(d) for d in decoding)))
@@ -931,6 +1091,11 @@ class Scheduler:
         self._end(seq, SeqState.CANCELLED, FinishReason.CANCELLED)
 
     def _end(self, seq: _Seq, state: SeqState, reason: FinishReason) -> Finished:
+        if seq.group is not None:  # it waited in a group: the rest stays one group
+            seq.group.members.remove(seq)
+            if len(seq.group.members) == 1:
+                seq.group.members[0].group = None
+            seq.group = None
         if seq.state is SeqState.WAITING:
             self._waiting.remove((seq.ticket, seq.seq_id))
         else:
@@ -948,6 +1113,8 @@ class Scheduler:
 
     def _release(self, seq: _Seq) -> None:
         """Give a running sequence's blocks and slot back."""
+        self._hand_over(seq)
+        seq.waits_for = None
         self.pool.free(seq.blocks)
         seq.blocks = []  # the same call that frees drops the ids: no stale table
         self._running.remove(seq.seq_id)
@@ -955,6 +1122,32 @@ class Scheduler:
         self._deadlock = None  # blocks came back: the next plan_step re-judges
         if not self._running:
             self._batch_open = True
+
+    def _hand_over(self, writer: _Seq) -> None:
+        """A group's writer leaves before the shared blocks are written (rule 10):
+        the first member waiting for it writes them from here, continuing from the
+        writer's last committed position (the blocks are the same; only the
+        positions it committed are known to hold K/V); the others wait for that one.
+
+        Hazard: a step still in flight may be writing the same positions for the
+        old writer; the new writer is first planned after that step commits or is
+        discarded (one plan in flight), and rewrites them with the same K/V.
+        """
+        waiting = []
+        for s in self._running:
+            seq = self._seqs[s]
+            if seq.waits_for is writer:
+                if self._ready(seq):  # the writer got past the shared blocks: no heir needed
+                    continue
+                waiting.append(seq)
+        if not waiting:
+            return
+        heir, *rest = sorted(waiting, key=lambda s: s.ticket)
+        heir.waits_for = None
+        heir.computed = writer.computed
+        heir.published = writer.computed // self.config.block_size
+        for other in rest:
+            other.waits_for = heir
 
     def _check_known(self, seq_id: int) -> None:
         if not 0 <= seq_id < self._next_id:
@@ -986,6 +1179,11 @@ class Scheduler:
             first_token_step=seq.first_token_step,
             preemptions=seq.preemptions,
             cached_tokens=seq.cached_tokens or 0,
+            waits_for=(
+                seq.waits_for.seq_id
+                if seq.waits_for is not None and seq.waits_for.computed < seq.computed
+                else None
+            ),
         )
 
     def token_ids(self, seq_id: int) -> tuple[int, ...]:

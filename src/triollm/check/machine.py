@@ -114,6 +114,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         # (K/V at position p is a function of tokens 0..p, RoPE included).
         self.written: dict[int, dict[int, tuple[int, ...]]] = {}
         self.expected: dict[int, bytes] = {}  # model: block -> hash of what was written last
+        # seq_id -> its group (the n choices of one prompt, Scheduler rule 10); this
+        # machine adds none, property_tests/test_group_properties.py does.
+        self.group_of: dict[int, int] = {}
 
     # -- claims -----------------------------------------------------------------------
 
@@ -471,9 +474,36 @@ class SchedulerMachine(RuleBasedStateMachine):
                 f"{holders.get(b, 0)} live table(s) name it"
             )
             if holders.get(b, 0) > 1:
-                assert s.pool.content(b) is not None, f"block {b} is shared but not published"
+                self._check_shared(b)
         if not s.config.prefix_cache:
             assert s.pool.statistics().cached == 0, "with the cache off nothing is cached"
+
+    def _check_shared(self, b: int) -> None:
+        """A block in several tables is written by one of them at most, and nobody reads
+        it before it is written: either every holder has computed past it (a cache hit
+        on a published block, or a group's prompt block already written), or exactly one
+        holder is still writing it and every other one waits for that one (rule 10)."""
+        s = self.s
+        bs = s.config.block_size
+        holders = [q for q in s.running_ids() if b in s.sequence(q).blocks]
+        writers = [
+            q
+            for q in holders
+            if s.sequence(q).n_computed < (s.sequence(q).blocks.index(b) + 1) * bs
+        ]
+        assert len(writers) <= 1, f"block {b} is shared and seqs {writers} may all write it"
+        if writers:
+            (w,) = writers
+            assert s.pool.content(b) is None, f"published block {b} has a writer, seq {w}"
+            for q in holders:
+                if q != w:
+                    assert s.sequence(q).waits_for == w, (
+                        f"seq {q} shares block {b}, which seq {w} is still writing, "
+                        "without waiting for it"
+                    )
+        elif not self.group_of:
+            # Without groups only the prefix cache shares, and only published blocks.
+            assert s.pool.content(b) is not None, f"block {b} is shared but not published"
 
     @invariant()
     def every_published_block_holds_what_its_hash_says(self) -> None:
@@ -489,6 +519,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         bs = s.config.block_size
         for q in s.running_ids():
             info = s.sequence(q)
+            if info.waits_for is not None:
+                continue  # its shared blocks are still being written; it reads nothing yet
             ids = s.token_ids(q)
             for p in range(info.n_computed):
                 fed = self.written.get(info.blocks[p // bs], {}).get(p % bs)
@@ -546,8 +578,15 @@ class SchedulerMachine(RuleBasedStateMachine):
                     f"block {b} written by seq {written_by[b]} and {c.seq_id}"
                 )
                 written_by[b] = c.seq_id
-                assert self.s.pool.refcount(b) == 1, f"seq {c.seq_id} writes shared block {b}"
+                # A shared block is written only by a group's writer, while every other
+                # holder waits for it (rule 10); without groups, never.
+                for q in self.s.running_ids():
+                    if q != c.seq_id and b in self.s.sequence(q).blocks:
+                        assert self.s.sequence(q).waits_for == c.seq_id, (
+                            f"seq {c.seq_id} writes block {b}, which seq {q} shares"
+                        )
                 assert self.s.pool.content(b) is None, f"seq {c.seq_id} writes published block {b}"
+            assert info.waits_for is None, f"seq {c.seq_id} runs before its writer is done"
 
     def _record_writes(self, plan: StepPlan) -> None:
         """Model the Batch: each row's K/V lands in its block; a block whose last offset
@@ -571,8 +610,15 @@ class SchedulerMachine(RuleBasedStateMachine):
             return
         bound = self.s.policy.overtake_bound(self.s.config.overtake_k)
         rest = list(queue)
+        last_group = None
         for a in admitted:
             assert a in rest
+            group = self.group_of.get(a)
+            if group is not None and group == last_group:
+                rest.remove(a)  # a group passes as one: its members arrived together
+                self.passed.pop(a, None)
+                continue
+            last_group = group
             if a == rest[0]:
                 self.passed.pop(a, None)
             else:
