@@ -31,9 +31,10 @@ no fixed split between threads, so:
 - a thread that runs alone (one core free, or ``numba`` set to one thread)
   claims every item itself: nothing can deadlock on a participant that never
   comes;
-- waiting is a short spin (``pause``) and then ``sched_yield``: a waiting
-  thread hands its core to whoever wants it, which is what passive OpenMP
-  waiting bought, without a futex sleep and wake-up per stage.
+- waiting is a short spin (``pause``), then a futex sleep that the stage's
+  last item ends: a waiting thread gives its core to whoever wants it, which
+  is what passive OpenMP waiting bought, and a stage whose items all finish
+  within the spin costs no system call at all.
 
 Batch invariance holds for the same reason it holds in the separate kernels:
 an item's arithmetic never depends on which thread runs it, on when it runs,
@@ -55,13 +56,20 @@ Hazards
   deletes this module's cache entries on import when either file is newer, so
   editing a block product is never silently ignored.
 - The atomics are LLVM ``atomicrmw``/``load atomic`` on int64 counters; a
-  counter array is zeroed by the caller for every call (``counters``).
+  counter array is zeroed by the caller for every call (``COUNTERS`` each).
+- Waiting is a short spin, then a futex sleep on the stage's done counter
+  that the stage's last item wakes (Linux; elsewhere ``sched_yield``). Not
+  ``sched_yield`` on Linux: on a loaded machine a yielding thread goes to the
+  back of the run queue behind every other process's slice, and a first
+  version that yielded ran a batch-1 step 3x slower (wall) than one region per
+  product at the same CPU time; a woken sleeper is scheduled promptly.
 """
 
 from __future__ import annotations
 
 import os
 import platform
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -100,21 +108,26 @@ from numba.extending import intrinsic  # noqa: E402
 from triollm.model.kernels import attend_pair, fast_exp  # noqa: E402
 from triollm.model.matmul import product_block  # noqa: E402
 
-# Spins (x86 `pause`, ~30-60 cycles each) before a waiting thread starts
-# yielding its core: about 10 us, the length of a short item.
+# Spins (x86 `pause`, ~30-60 cycles each) before a waiting thread goes to
+# sleep: about 10 us, the length of a short item.
 _SPINS = 200
 _X86 = platform.machine().lower() in ("x86_64", "amd64", "i686", "x86")
+# futex(2)'s syscall number; elsewhere a waiting thread yields instead
+_SYS_FUTEX = {"x86_64": 202, "aarch64": 98}.get(platform.machine().lower(), -1)
+_HAVE_FUTEX = sys.platform == "linux" and _SYS_FUTEX > 0
 
-# stage numbers: each has a claim counter at 2 s and a done counter at 2 s + 1
+# Stage s has three counters: items claimed at 3 s, items done at 3 s + 1,
+# threads asleep waiting for the stage at 3 s + 2.
 N_STAGES = 8
+COUNTERS = 3 * N_STAGES
 
 
 # --- synchronisation primitives ----------------------------------------------
 
 
 @intrinsic
-def _atomic_add(typingctx: Any, arr: Any, idx: Any) -> Any:
-    """``arr[idx] += 1`` atomically (sequentially consistent); returns the old value."""
+def _atomic_add(typingctx: Any, arr: Any, idx: Any, delta: Any) -> Any:
+    """``arr[idx] += delta`` atomically (sequentially consistent); returns the old value."""
     if not (isinstance(arr, types.Array) and arr.dtype == types.int64):
         return None
 
@@ -122,9 +135,9 @@ def _atomic_add(typingctx: Any, arr: Any, idx: Any) -> Any:
         aryty = signature.args[0]
         ary = context.make_array(aryty)(context, builder, args[0])
         ptr = cgutils.get_item_pointer(context, builder, aryty, ary, [args[1]])
-        return builder.atomic_rmw("add", ptr, ir.Constant(ir.IntType(64), 1), "seq_cst")
+        return builder.atomic_rmw("add", ptr, builder.sext(args[2], ir.IntType(64)), "seq_cst")
 
-    return types.int64(arr, types.intp), codegen
+    return types.int64(arr, types.intp, types.int32), codegen
 
 
 @intrinsic
@@ -157,8 +170,45 @@ def _cpu_relax(typingctx: Any) -> Any:
 
 
 @intrinsic
+def _futex(typingctx: Any, arr: Any, idx: Any, op: Any, val: Any) -> Any:
+    """Linux ``futex(&arr[idx], op, val)`` on the counter's low 32 bits (little-endian).
+
+    ``op`` 128 (FUTEX_WAIT_PRIVATE): sleep while the word still equals ``val``,
+    at most 1 ms (so a lost wake-up costs a millisecond, never a hang);
+    ``op`` 129 (FUTEX_WAKE_PRIVATE): wake up to ``val`` sleepers.
+    """
+    if not (isinstance(arr, types.Array) and arr.dtype == types.int64):
+        return None
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        i32, i64 = ir.IntType(32), ir.IntType(64)
+        aryty = signature.args[0]
+        ary = context.make_array(aryty)(context, builder, args[0])
+        ptr = cgutils.get_item_pointer(context, builder, aryty, ary, [args[1]])
+        timespec = cgutils.alloca_once(builder, ir.ArrayType(i64, 2))
+        builder.store(ir.Constant(ir.ArrayType(i64, 2), [0, 1_000_000]), timespec)
+        fnty = ir.FunctionType(i64, [i64], var_arg=True)
+        syscall = cgutils.get_or_insert_function(builder.module, fnty, "syscall")
+        builder.call(
+            syscall,
+            [
+                ir.Constant(i64, _SYS_FUTEX),
+                builder.bitcast(ptr, i32.as_pointer()),
+                builder.trunc(args[2], i32),
+                builder.trunc(args[3], i32),
+                builder.bitcast(timespec, i64.as_pointer()),
+                ir.Constant(i64, 0),
+                ir.Constant(i32, 0),
+            ],
+        )
+        return context.get_dummy_value()
+
+    return types.none(arr, types.intp, types.int64, types.int64), codegen
+
+
+@intrinsic
 def _yield_core(typingctx: Any) -> Any:
-    """POSIX ``sched_yield()``: let another runnable thread have this core."""
+    """POSIX ``sched_yield()``: the wait of last resort where there is no futex."""
 
     def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
         fnty = ir.FunctionType(ir.IntType(32), [])
@@ -170,22 +220,36 @@ def _yield_core(typingctx: Any) -> Any:
 
 @njit(inline="always")
 def _claim(ctr: Any, stage: int) -> int:  # pragma: no cover - numba
-    return _atomic_add(ctr, 2 * stage)
+    return _atomic_add(ctr, 3 * stage, 1)
 
 
 @njit(inline="always")
-def _done(ctr: Any, stage: int) -> None:  # pragma: no cover - numba
-    _atomic_add(ctr, 2 * stage + 1)
+def _done(ctr: Any, stage: int, n_items: int) -> None:  # pragma: no cover - numba
+    # the stage's last item wakes whoever sleeps on it (seq_cst: either this
+    # load sees a sleeper's registration, or the sleeper's re-check sees n_items)
+    last = _atomic_add(ctr, 3 * stage + 1, 1) == n_items - 1
+    if last and _HAVE_FUTEX and _atomic_load(ctr, 3 * stage + 2) > 0:
+        _futex(ctr, 3 * stage + 1, 129, 1 << 30)
 
 
 @njit(inline="always")
 def _wait_all(ctr: Any, stage: int, n_items: int) -> None:  # pragma: no cover - numba
-    # every item of the stage is done (its writes visible: acquire), spin then yield
+    # every item of the stage is done (its writes visible: acquire); spin a
+    # little, then sleep on the futex until the last item's _done wakes us
     spins = 0
-    while _atomic_load(ctr, 2 * stage + 1) < n_items:
+    while True:
+        seen = _atomic_load(ctr, 3 * stage + 1)
+        if seen >= n_items:
+            return
         if spins < _SPINS:
             _cpu_relax()
             spins += 1
+        elif _HAVE_FUTEX:
+            _atomic_add(ctr, 3 * stage + 2, 1)  # register as a sleeper, then re-check
+            seen = _atomic_load(ctr, 3 * stage + 1)
+            if seen < n_items:
+                _futex(ctr, 3 * stage + 1, 128, seen)
+            _atomic_add(ctr, 3 * stage + 2, -1)
         else:
             _yield_core()
 
@@ -276,8 +340,8 @@ def decoder_layer(
     ``down_proj``); b_qkv, b_o: (N,) or empty; q_norm, k_norm: (hd,) or empty;
     k_cache, v_cache: this layer's pool; the row arrays as in
     ``kernels.paged_attention`` and ``kernels.write_kv``; blocks: (4,) int64
-    weight rows per item for the four products; ctr: (2 * N_STAGES,) int64
-    zeros. ``n_workers`` threads enter; any number may really run.
+    weight rows per item for the four products; ctr: (COUNTERS,)
+    int64 zeros. ``n_workers`` threads enter; any number may really run.
     """
     for t in prange(n_workers):
         _layer_worker(
@@ -338,7 +402,7 @@ def _layer_worker(
         if r >= n:
             break
         _norm_row(x, r, ln1, eps, xn)
-        _done(ctr, 0)
+        _done(ctr, 0, n)
     _wait_all(ctr, 0, n)
 
     # 1: the fused q/k/v product (+ qwen2 biases)
@@ -349,7 +413,7 @@ def _layer_worker(
         if it >= items:
             break
         product_block(xn, w_qkv, qkv, it * bq, min(it * bq + bq, n_qkv), b_qkv, False)
-        _done(ctr, 1)
+        _done(ctr, 1, items)
     _wait_all(ctr, 1, items)
 
     # 2: per row: qwen3's q/k head norms, RoPE, this step's K/V into the pool
@@ -373,7 +437,7 @@ def _layer_worker(
             for j in range(hd):
                 k_cache[b, kh, o, j] = qkv[r, c + j]
                 v_cache[b, kh, o, j] = qkv[r, c + kv_dim + j]
-        _done(ctr, 2)
+        _done(ctr, 2, n)
     _wait_all(ctr, 2, n)
 
     # 3: attention, a (row, KV head) pair per item
@@ -386,7 +450,7 @@ def _layer_worker(
             qkv, 0, n_heads, k_cache, v_cache, it // n_kv, it % n_kv,
             positions, row_chunk, tables, window, scale, att,
         )  # fmt: skip
-        _done(ctr, 3)
+        _done(ctr, 3, items)
     _wait_all(ctr, 3, items)
 
     # 4: output projection, added into the residual stream
@@ -397,7 +461,7 @@ def _layer_worker(
         if it >= items:
             break
         product_block(att, w_o, x, it * bo, min(it * bo + bo, hidden), b_o, True)
-        _done(ctr, 4)
+        _done(ctr, 4, items)
     _wait_all(ctr, 4, items)
 
     # 5: MLP RMSNorm
@@ -406,7 +470,7 @@ def _layer_worker(
         if r >= n:
             break
         _norm_row(x, r, ln2, eps, xn)
-        _done(ctr, 5)
+        _done(ctr, 5, n)
     _wait_all(ctr, 5, n)
 
     # 6: gate and up rows of one block, then h = silu(gate) * up for its columns
@@ -424,7 +488,7 @@ def _layer_worker(
             for j in range(j0, j1):
                 g = gu[r, j]
                 h[r, j] = g / (np.float32(1.0) + fast_exp(-g)) * gu[r, f + j]
-        _done(ctr, 6)
+        _done(ctr, 6, items)
     _wait_all(ctr, 6, items)
 
     # 7: down projection, added into the residual stream
@@ -435,7 +499,7 @@ def _layer_worker(
         if it >= items:
             break
         product_block(h, w_down, x, it * bd, min(it * bd + bd, hidden), no_bias, True)
-        _done(ctr, 7)
+        _done(ctr, 7, items)
     # The caller returns only when every item is in: thread 0 (the caller's
     # thread) waits; the others leave, so the caller arrives last at OpenMP's
     # closing barrier and does not sleep there.

@@ -41,7 +41,7 @@ import numpy as np
 from triollm.errors import ModelLoadError
 from triollm.model import kernels
 from triollm.model.config import ModelConfig
-from triollm.model.layer import N_STAGES, decoder_layer
+from triollm.model.layer import COUNTERS, decoder_layer
 from triollm.model.matmul import PreparedWeight, block_rows, linear, prepare
 from triollm.model.quant import QuantizedTensor, stack_rows
 from triollm.model.weights import (
@@ -372,7 +372,7 @@ class LlamaModel:
         if self.fused:
             threads = numba.get_num_threads()
             blocks = self._item_rows(threads)
-            counters = np.zeros((len(self.layers), 2 * N_STAGES), np.int64)
+            counters = np.zeros((len(self.layers), COUNTERS), np.int64)
             for i, lay in enumerate(self.layers):
                 b_qkv, b_o, q_norm, k_norm = self._fused_args[i]
                 decoder_layer(
