@@ -94,6 +94,7 @@ def test_profile_splits_the_step_and_restores_the_engine(
     bench: ModuleType, config: ModelConfig
 ) -> None:
     model = LlamaModel(config, bench.random_weights(config, "f32"))
+    model.fused = True
     chunks, n_blocks = bench.decode_plan(3, 40)
     kv = PagedKVCache(config, n_blocks, bench.BLOCK_SIZE)
     stages = bench.profile_case(model, chunks, kv, reps=2)

@@ -42,8 +42,9 @@ or on the other rows (the block products and the attention pairs are the very
 functions ``matmul.py`` and ``kernels.py`` run, ``product_block`` and
 ``attend_pair``).
 
-Who uses it: ``LlamaModel`` runs :func:`decoder_layer` when every weight of the
-layer is a :class:`~triollm.model.matmul.PreparedWeight` of a format
+Who uses it: ``LlamaModel`` runs :func:`decoder_layer` when asked (opt-in
+until a known defect is mended: ``llama.FUSED_BY_DEFAULT`` says which) and
+every weight of the layer is a :class:`~triollm.model.matmul.PreparedWeight` of a format
 ``product_block`` knows (float32, bfloat16, float16), and the per-product path
 (``matmul.linear`` plus the kernels of ``kernels.py``) otherwise; both compute
 the same sums in the same order. ``matmul.py``'s docstring says how another

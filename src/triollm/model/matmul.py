@@ -36,7 +36,7 @@ Two paths call the kernel, one unit of work
 :func:`product_block` (a block of weight rows against every row of ``x``) is
 the unit of work of every product. :func:`linear` runs it over all blocks in
 one parallel region (the per-product path); ``layer.decoder_layer`` (the fused
-path ``LlamaModel`` takes by default) runs it as work items inside one
+path, opt-in for now: ``llama.FUSED_BY_DEFAULT``) runs it as work items inside one
 parallel region per decoder layer, beside attention and the norms, with its
 own synchronisation (``layer.py`` explains why: ~181 regions per step become
 31). Both compute every output element with the same instructions.
@@ -46,9 +46,9 @@ How to add a weight format
 1. Give it a prepared type with ``in_features``, ``out_features``, ``nbytes``
    and a kernel, and make :func:`linear` dispatch to that kernel on the type
    (before the float path): every product of the per-product path, and the
-   output head on both paths, now works. ``LlamaModel.fused`` is False for a
-   model holding any weight that is not a :class:`PreparedWeight`, so such a
-   model runs the per-product path with no other change.
+   output head on both paths, now works. A model holding any weight that is not
+   a :class:`PreparedWeight` has ``can_fuse`` False, so it runs the
+   per-product path with no other change.
 2. To join the fused path too, give the format a ``product_block`` of its own:
    the same signature (``x, w, out, j0, j1, bias, accumulate``; ``w`` the
    numba type of its ``kernel_data``, e.g. a ``NamedTuple`` of arrays), added
