@@ -150,33 +150,17 @@ def stage_timer(totals: dict[str, float]) -> Iterator[None]:
 def profile_case(
     model: LlamaModel, chunks: list[ChunkPlan], kv: PagedKVCache, reps: int
 ) -> dict[str, float]:
-    """Mean seconds per step in each stage; 'rest' is the step minus the stages.
-
-    The split is of the per-product path (``model.fused`` off): the fused layer
-    kernel runs a layer in one parallel region, which timers outside cannot
-    split. 'step, fused path' is the same step the way the engine runs it.
-    """
+    """Mean seconds per step in each stage; 'rest' is the step minus the stages."""
     totals: dict[str, float] = defaultdict(float)
-    fused = model.fused
-    model.fused = False
-    try:
-        model.forward(chunks, kv)
-        with stage_timer(totals):
-            t = time.perf_counter()
-            for _ in range(reps):
-                model.forward(chunks, kv)
-            wall = time.perf_counter() - t
-    finally:
-        model.fused = fused
-    per = {k: v / reps for k, v in totals.items()}
-    per["rest (Python, embedding, residual adds, head gather)"] = wall / reps - sum(per.values())
-    per["step"] = wall / reps
-    if fused:
-        model.forward(chunks, kv)
+    model.forward(chunks, kv)
+    with stage_timer(totals):
         t = time.perf_counter()
         for _ in range(reps):
             model.forward(chunks, kv)
-        per["step, fused path"] = (time.perf_counter() - t) / reps
+        wall = time.perf_counter() - t
+    per = {k: v / reps for k, v in totals.items()}
+    per["rest (Python, embedding, residual adds, head gather)"] = wall / reps - sum(per.values())
+    per["step"] = wall / reps
     return per
 
 

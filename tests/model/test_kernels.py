@@ -5,7 +5,6 @@ from __future__ import annotations
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from numba import njit
 
 from triollm.model import kernels
 
@@ -143,27 +142,6 @@ def test_write_kv_stores_each_row_at_its_block_and_offset(n: int, seed: int) -> 
     untouched = np.ones((num_blocks, bs), bool)
     untouched[block, offset] = False
     assert not k_cache.transpose(0, 2, 1, 3)[untouched].any()
-
-
-@njit(cache=False)
-def _exp_all(x: np.ndarray, out: np.ndarray) -> None:
-    for i in range(x.shape[0]):
-        out[i] = kernels.fast_exp(x[i])
-
-
-@SETTINGS
-@given(
-    values=st.lists(st.floats(-87.0, 88.0, width=32), min_size=1, max_size=64),
-    seed=st.integers(0, 2**32 - 1),
-)
-def test_fast_exp_is_within_a_few_ulps_of_exp(values: list[float], seed: int) -> None:
-    # a vector loop and its scalar remainder both run: lengths 1..64 plus 300 more
-    x = np.concatenate(
-        [np.array(values, np.float32), np.random.default_rng(seed).uniform(-87, 88, 300)]
-    ).astype(np.float32)
-    out = np.empty_like(x)
-    _exp_all(x, out)
-    np.testing.assert_allclose(out, np.exp(x.astype(np.float64)), rtol=4e-7, atol=0)
 
 
 def test_kernels_release_the_gil_and_are_cached() -> None:

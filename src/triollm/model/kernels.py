@@ -31,74 +31,8 @@ import os
 # without matmul measured 8.0 ms per parallel call instead of 0.4.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from typing import Any
-
 import numpy as np
-from llvmlite import ir
-from numba import njit, prange, types
-from numba.core import cgutils
-from numba.extending import intrinsic
-
-
-@intrinsic
-def _f32_from_bits(typingctx: Any, bits: Any) -> Any:
-    """The low 32 bits of an integer, reinterpreted as a float32 (vectorises: a no-op)."""
-    if not isinstance(bits, types.Integer):
-        return None
-
-    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-        low = args[0]
-        if bits.bitwidth > 32:
-            low = builder.trunc(low, ir.IntType(32))
-        return builder.bitcast(low, ir.FloatType())
-
-    return types.float32(bits), codegen
-
-
-@intrinsic
-def _fma32(typingctx: Any, a: Any, b: Any, c: Any) -> Any:
-    """``a * b + c`` in one rounding (``llvm.fma``): exact whatever fastmath allows."""
-    if not (a == b == c == types.float32):
-        return None
-
-    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-        f32 = ir.FloatType()
-        fnty = ir.FunctionType(f32, [f32, f32, f32])
-        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.fma.f32")
-        return builder.call(fn, list(args))
-
-    return types.float32(a, b, c), codegen
-
-
-@njit(inline="always", fastmath=True)
-def fast_exp(x: Any) -> Any:  # pragma: no cover - numba
-    """``exp(x)`` for float32 ``x``, in a form the compiler vectorises.
-
-    numba has no vector ``exp`` without Intel's SVML (not installed here), so
-    ``np.exp`` in a loop is one libm call per value: it was most of softmax's
-    and SwiGLU's time. This is the textbook reduction: ``x = n ln2 + r`` with
-    ``|r| <= ln2 / 2``, ``e^r`` by its Taylor polynomial to degree 6
-    (truncation error ``r^7 / 7! < 1.3e-7``), times ``2^n`` built in the
-    exponent bits. Relative error ~2e-7 (a few float32 ulps) over the clamped
-    range [-87, 88]; below -87 it returns ~1.6e-38 instead of a subnormal or 0,
-    which no softmax or sigmoid here can tell apart. Deterministic: the same
-    input gives the same bits wherever it is called (batch invariance).
-    """
-    x = min(max(x, np.float32(-87.0)), np.float32(88.0))
-    n = np.floor(x * np.float32(1.4426950408889634) + np.float32(0.5))
-    # r = x - n ln2 in two fused steps (Cody-Waite): ln2 as a float32 plus the
-    # remainder, so r stays accurate at |n| ~ 126; a plain x - n * ln2 rounds
-    # n * ln2 to ulp(87) and costs 4e-6 of relative error there.
-    r = _fma32(-n, np.float32(0.693147182464599609375), x)
-    r = _fma32(-n, np.float32(-1.904654323148236e-09), r)
-    p = np.float32(1.0 / 720.0)
-    p = p * r + np.float32(1.0 / 120.0)
-    p = p * r + np.float32(1.0 / 24.0)
-    p = p * r + np.float32(1.0 / 6.0)
-    p = p * r + np.float32(0.5)
-    p = p * r + np.float32(1.0)
-    p = p * r + np.float32(1.0)
-    return p * _f32_from_bits((np.int32(n) + np.int32(127)) << 23)
+from numba import njit, prange
 
 
 @njit(cache=True, nogil=True, fastmath=True)
@@ -156,7 +90,7 @@ def silu_mul(gate: np.ndarray, up: np.ndarray, out: np.ndarray) -> None:
     for i in prange(n):
         for j in range(f):
             g = gate[i, j]
-            out[i, j] = g / (np.float32(1.0) + fast_exp(-g)) * up[i, j]
+            out[i, j] = g / (np.float32(1.0) + np.exp(-g)) * up[i, j]
 
 
 @njit(cache=True, nogil=True)
@@ -224,93 +158,54 @@ def paged_attention(
     """
     n, n_heads, head_dim = q.shape
     n_kv = k_cache.shape[1]
-    q2 = q.reshape(n, n_heads * head_dim)
-    out2 = out.reshape(n, n_heads * head_dim)
-    for item in prange(n * n_kv):
-        attend_pair(
-            q2, 0, n_heads, k_cache, v_cache, item // n_kv, item % n_kv,
-            positions, row_chunk, block_tables, window, scale, out2,
-        )  # fmt: skip
-
-
-@njit(nogil=True, fastmath=True)
-def attend_pair(
-    q2: np.ndarray,
-    q_col: int,
-    n_heads: int,
-    k_cache: np.ndarray,
-    v_cache: np.ndarray,
-    i: int,
-    kvh: int,
-    positions: np.ndarray,
-    row_chunk: np.ndarray,
-    block_tables: np.ndarray,
-    window: int,
-    scale: np.float32,
-    out2: np.ndarray,
-) -> None:  # pragma: no cover - numba
-    """Row ``i``'s attention for the query heads of KV head ``kvh``: one work item.
-
-    q2: (n, >= q_col + n_heads * head_dim) float32, query head h of row i at
-    columns ``q_col + h * head_dim``; out2: (n, n_heads * head_dim). The
-    unit of work of :func:`paged_attention` and of the fused layer kernel
-    (``layer.py``); its sums run in one fixed order whoever calls it.
-    """
-    head_dim = k_cache.shape[3]
     block_size = k_cache.shape[2]
-    group = n_heads // k_cache.shape[1]
-    p = positions[i]
-    lo = 0
-    if window > 0 and p - window + 1 > 0:
-        lo = p - window + 1
-    n_ctx = p + 1 - lo
-    table = block_tables[row_chunk[i]]
-    scores = np.empty((group, n_ctx), dtype=np.float32)
-    # Positions lo..p, walked block by block: no division per position.
-    first, last = lo // block_size, p // block_size
-    # pass 1: scores = q . k * scale
-    t = 0
-    for bi in range(first, last + 1):
-        b = table[bi]
-        o0 = max(lo - bi * block_size, 0)
-        o1 = min(p - bi * block_size + 1, block_size)
-        for o in range(o0, o1):
+    group = n_heads // n_kv
+    for item in prange(n * n_kv):
+        i = item // n_kv
+        kvh = item % n_kv
+        p = positions[i]
+        lo = 0
+        if window > 0 and p - window + 1 > 0:
+            lo = p - window + 1
+        n_ctx = p + 1 - lo
+        table = block_tables[row_chunk[i]]
+        scores = np.empty((group, n_ctx), dtype=np.float32)
+        # pass 1: scores = q . k * scale, and each head's max
+        for t in range(n_ctx):
+            pos = lo + t
+            b = table[pos // block_size]
+            o = pos % block_size
             for g in range(group):
-                c = q_col + (kvh * group + g) * head_dim
+                h = kvh * group + g
                 s = np.float32(0.0)
                 for j in range(head_dim):
-                    s += q2[i, c + j] * k_cache[b, kvh, o, j]
+                    s += q[i, h, j] * k_cache[b, kvh, o, j]
                 scores[g, t] = s * np.float32(scale)
-            t += 1
-    # softmax of each head's scores, in place
-    for g in range(group):
-        m = scores[g, 0]
-        for t in range(1, n_ctx):
-            m = max(m, scores[g, t])
-        total = np.float32(0.0)
+        for g in range(group):
+            m = scores[g, 0]
+            for t in range(1, n_ctx):
+                m = max(m, scores[g, t])
+            total = np.float32(0.0)
+            for t in range(n_ctx):
+                e = np.exp(scores[g, t] - m)
+                scores[g, t] = e
+                total += e
+            inv = np.float32(1.0) / total
+            for t in range(n_ctx):
+                scores[g, t] *= inv
+            h = kvh * group + g
+            for j in range(head_dim):
+                out[i, h, j] = np.float32(0.0)
+        # pass 2: out = sum_t p_t * v_t
         for t in range(n_ctx):
-            e = fast_exp(scores[g, t] - m)
-            scores[g, t] = e
-            total += e
-        inv = np.float32(1.0) / total
-        for t in range(n_ctx):
-            scores[g, t] *= inv
-        c = (kvh * group + g) * head_dim
-        for j in range(head_dim):
-            out2[i, c + j] = np.float32(0.0)
-    # pass 2: out = sum_t p_t * v_t
-    t = 0
-    for bi in range(first, last + 1):
-        b = table[bi]
-        o0 = max(lo - bi * block_size, 0)
-        o1 = min(p - bi * block_size + 1, block_size)
-        for o in range(o0, o1):
+            pos = lo + t
+            b = table[pos // block_size]
+            o = pos % block_size
             for g in range(group):
-                c = (kvh * group + g) * head_dim
+                h = kvh * group + g
                 w = scores[g, t]
                 for j in range(head_dim):
-                    out2[i, c + j] += w * v_cache[b, kvh, o, j]
-            t += 1
+                    out[i, h, j] += w * v_cache[b, kvh, o, j]
 
 
 def warm_up() -> float:

@@ -31,19 +31,16 @@ slower by turning the residual stream into float64; constants here are made
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-import numba
 import numpy as np
 
 from triollm.errors import ModelLoadError
 from triollm.model import kernels
 from triollm.model.config import ModelConfig
-from triollm.model.layer import COUNTERS, decoder_layer
-from triollm.model.matmul import PreparedWeight, block_rows, linear, prepare
+from triollm.model.matmul import PreparedWeight, linear, prepare
 from triollm.model.quant import QuantizedTensor, stack_rows
 from triollm.model.weights import (
     TensorSource,
@@ -121,18 +118,6 @@ class LlamaLayer:
     post_attention_layernorm: np.ndarray  # (hidden,) float32
     gate_up_proj: PreparedWeight  # [gate_proj; up_proj]: [2 * intermediate, hidden]
     down_proj: PreparedWeight  # [hidden, intermediate]
-
-
-# The fused layer kernel is opt-in (TRIOLLM_FUSED_LAYER=1, or `model.fused = True`)
-# until a known defect is found: in some processes (about two runs in three,
-# whatever the thread count) its logits for a prefill that starts after a
-# prefix-cache hit differ from the same prompt computed cold in the last bits
-# (up to 6e-6; tests/model/test_prefix_cache_logits.py with qwen3-headdim-f16,
-# "hit-ends-on-a-block-boundary", fails then), where the per-product path is
-# equal bit for bit in every run. Within one process the result repeats, so it
-# depends on memory layout (an address-dependent code path or a read of stale
-# scratch), not on timing. docs/performance.md, issue 10, has the details.
-FUSED_BY_DEFAULT = os.environ.get("TRIOLLM_FUSED_LAYER", "") == "1"
 
 
 class _Scratch:
@@ -224,69 +209,6 @@ class LlamaModel:
         self.scale = np.float32(1.0 / np.sqrt(np.float32(c.head_dim)))
         self._scratch = _Scratch(c, 16)
         self._lock = threading.Lock()
-        # The fast path (layer.decoder_layer: a layer in one parallel region) can
-        # run when every product's weight is one product_block knows (a new
-        # weight format without a block function never takes it). It runs only
-        # when asked (FUSED_BY_DEFAULT, or `fused = True`): see FUSED_BY_DEFAULT.
-        self.can_fuse = all(
-            isinstance(w, PreparedWeight)
-            for lay in self.layers
-            for w in (lay.qkv_proj, lay.o_proj, lay.gate_up_proj, lay.down_proj)
-        )
-        self._fused = FUSED_BY_DEFAULT and self.can_fuse
-        self._no_vec = np.zeros(0, np.float32)
-        self._fused_args = [self._layer_constants(lay) for lay in self.layers]
-        self._blocks: dict[int, np.ndarray] = {}  # numba threads -> (4,) rows per item
-
-    @property
-    def fused(self) -> bool:
-        """Whether the forward pass runs ``layer.decoder_layer`` (True) or a kernel per product."""
-        return self._fused
-
-    @fused.setter
-    def fused(self, on: bool) -> None:
-        if on and not self.can_fuse:
-            raise ValueError("this model holds a weight without a block function: no fused path")
-        self._fused = on
-
-    def _layer_constants(self, lay: LlamaLayer) -> tuple[np.ndarray, ...]:
-        """A layer's arguments to ``decoder_layer`` that never change: biases, norms."""
-        none = self._no_vec
-        if lay.q_proj_bias is not None and lay.k_proj_bias is not None:
-            assert lay.v_proj_bias is not None
-            b_qkv = np.concatenate([lay.q_proj_bias, lay.k_proj_bias, lay.v_proj_bias])
-        else:
-            b_qkv = none
-        return (
-            b_qkv,
-            none if lay.o_proj_bias is None else lay.o_proj_bias,
-            none if lay.q_norm is None else lay.q_norm,
-            none if lay.k_norm is None else lay.k_norm,
-        )
-
-    def _item_rows(self, n_threads: int) -> np.ndarray:
-        """Weight rows per work item of the four products, for ``n_threads`` threads."""
-        blocks = self._blocks.get(n_threads)
-        if blocks is None:
-            lay, f = self.layers[0], self.config.intermediate_size
-            gu = lay.gate_up_proj
-            blocks = np.array(
-                [
-                    block_rows(w.out_features, w.nbytes // w.out_features, n_threads)
-                    for w in (lay.qkv_proj, lay.o_proj)
-                ]
-                + [
-                    block_rows(f, gu.nbytes // gu.out_features, n_threads),
-                    block_rows(
-                        lay.down_proj.out_features,
-                        lay.down_proj.nbytes // lay.down_proj.out_features,
-                        n_threads,
-                    ),
-                ],
-                dtype=np.int64,
-            )
-            self._blocks[n_threads] = blocks
-        return blocks
 
     # -- loading ---------------------------------------------------------------
 
@@ -394,23 +316,6 @@ class LlamaModel:
         # token embedding (widened from the checkpoint dtype, only these rows)
         x[...] = to_f32(self.embed_tokens[rows.tokens])
 
-        if self.fused:
-            threads = numba.get_num_threads()
-            blocks = self._item_rows(threads)
-            counters = np.zeros((len(self.layers), COUNTERS), np.int64)
-            for i, lay in enumerate(self.layers):
-                b_qkv, b_o, q_norm, k_norm = self._fused_args[i]
-                decoder_layer(
-                    x, xn, qkv, att, gate_up, gate,
-                    lay.qkv_proj.kernel_data, b_qkv, lay.o_proj.kernel_data, b_o,
-                    lay.gate_up_proj.kernel_data, lay.down_proj.kernel_data,
-                    lay.input_layernorm, lay.post_attention_layernorm, q_norm, k_norm, self.eps,
-                    kv.k[i], kv.v[i], rows.positions, rows.chunk, rows.block, rows.offset,
-                    rows.tables, rows.window, self.rope_cos, self.rope_sin, self.scale,
-                    n_h, blocks, counters[i], threads,
-                )  # fmt: skip
-            return self._head(x, rows)
-
         for i, layer in enumerate(self.layers):
             # attention rmsnorm
             kernels.rms_norm(x, layer.input_layernorm, self.eps, xn)
@@ -463,9 +368,6 @@ class LlamaModel:
             linear(gate, layer.down_proj, out=proj)
             x += proj
 
-        return self._head(x, rows)
-
-    def _head(self, x: np.ndarray, rows: _RowIndex) -> np.ndarray:
         # final norm + output head, only on the rows that are sampled
         h = x[rows.sampled]  # (n_sampled, hidden) float32, a copy
         kernels.rms_norm(h, self.norm, self.eps, h)

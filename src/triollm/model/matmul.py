@@ -31,32 +31,6 @@ handles them, in chunks of 64 rows that stay in L2 beside a block of weights.
 instead (a 16-bit weight is then widened into a temporary float32 copy for
 that call); by default it does not: see ``BLAS_MIN_ROWS``.
 
-Two paths call the kernel, one unit of work
--------------------------------------------
-:func:`product_block` (a block of weight rows against every row of ``x``) is
-the unit of work of every product. :func:`linear` runs it over all blocks in
-one parallel region (the per-product path); ``layer.decoder_layer`` (the fused
-path, opt-in for now: ``llama.FUSED_BY_DEFAULT``) runs it as work items inside one
-parallel region per decoder layer, beside attention and the norms, with its
-own synchronisation (``layer.py`` explains why: ~181 regions per step become
-31). Both compute every output element with the same instructions.
-
-How to add a weight format
---------------------------
-1. Give it a prepared type with ``in_features``, ``out_features``, ``nbytes``
-   and a kernel, and make :func:`linear` dispatch to that kernel on the type
-   (before the float path): every product of the per-product path, and the
-   output head on both paths, now works. A model holding any weight that is not
-   a :class:`PreparedWeight` has ``can_fuse`` False, so it runs the
-   per-product path with no other change.
-2. To join the fused path too, give the format a ``product_block`` of its own:
-   the same signature (``x, w, out, j0, j1, bias, accumulate``; ``w`` the
-   numba type of its ``kernel_data``, e.g. a ``NamedTuple`` of arrays), added
-   as a numba ``@overload`` or a branch on the type, and let the check in
-   ``LlamaModel.__init__`` accept the type. Its blocks must give the same bits
-   for a row whatever the other rows (tile the rows as below), and the file
-   that defines it must be one ``layer._drop_stale_cache`` watches.
-
 Hazards
 -------
 - The kernel is compiled ``nogil=True`` because the server runs the forward in
@@ -251,48 +225,31 @@ def _fma_impl(acc, x, w, k):  # type: ignore[no-untyped-def]  # names must match
 
 @njit(cache=True, nogil=True, parallel=True, fastmath=True)
 def _stream_matmul(x: Any, w: Any, out: Any, block: int) -> None:  # pragma: no cover - numba
-    # x (n, K) float32; w (N, K) float32 | uint32 bf16 pairs | uint16 bf16 bits |
-    # int16 f16 bits; out (n, N) float32. Threads split the weight rows (output
-    # columns) into blocks (sized to stay in L2); product_block does one block.
-    n_out = w.shape[0]
-    no_bias = np.zeros(0, np.float32)
+    # x (n, K) float32; w (N, K) float32 | uint16 bf16 bits | int16 f16 bits;
+    # out (n, N) float32. Threads split the weight rows (output columns) into
+    # blocks (sized to stay in L2). Four weight rows at a time stay in L1 while
+    # every 4-row tile of a chunk of x (sized to stay in L2) passes over them.
+    # With n <= _ROW_CHUNK (every decode step) each weight byte comes from
+    # memory exactly once; a long prefill re-reads the block from L2 per chunk.
+    n = x.shape[0]
+    n_out, k_in = w.shape  # k_in counts stored columns: in_features / 2 for bf16 pairs
+    last = n - 1
     for blk in prange((n_out + block - 1) // block):
         j0 = blk * block
-        product_block(x, w, out, j0, min(j0 + block, n_out), no_bias, False)
-
-
-@njit(nogil=True, fastmath=True)
-def product_block(
-    x: Any, w: Any, out: Any, j0: int, j1: int, bias: Any, accumulate: bool
-) -> None:  # pragma: no cover - numba
-    """``out[:, j0:j1] (+)= x @ w[j0:j1].T (+ bias[j0:j1])``: one block of weight rows.
-
-    The unit of work of every product, here and in the fused layer kernel
-    (``layer.py``): a block of weight rows against every row of ``x``. Four
-    weight rows at a time stay in L1 while every 4-row tile of a chunk of x
-    (sized to stay in L2) passes over them. With n <= _ROW_CHUNK (every decode
-    step) each weight byte comes from memory exactly once; a long prefill
-    re-reads the block from L2 per chunk. ``bias`` is empty or (N,) float32,
-    added to each sum; with ``accumulate`` the result is added into ``out``
-    (a residual stream) instead of stored: ``out + (x . w + bias)``, the order
-    the unfused forward rounds in.
-    """
-    n = x.shape[0]
-    k_in = w.shape[1]  # stored columns: in_features / 2 for bf16 pairs
-    last = n - 1
-    if n == 1:
-        _block_product_one_row(x[0], w, out, j0, j1, k_in, bias, accumulate)
-        return
-    for r0 in range(0, n, _ROW_CHUNK):
-        r1 = min(r0 + _ROW_CHUNK, n)
-        _block_product(x, w, out, j0, j1, r0, r1, last, k_in, bias, accumulate)
+        j1 = min(j0 + block, n_out)
+        if n == 1:
+            _block_product_one_row(x[0], w, out[0], j0, j1, k_in)
+            continue
+        for r0 in range(0, n, _ROW_CHUNK):
+            r1 = min(r0 + _ROW_CHUNK, n)
+            _block_product(x, w, out, j0, j1, r0, r1, last, k_in)
 
 
 @njit(inline="always", fastmath=True)
 def _block_product_one_row(
-    x0: Any, w: Any, out: Any, j0: int, j1: int, k_in: int, bias: Any, accumulate: bool
+    x0: Any, w: Any, out0: Any, j0: int, j1: int, k_in: int
 ) -> None:  # pragma: no cover - numba
-    # out[0, j0:j1] for a single row (batch-1 decode). Sixteen weight rows per
+    # out0[j0:j1] for a single row (batch-1 decode). Sixteen weight rows per
     # pass: 16 memory streams in flight, and 16 independent accumulators, as
     # in the 4x4 tile, so the compiler vectorises both loops alike and a row
     # alone gets the same bits as inside a batch (the invariance test checks).
@@ -337,23 +294,13 @@ def _block_product_one_row(
             s15 = _fma(s15, x0, w15, k)
         sums = (s0, s1, s2, s3, s4, s5, s6, s7, s8, s9, s10, s11, s12, s13, s14, s15)
         for t in range(min(16, j1 - j)):
-            _put(out, 0, j + t, sums[t], bias, accumulate)
+            out0[j + t] = sums[t]
         j += 16
 
 
 @njit(inline="always", fastmath=True)
 def _block_product(
-    x: Any,
-    w: Any,
-    out: Any,
-    j0: int,
-    j1: int,
-    r0: int,
-    r1: int,
-    last: int,
-    k_in: int,
-    bias: Any,
-    accumulate: bool,
+    x: Any, w: Any, out: Any, j0: int, j1: int, r0: int, r1: int, last: int, k_in: int
 ) -> None:  # pragma: no cover - numba
     # out[r0:r1, j0:j1] for one block of weight rows and one chunk of x rows
     j = j0
@@ -393,64 +340,40 @@ def _block_product(
                 d1 = _fma(d1, x1, wd, k)
                 d2 = _fma(d2, x2, wd, k)
                 d3 = _fma(d3, x3, wd, k)
-            _store4(out, r, last, j, a0, a1, a2, a3, bias, accumulate)
+            _store4(out, r, last, j, a0, a1, a2, a3)
             if j + 1 < j1:
-                _store4(out, r, last, j + 1, b0, b1, b2, b3, bias, accumulate)
+                _store4(out, r, last, j + 1, b0, b1, b2, b3)
             if j + 2 < j1:
-                _store4(out, r, last, j + 2, c0, c1, c2, c3, bias, accumulate)
+                _store4(out, r, last, j + 2, c0, c1, c2, c3)
             if j + 3 < j1:
-                _store4(out, r, last, j + 3, d0, d1, d2, d3, bias, accumulate)
+                _store4(out, r, last, j + 3, d0, d1, d2, d3)
         j += 4
 
 
 @njit(inline="always")
-def _put(out: Any, r: int, j: int, v: Any, bias: Any, accumulate: bool) -> None:  # pragma: no cover
-    # one finished sum: plus its bias, stored or added into a residual stream
-    if bias.shape[0] > 0:
-        v = v + bias[j]
-    if accumulate:
-        out[r, j] += v
-    else:
-        out[r, j] = v
-
-
-@njit(inline="always")
 def _store4(
-    out: Any,
-    r: int,
-    last: int,
-    j: int,
-    v0: Any,
-    v1: Any,
-    v2: Any,
-    v3: Any,
-    bias: Any,
-    accumulate: bool,
+    out: Any, r: int, last: int, j: int, v0: Any, v1: Any, v2: Any, v3: Any
 ) -> None:  # pragma: no cover - numba
     # column j of rows r..r+3, dropping the repeated rows past the last one
-    _put(out, r, j, v0, bias, accumulate)
+    out[r, j] = v0
     if r + 1 <= last:
-        _put(out, r + 1, j, v1, bias, accumulate)
+        out[r + 1, j] = v1
     if r + 2 <= last:
-        _put(out, r + 2, j, v2, bias, accumulate)
+        out[r + 2, j] = v2
     if r + 3 <= last:
-        _put(out, r + 3, j, v3, bias, accumulate)
+        out[r + 3, j] = v3
 
 
 def _block_rows(w: np.ndarray, n_threads: int) -> int:
-    """Weight rows per parallel block of ``w``: see :func:`block_rows`."""
-    return block_rows(w.shape[0], w.shape[1] * w.itemsize, n_threads)
-
-
-def block_rows(n_out: int, row_bytes: int, n_threads: int) -> int:
     """Weight rows per parallel block: a multiple of 16, about 8 blocks per thread.
 
     Several blocks per thread even out the threads' shares; blocks of at least
     16 rows keep the per-block overhead small; at most ``_BLOCK_BYTES`` so a
     block stays in L2 (the output head has 49152 rows: 12 MB per thread else).
     """
+    n_out, k_in = w.shape
     target = max(16, -(-n_out // (8 * n_threads)))
-    cap = max(4, _BLOCK_BYTES // max(row_bytes, 1))
+    cap = max(4, _BLOCK_BYTES // (k_in * w.itemsize))
     # a multiple of 16: the one-row path takes weight rows 16 at a time
     return -(-min(target, cap) // 16) * 16
 
