@@ -35,6 +35,7 @@ from collections import defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numba
@@ -398,7 +399,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--profile", action="store_true", help="per-stage time breakdown")
     p.add_argument("--compile", action="store_true", help="numba compile and cache-load times")
     p.add_argument("--json", help="append one JSON line per case to this file")
-    p.add_argument("--peer", help="a peer's results (JSON lines): print ours / peer per row")
+    p.add_argument(
+        "--peer", type=Path, help="a peer's results (JSON lines): print ours / peer per row"
+    )
     p.add_argument("--label", default="triollm", help="this system's name in --json records")
     args = p.parse_args(argv)
     if args.quick:

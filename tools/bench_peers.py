@@ -19,8 +19,10 @@ Not in CI: a build takes 8+ minutes at -j2 and the measurements ~30 minutes.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -109,17 +111,38 @@ def llama_source() -> Path:
     return src
 
 
+def cpu_signature() -> str:
+    """The CPU model and instruction-set flags: a GGML_NATIVE build runs only where
+    they match (built on one CPU and run on another, a quantized path died of SIGILL)."""
+    fields: dict[str, str] = {}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            fields.setdefault(key.strip(), value.strip())
+    except OSError:
+        pass
+    model = fields.get("model name") or platform.processor() or "unknown CPU"
+    flags = " ".join(sorted(fields.get("flags", "").split()))
+    return f"{model}; flags sha256 {hashlib.sha256(flags.encode()).hexdigest()[:16]}"
+
+
 def build(jobs: int) -> None:
     stamp = BIN / "BUILT_FROM"
+    built_for = f"{LLAMA_CPP_PYTHON}\n{cpu_signature()}"
     if (
         stamp.exists()
-        and stamp.read_text().strip() == LLAMA_CPP_PYTHON
+        and stamp.read_text().strip() == built_for
         and all((BIN / t).exists() for t in TARGETS)
     ):
-        log(f"llama.cpp binaries cached in {BIN} ({LLAMA_CPP_PYTHON})")
+        log(f"llama.cpp binaries cached in {BIN} ({LLAMA_CPP_PYTHON}, built for this CPU)")
         return
     src = llama_source()
     build_dir = PEERS / "build"
+    if build_dir.exists():
+        # -march=native is a flag, not the CPU it meant: ninja would keep every object
+        # compiled for the other CPU (or the other source). Start from nothing.
+        log(f"removing {build_dir} (built for another CPU or source)")
+        shutil.rmtree(build_dir)
     cmake, ninja = tool("cmake"), tool("ninja")
     run([cmake, "-S", src, "-B", build_dir, f"-DCMAKE_MAKE_PROGRAM={ninja}", *CMAKE_FLAGS])
     BIN.mkdir(parents=True, exist_ok=True)
@@ -129,7 +152,7 @@ def build(jobs: int) -> None:
         run([cmake, "--build", build_dir, "-j", str(jobs), "--target", t])
         shutil.copy2(build_dir / "bin" / t, BIN / t)
         log(f"built {BIN / t}")
-    stamp.write_text(LLAMA_CPP_PYTHON + "\n")
+    stamp.write_text(built_for + "\n")
 
 
 def smollm2_gguf() -> Path:
