@@ -27,6 +27,7 @@ import shutil
 import subprocess
 import sys
 import tarfile
+import tempfile
 import zipfile
 from pathlib import Path
 
@@ -126,9 +127,44 @@ def cpu_signature() -> str:
     return f"{model}; flags sha256 {hashlib.sha256(flags.encode()).hexdigest()[:16]}"
 
 
+AMX_PROBE = r"""
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+struct cfg { unsigned char palette, start, reserved[14]; unsigned short colsb[16];
+             unsigned char rows[16]; } __attribute__((aligned(64)));
+int main(void) {
+    syscall(SYS_arch_prctl, 0x1023, 18); /* ARCH_REQ_XCOMP_PERM, XTILEDATA */
+    struct cfg c = {0};
+    c.palette = 1; c.colsb[0] = 64; c.rows[0] = 16;
+    _tile_loadconfig(&c); _tile_zero(0); _tile_release();
+    return 0;
+}
+"""
+
+
+def amx_refused() -> bool:
+    """Whether the CPU lists AMX but running a tile instruction kills the process
+    (a virtual machine that hides AMX's state): then -march=native must not use it,
+    or every Q8_0/Q4 product of llama.cpp dies of SIGILL."""
+    if "amx_tile" not in Path("/proc/cpuinfo").read_text(errors="replace"):
+        return False
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        return False
+    with tempfile.TemporaryDirectory() as tmp:
+        src, exe = Path(tmp) / "amx.c", Path(tmp) / "amx"
+        src.write_text(AMX_PROBE)
+        if subprocess.run([cc, "-O1", "-mamx-tile", src, "-o", exe]).returncode:
+            return False
+        return subprocess.run([exe]).returncode != 0
+
+
 def build(jobs: int) -> None:
     stamp = BIN / "BUILT_FROM"
-    built_for = f"{LLAMA_CPP_PYTHON}\n{cpu_signature()}"
+    no_amx = amx_refused()
+    flags = ["-mno-amx-tile", "-mno-amx-int8", "-mno-amx-bf16"] if no_amx else []
+    built_for = f"{LLAMA_CPP_PYTHON}\n{cpu_signature()}" + ("; AMX refused" if no_amx else "")
     if (
         stamp.exists()
         and stamp.read_text().strip() == built_for
@@ -144,7 +180,11 @@ def build(jobs: int) -> None:
         log(f"removing {build_dir} (built for another CPU or source)")
         shutil.rmtree(build_dir)
     cmake, ninja = tool("cmake"), tool("ninja")
-    run([cmake, "-S", src, "-B", build_dir, f"-DCMAKE_MAKE_PROGRAM={ninja}", *CMAKE_FLAGS])
+    if no_amx:
+        log("this CPU lists AMX but refuses its instructions: building without AMX")
+    extra = [f"-DCMAKE_C_FLAGS={' '.join(flags)}", f"-DCMAKE_CXX_FLAGS={' '.join(flags)}"]
+    cmd = [cmake, "-S", src, "-B", build_dir, f"-DCMAKE_MAKE_PROGRAM={ninja}", *CMAKE_FLAGS]
+    run(cmd + (extra if no_amx else []))
     BIN.mkdir(parents=True, exist_ok=True)
     # One target at a time, the benches first: each binary is usable (copied into
     # BIN) as soon as it links, while the server, the longest, still compiles.
