@@ -43,12 +43,10 @@ class GroupMachine(SchedulerMachine):
     def arrive_group(
         self, data: st.DataObject, opening: tuple[int, ...], salt: str, n: int
     ) -> None:
-        cfg = self.s.config
-        most = min(cfg.context_tokens, cfg.num_blocks * cfg.block_size)
+        most = self.longest_request()
         if most < 2:
             return
-        prompt = data.draw(st.integers(1, most - 1), label="prompt")
-        max_tokens = data.draw(st.integers(1, most - prompt), label="max_tokens")
+        prompt, max_tokens = self.draw_lengths(data, most)
         ids = [*opening, *(1 + i % 7 for i in range(max(0, prompt - len(opening))))][:prompt]
         try:
             seqs = self.s.add_group(ids, max_tokens, frozenset({STOP}), n, cache_salt=salt)

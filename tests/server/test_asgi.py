@@ -11,6 +11,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+import pytest
 import trio
 import trio.testing
 
@@ -38,6 +39,21 @@ class SlowFake:
     async def run_step(self, plan: StepPlan) -> StepResult:
         await trio.sleep(STEP_SECONDS)  # mock time: a slow model
         return self.run(plan)
+
+
+@pytest.fixture(autouse=True)
+def worker_threads_run_inline(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The app tokenizes (and decodes, and compiles grammars) in worker threads. On the
+    autojump clock a task waiting for a thread counts as idle, so mock time jumps
+    while the thread's real work runs: to the next deadline, and past every timeout
+    in the test when the machine is slow (a 0.3 s tokenizer made the queue-budget
+    test fail every time). Here the calls run inline, so mock time is the test's."""
+
+    async def inline(fn: Any, *args: Any, limiter: Any = None, **kw: Any) -> Any:
+        await trio.lowlevel.checkpoint()
+        return fn(*args)
+
+    monkeypatch.setattr(trio.to_thread, "run_sync", inline)
 
 
 class FakeTokenizer:

@@ -204,16 +204,25 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.log.append(("arrive", self.turns, seq, prompt, answer, 0))
         self.issued.append(seq)
 
+    def longest_request(self) -> int:
+        """The most positions one request can hold: the context, or the whole pool."""
+        cfg = self.s.config
+        return min(cfg.context_tokens, cfg.num_blocks * cfg.block_size)
+
+    @staticmethod
+    def draw_lengths(data: st.DataObject, most: int) -> tuple[int, int]:
+        """A prompt and an answer that fit ``most`` positions together."""
+        prompt = data.draw(st.integers(1, most - 1), label="prompt")
+        return prompt, data.draw(st.integers(1, most - prompt), label="max_tokens")
+
     @rule(data=st.data(), n=st.integers(1, 3))
     def arrive_fitting(self, data: st.DataObject, n: int) -> None:
         """Arrivals drawn from what the door accepts, so the pool actually fills."""
-        cfg = self.s.config
-        most = min(cfg.context_tokens, cfg.num_blocks * cfg.block_size)
+        most = self.longest_request()
         if most < 2:
             return
         for _ in range(n):
-            prompt = data.draw(st.integers(1, most - 1), label="prompt")
-            max_tokens = data.draw(st.integers(1, most - prompt), label="max_tokens")
+            prompt, max_tokens = self.draw_lengths(data, most)
             priority = data.draw(st.integers(0, 2), label="priority")
             seq = self.s.add(
                 [1 + i % 9 for i in range(prompt)], max_tokens, frozenset({STOP}), priority
@@ -238,13 +247,11 @@ class SchedulerMachine(RuleBasedStateMachine):
         self, data: st.DataObject, opening: tuple[int, ...], salt: str, n: int
     ) -> None:
         """Arrivals whose prompts start with a shared opening, so the cache hits."""
-        cfg = self.s.config
-        most = min(cfg.context_tokens, cfg.num_blocks * cfg.block_size)
+        most = self.longest_request()
         if most < 2:
             return
         for _ in range(n):
-            prompt = data.draw(st.integers(1, most - 1), label="prompt")
-            max_tokens = data.draw(st.integers(1, most - prompt), label="max_tokens")
+            prompt, max_tokens = self.draw_lengths(data, most)
             ids = [*opening, *(1 + i % 7 for i in range(max(0, prompt - len(opening))))]
             seq = self.s.add(ids[:prompt], max_tokens, frozenset({STOP}), cache_salt=salt)
             self.salt[seq] = salt
