@@ -139,20 +139,6 @@ def _raise_exception(message: str) -> None:
 RENDER_TIME_LIMIT_S = 2.0
 RENDER_OPERATION_LIMIT = 1_000_000
 RENDER_OUTPUT_LIMIT_CHARS = 16 * 1024 * 1024
-# The variables apply_chat_template gives every template; a request's own template
-# variables (chat_template_kwargs) may not replace them.
-TEMPLATE_VARIABLES = frozenset(
-    {
-        "messages",
-        "add_generation_prompt",
-        "tools",
-        "documents",
-        "bos_token",
-        "eos_token",
-        "unk_token",
-        "pad_token",
-    }
-)
 
 
 class _RenderBudget:
@@ -538,7 +524,7 @@ class Tokenizer:
         ``tool_calls`` / ``tool_call_id``, stay in the message). ``template_kwargs`` are
         further variables for the template (vLLM's ``chat_template_kwargs``, e.g.
         Qwen3's ``enable_thinking``); a name the renderer sets itself
-        (:data:`TEMPLATE_VARIABLES`) is a ``UserError``. Raises
+        (``messages``, ``tools``, ``bos_token`` ...) is a ``FieldError``. Raises
         :class:`~triollm.errors.UserError` when the model has no chat template (a base
         model) or the template refuses the messages.
         """
@@ -550,32 +536,32 @@ class Tokenizer:
                 "use a plain prompt instead of chat"
             )
         template = self._template("default")
-        taken = sorted(set(template_kwargs or ()) & TEMPLATE_VARIABLES)
+        # The token variables come from tokenizer_config.json only, as in transformers:
+        # a BOS known only from config.json's id is not something the template says.
+        variables: dict[str, Any] = {
+            "messages": messages,
+            "add_generation_prompt": add_generation_prompt,
+            "tools": tools or None,  # as transformers: no tools is None, not []
+            "documents": None,
+            "bos_token": self._special_strings.get("bos_token", ""),
+            "eos_token": self._special_strings.get("eos_token", ""),
+            "unk_token": self._special_strings.get("unk_token", ""),
+            "pad_token": self._special_strings.get("pad_token", ""),
+        }
+        taken = sorted(variables.keys() & (template_kwargs or {}).keys())
         if taken:
             raise FieldError(
                 "chat_template_kwargs",
                 f"'chat_template_kwargs.{taken[0]}': the chat template variable {taken[0]!r} "
-                f"is set by the server (it sets {', '.join(sorted(TEMPLATE_VARIABLES))}); "
+                f"is set by the server (it sets {', '.join(sorted(variables))}); "
                 "it cannot be passed",
             )
         budget = _RenderBudget(RENDER_OUTPUT_LIMIT_CHARS)
         token = _budget.set(budget)
-        # The token variables come from tokenizer_config.json only, as in transformers:
-        # a BOS known only from config.json's id is not something the template says.
         try:
             out: list[str] = []
             size = 0
-            for piece in template.generate(
-                messages=messages,
-                add_generation_prompt=add_generation_prompt,
-                tools=tools or None,  # as transformers: no tools is None, not []
-                documents=None,
-                bos_token=self._special_strings.get("bos_token", ""),
-                eos_token=self._special_strings.get("eos_token", ""),
-                unk_token=self._special_strings.get("unk_token", ""),
-                pad_token=self._special_strings.get("pad_token", ""),
-                **(template_kwargs or {}),
-            ):
+            for piece in template.generate(**variables, **(template_kwargs or {})):
                 size += len(piece)
                 if size > budget.output_limit:
                     raise ChatTemplateError(
