@@ -26,10 +26,11 @@ import sys
 import tarfile
 from pathlib import Path
 
-SPEC = "llama-cpp-python==0.3.36"  # tools/bench_peers.py's LLAMA_CPP_PYTHON
+from bench_peers import LLAMA_CPP_PYTHON as SPEC  # one pin for the peers and these files
+
 CACHE = Path(os.environ.get("TRIOLLM_CACHE", Path.home() / ".cache" / "triollm"))
 SRC = CACHE / "peers" / "src"
-SDIST_NAME = "llama_cpp_python-0.3.36"
+SDIST_NAME = SPEC.replace("-", "_").replace("==", "-")  # llama_cpp_python-0.3.36
 MODELS = "vendor/llama.cpp/models"
 VOCABS = SRC / SDIST_NAME / MODELS  # where bench_peers' extraction (or ours) puts them
 SEPARATOR = "\n__ggml_vocab_test__\n"
