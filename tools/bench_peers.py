@@ -19,6 +19,7 @@ Not in CI: a build takes 8+ minutes at -j2 and the measurements ~30 minutes.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
@@ -473,7 +474,7 @@ def llama_bench_prefill(gguf: Path, dtype: str, rnd: int, tokens: int = 512) -> 
     ]
 
 
-def bench_engine(out: Path, rnd: int, reps: int) -> None:
+def bench_engine(out: Path, rnd: int, reps: int, extra: dict | None = None) -> None:
     """triollm's side: the same shapes; the mean decode context matches llama's
     (32-token prompt, 128 tokens: positions 32..160)."""
     tmp = out.with_suffix(".round")
@@ -498,11 +499,38 @@ def bench_engine(out: Path, rnd: int, reps: int) -> None:
     ]
     run(cmd, env=env_for_triollm())
     recs = [
-        json.loads(x) | {"round": rnd, "command": " ".join(map(str, cmd))}
+        json.loads(x) | {"round": rnd, "command": " ".join(map(str, cmd))} | (extra or {})
         for x in tmp.read_text().splitlines()
     ]
     tmp.unlink()
     _append(out, recs)
+
+
+# One core taken for the whole measurement: a process that never sleeps (the issue's
+# "busy machine"). Not pinned: the kernel's scheduler places it, as it would a neighbour.
+COMPETITOR = "while True: pass"
+
+
+@contextlib.contextmanager
+def competitor(on: bool):
+    """While inside: one competing process spins on a core (if ``on``)."""
+    proc = subprocess.Popen([sys.executable, "-c", COMPETITOR]) if on else None
+    try:
+        yield
+    finally:
+        if proc is not None:
+            proc.kill()
+            proc.wait()
+
+
+def busy_round(files: dict[str, Path], out: Path, rnd: int, reps: int) -> None:
+    """Decode at each batch, quiet then with one core taken, llama.cpp (A) and triollm (B)."""
+    for busy in (0, 1):
+        tag = {"busy": busy, "competitor": COMPETITOR}
+        with competitor(bool(busy)):
+            for peer, _ in PAIRS:
+                _append(out, [r | tag for r in llama_batched_bench(files[peer], peer, rnd)])
+            bench_engine(out, rnd, reps, tag)
 
 
 def wait_ready(url: str, proc: subprocess.Popen, timeout_s: float = 1800) -> None:
@@ -644,6 +672,8 @@ def measure(rounds: int, reps: int, parts: set[str]) -> Path:
     )
     engine, serve = results / "engine.jsonl", results / "serve.jsonl"
     for rnd in range(rounds):
+        if "busy" in parts:
+            busy_round(files, results / "busy.jsonl", rnd, reps)
         if "engine" in parts:
             for peer, _ in PAIRS:  # A
                 _append(engine, llama_batched_bench(files[peer], peer, rnd))
@@ -698,7 +728,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--jobs", type=int, default=2, help="parallel build jobs (default 2)")
     p.add_argument("--rounds", type=int, default=2, help="alternating A B rounds (default 2)")
     p.add_argument("--reps", type=int, default=9, help="bench-engine steps per case (9)")
-    p.add_argument("--parts", default="engine,serve", help="what `run` measures")
+    p.add_argument(
+        "--parts",
+        default="engine,serve",
+        help="what `run` measures: engine, serve, busy (decode quiet and with one core taken)",
+    )
     p.add_argument("--batches", default="1,4,8,16", help="decode batches (1,4,8,16)")
     p.add_argument("--new-tokens", type=int, default=128, help="tokens per sequence (128)")
     p.add_argument("--prefill", type=int, default=512, help="prefill tokens, 0 = skip (512)")

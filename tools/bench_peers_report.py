@@ -23,6 +23,8 @@ DOC = REPO / "docs" / "performance.md"
 IMG = REPO / "docs" / "img"
 BEGIN = "<!-- bench-peers:begin (written by tools/bench_peers.py tables; edit the tool) -->"
 END = "<!-- bench-peers:end -->"
+BUSY_BEGIN = "<!-- bench-peers-busy:begin (written by tools/bench_peers.py tables; edit the tool) -->"
+BUSY_END = "<!-- bench-peers-busy:end -->"
 
 # SmolLM2-135M's shape (docs/performance.md, "The floor"): the weights a decode step
 # reads, and the K/V bytes one sequence reads per position of context (float32 K/V).
@@ -107,20 +109,58 @@ def serve_section(serve: list[dict[str, Any]]) -> list[str]:
     return out
 
 
-def write_report(results: Path) -> None:
-    engine, serve = read(results / "engine.jsonl"), read(results / "serve.jsonl")
-    meta = json.loads((results / "meta.json").read_text())
-    bw = _med([r["bandwidth_gbs"] for r in engine if r.get("bandwidth_gbs")])
-    drawn = plots(engine, serve, meta, bw)
-    records = engine + serve
+def busy_section(busy: list[dict[str, Any]]) -> list[str]:
+    """Decode tok/s quiet and with one core taken, and how far each system falls."""
+    if not busy:
+        return []
+    out = [
+        "### A busy machine: one core taken by a competing process",
+        "",
+        "The same decode runs as above (`--parts busy`), each round quiet and then with "
+        f"`python -c '{busy[0]['competitor']}'` spinning beside it for the whole run. The fall is "
+        "quiet / busy tok/s (1.00x: no loss; 2.00x: half the speed); the last column is "
+        "triollm's fall / llama.cpp's (at or below 1.00x: triollm falls no further).",
+        "",
+        "| weights | batch | triollm quiet | triollm busy | triollm fall "
+        "| llama.cpp quiet | llama.cpp busy | llama.cpp fall | fall ratio |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for width in ("32-bit", "16-bit"):
+        for batch in sorted({r["batch"] for r in busy}):
+
+            def tok_s(system: str, b: int, width: str = width, batch: int = batch) -> float | None:
+                return _med(
+                    [
+                        r["tok_s"]
+                        for r in busy
+                        if r["system"] == system
+                        and r["busy"] == b
+                        and r["batch"] == batch
+                        and r["row"].endswith(width)
+                        and r.get("step", "decode") == "decode"
+                    ]
+                )
+
+            ours = (tok_s("triollm", 0), tok_s("triollm", 1))
+            peer = (tok_s("llama.cpp", 0), tok_s("llama.cpp", 1))
+            if None in ours or None in peer:
+                continue
+            fall_ours, fall_peer = ours[0] / ours[1], peer[0] / peer[1]
+            out.append(
+                f"| {width} | {batch} | {ours[0]:.1f} | {ours[1]:.1f} | {fall_ours:.2f}x "
+                f"| {peer[0]:.1f} | {peer[1]:.1f} | {fall_peer:.2f}x "
+                f"| {fall_ours / fall_peer:.2f}x |"
+            )
+    out += ["", f"Load average over these runs: {_loads(busy)}.", ""]
+    return out
+
+
+def _header(meta: dict[str, Any], records: list[dict[str, Any]], results: Path, bw: float | None) -> str:
     rounds = sorted({r["round"] for r in records if "round" in r})
     end = meta.get("date_end") or max((r.get("date", "") for r in records), default="?")
-    parts = [name for name, recs in (("engine", engine), ("serve", serve)) if recs]
-    lines = [
-        BEGIN,
-        "",
+    return (
         f"Command: `{meta.get('command') or 'python tools/bench_peers.py run'}` then "
-        f"`python tools/bench_peers.py tables` (measuring {' and '.join(parts)}), "
+        f"`python tools/bench_peers.py tables`, "
         f"{meta['date']} to {end}; {len(rounds)} of {meta['rounds']} round(s) completed. Machine: "
         f"{meta['cpu']}, {meta['cores']} cores"
         + (
@@ -139,22 +179,46 @@ def write_report(results: Path) -> None:
         "end: the machine was shared). Every system gets 2 threads; ratios are "
         "triollm / llama.cpp, medians over the rounds (for latencies, below "
         "1.00x is triollm faster). Results: `~/.cache/triollm/peers/results/"
-        f"{results.name}/`.",
-        "",
-        *engine_section(engine, meta),
-        *serve_section(serve),
-        *[f"![{alt}](img/{name})\n" for name, alt in drawn],
-        END,
-    ]
-    section = "\n".join(lines)
-    print(section)
+        f"{results.name}/`."
+    )
+
+
+def _replace(text: str, begin: str, end: str, section: str, heading: str) -> str:
+    """``text`` with the part between the markers replaced (appended under ``heading``)."""
+    if begin in text:
+        head, _, rest = text.partition(begin)
+        _, _, tail = rest.partition(end)
+        return head + section + tail
+    return text.rstrip("\n") + f"\n\n{heading}\n\n" + section + "\n"
+
+
+def write_report(results: Path) -> None:
+    """Rewrite the section of each part the run measured; a run of one part leaves the
+    other section alone (the busy-machine comparison is a run of its own)."""
+    engine, serve = read(results / "engine.jsonl"), read(results / "serve.jsonl")
+    busy = read(results / "busy.jsonl")
+    meta = json.loads((results / "meta.json").read_text())
     text = DOC.read_text()
-    if BEGIN in text:
-        head, _, rest = text.partition(BEGIN)
-        _, _, tail = rest.partition(END)
-        text = head + section + tail
-    else:
-        text = text.rstrip("\n") + "\n\n## Side by side with llama.cpp\n\n" + section + "\n"
+    if engine or serve:
+        bw = _med([r["bandwidth_gbs"] for r in engine if r.get("bandwidth_gbs")])
+        drawn = plots(engine, serve, meta, bw)
+        lines = [
+            BEGIN,
+            "",
+            _header(meta, engine + serve, results, bw),
+            "",
+            *engine_section(engine, meta),
+            *serve_section(serve),
+            *[f"![{alt}](img/{name})\n" for name, alt in drawn],
+            END,
+        ]
+        print("\n".join(lines))
+        text = _replace(text, BEGIN, END, "\n".join(lines), "## Side by side with llama.cpp")
+    if busy:
+        bw = _med([r["bandwidth_gbs"] for r in busy if r.get("bandwidth_gbs")])
+        lines = [BUSY_BEGIN, "", _header(meta, busy, results, bw), "", *busy_section(busy), BUSY_END]
+        print("\n".join(lines))
+        text = _replace(text, BUSY_BEGIN, BUSY_END, "\n".join(lines), "## On a busy machine")
     DOC.write_text(text)
 
 
