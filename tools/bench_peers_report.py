@@ -23,7 +23,7 @@ DOC = REPO / "docs" / "performance.md"
 IMG = REPO / "docs" / "img"
 BEGIN = "<!-- bench-peers:begin (written by tools/bench_peers.py tables; edit the tool) -->"
 END = "<!-- bench-peers:end -->"
-BUSY_BEGIN = "<!-- bench-peers-busy:begin (written by tools/bench_peers.py tables; edit the tool) -->"
+BUSY_BEGIN = "<!-- bench-peers-busy:begin (written by tools/bench_peers.py tables) -->"
 BUSY_END = "<!-- bench-peers-busy:end -->"
 
 # SmolLM2-135M's shape (docs/performance.md, "The floor"): the weights a decode step
@@ -155,7 +155,9 @@ def busy_section(busy: list[dict[str, Any]]) -> list[str]:
     return out
 
 
-def _header(meta: dict[str, Any], records: list[dict[str, Any]], results: Path, bw: float | None) -> str:
+def _header(
+    meta: dict[str, Any], records: list[dict[str, Any]], results: Path, bw: float | None
+) -> str:
     rounds = sorted({r["round"] for r in records if "round" in r})
     end = meta.get("date_end") or max((r.get("date", "") for r in records), default="?")
     return (
@@ -216,7 +218,14 @@ def write_report(results: Path) -> None:
         text = _replace(text, BEGIN, END, "\n".join(lines), "## Side by side with llama.cpp")
     if busy:
         bw = _med([r["bandwidth_gbs"] for r in busy if r.get("bandwidth_gbs")])
-        lines = [BUSY_BEGIN, "", _header(meta, busy, results, bw), "", *busy_section(busy), BUSY_END]
+        lines = [
+            BUSY_BEGIN,
+            "",
+            _header(meta, busy, results, bw),
+            "",
+            *busy_section(busy),
+            BUSY_END,
+        ]
         print("\n".join(lines))
         text = _replace(text, BUSY_BEGIN, BUSY_END, "\n".join(lines), "## On a busy machine")
     DOC.write_text(text)
