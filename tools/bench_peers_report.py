@@ -116,8 +116,8 @@ def busy_section(busy: list[dict[str, Any]]) -> list[str]:
     out = [
         "### A busy machine: one core taken by a competing process",
         "",
-        "The same decode runs as above (`--parts busy`), each round quiet and then with "
-        f"`python -c '{busy[0]['competitor']}'` spinning beside it for the whole run. The fall is "
+        "The decode runs of the side-by-side section (`--parts busy`), each round quiet "
+        f"and then with `python -c '{busy[0]['competitor']}'` spinning beside it for the whole run. The fall is "
         "quiet / busy tok/s (1.00x: no loss; 2.00x: half the speed); the last column is "
         "triollm's fall / llama.cpp's (at or below 1.00x: triollm falls no further).",
         "",
