@@ -5,7 +5,9 @@
 For each file, triollm's forward pass runs ragged decode steps at batch 1
 and 16 (each sequence at its own position around ``--context``, as
 ``bench_engine.py`` does) and prints the median ms per step and tokens/s.
-With ``--llama-batched-bench`` the same files are run through llama.cpp's
+With ``--profile`` it then splits one step of each file into stages (weight
+products, attention, norms, the rest: ``bench_engine.py``'s profile). With
+``--llama-batched-bench`` the same files are run through llama.cpp's
 ``llama-batched-bench`` (2 threads, a ``--context``-token prompt, 64 new
 tokens per sequence), rounds alternating triollm / llama.cpp, so both see
 the same machine load; the load average is printed with every round. The
@@ -13,8 +15,10 @@ machine is shared: quote medians, and the load.
 
     python bench/bench_gguf.py --products
 
-times one SmolLM2-shaped product (576 x 1536) per weight format on one core
-(thread CPU time, best of ``--reps``): the kernels alone, robust to sharing.
+times one SmolLM2-shaped product (576 x 1536) per weight format and row
+count (1, 4, 16) on one core (thread CPU time, best of ``--reps``): the
+kernels alone, robust to sharing, beside that core's bandwidth floor (the
+weight bytes over one thread's streaming read, ``measure_bandwidth``).
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_engine import decode_plan, time_steps
+from bench_engine import decode_plan, profile_case, time_steps
 
 from triollm.model.llama import PagedKVCache
 from triollm.model.loader import load_model
@@ -76,18 +80,23 @@ def products(reps: int) -> int:
     import numpy as np
 
     from triollm.model import matmul, quant
+    from triollm.model.synthetic import measure_bandwidth
     from triollm.model.weights import f32_to_bf16_bits
 
     numba.set_num_threads(1)
+    bandwidth = measure_bandwidth(reps=5)[0]  # one thread's best streaming read
     rng = np.random.default_rng(0)
     out_f, in_f = 576, 1536
-    print("| format | bytes | rows | ms | GB/s | GFLOP/s |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: |")
-    for fmt in ["bf16", "f16", *(q.name for q in quant.QuantType)]:
+    print(f"one core's streaming read: {bandwidth / 1e9:.1f} GB/s (the floor column)")
+    print("| format | bytes | rows | ms | floor ms | GB/s | GFLOP/s |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for fmt in ["f32", "bf16", "f16", *(q.name for q in quant.QuantType)]:
         ws = []
         for _ in range(8):  # distinct weights: more than the caches hold
             w = (rng.standard_normal((out_f, in_f)) * 0.02).astype(np.float32)
-            if fmt == "bf16":
+            if fmt == "f32":
+                ws.append(matmul.prepare(w))
+            elif fmt == "bf16":
                 ws.append(matmul.prepare(f32_to_bf16_bits(w), bf16=True))
             elif fmt == "f16":
                 ws.append(matmul.prepare(w.astype(np.float16)))
@@ -97,7 +106,7 @@ def products(reps: int) -> int:
                 qt = quant.QuantType[fmt]
                 raw = rng.integers(0, 256, (out_f, in_f // 256 * qt.block_bytes), np.uint8)
                 ws.append(quant.QuantizedTensor(qt, (out_f, in_f), raw))
-        for n in (1, 16):
+        for n in (1, 4, 16):
             x = rng.standard_normal((n, in_f)).astype(np.float32)
             matmul.linear(x, ws[0])
             best = float("inf")
@@ -108,8 +117,8 @@ def products(reps: int) -> int:
                 best = min(best, (time.thread_time() - t) / len(ws))
             nbytes = ws[0].nbytes
             print(
-                f"| {fmt} | {nbytes} | {n} | {1e3 * best:.3f} | {nbytes / best / 1e9:.1f} "
-                f"| {2 * n * out_f * in_f / best / 1e9:.1f} |"
+                f"| {fmt} | {nbytes} | {n} | {1e3 * best:.3f} | {1e3 * nbytes / bandwidth:.3f} "
+                f"| {nbytes / best / 1e9:.1f} | {2 * n * out_f * in_f / best / 1e9:.1f} |"
             )
     print(f"load average {os.getloadavg()[0]:.1f}")
     return 0
@@ -123,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--context", type=int, default=64, help="positions before decoding (64)")
     p.add_argument("--reps", type=int, default=15, help="timed steps per case (15)")
     p.add_argument("--rounds", type=int, default=3, help="alternating rounds (3)")
+    p.add_argument("--profile", action="store_true", help="then a per-stage split of a step")
     args = p.parse_args(argv)
     if args.products:
         return products(args.reps)
@@ -150,7 +160,25 @@ def main(argv: list[str] | None = None) -> int:
         cpu = CPU.get((name, b)) if system == "triollm" else None  # timed for ours only
         c = f"{1e3 * statistics.median(cpu):.1f}" if cpu else "-"
         print(f"| {name} | {system} | {b} | {1e3 * s:.1f} | {b / s:.1f} | {c} |")
+    if args.profile:
+        print_profiles(loaded, args.context, args.reps)
     return 0
+
+
+def print_profiles(loaded: dict, context: int, reps: int) -> None:
+    """Per-stage ms of one step, every file at every batch (bench_engine's profile)."""
+    columns = []
+    for f, model in loaded.items():
+        for b in BATCHES:
+            chunks, blocks = decode_plan(b, context)
+            kv = PagedKVCache(model.config, blocks, 32)
+            columns.append((f"{f.name} b{b}", profile_case(model.model, chunks, kv, reps)))
+    print(f"\nper-stage ms per step (load {os.getloadavg()[0]:.1f})")
+    print("| stage | " + " | ".join(name for name, _ in columns) + " |")
+    print("| --- |" + " ---: |" * len(columns))
+    for stage in columns[0][1]:
+        row = " | ".join(f"{1e3 * p.get(stage, 0.0):.2f}" for _, p in columns)
+        print(f"| {stage} | {row} |")
 
 
 if __name__ == "__main__":

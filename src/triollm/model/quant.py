@@ -27,19 +27,31 @@ the tests compare every kernel with its ``dequantize``.
 
 Theory of operation
 -------------------
-Threads split the output rows into blocks. Inside a block, sixteen weight
-rows at a time are *widened* chunk by chunk (256 input columns, 16 KiB of
-float32 that stays in L1) and every row of ``x`` is multiplied into those
-sixteen rows with sixteen float32 accumulators, carried from chunk to chunk.
-The quantized bytes are read from memory once per product whatever the row
-count, as in ``matmul.py``: one row (batch-1 decode) pays the widening once
-per weight, sixteen rows share it.
+Threads split the output rows into blocks. Inside a block, a *tile* of
+weight rows meets a tile of ``x`` rows (:func:`_tile`): for each block of
+the weight rows, the quantized values are *widened* to float32 sixteen at a
+time, in AVX-512 registers, and multiplied into every ``x`` row of the tile
+with fused multiply-adds, one 16-lane accumulator per (x row, weight row),
+whose lanes are summed once at the end. Nothing widened goes back to
+memory. One row (batch-1 decode) takes sixteen weight rows per tile: sixteen
+accumulators hide the FMA latency and sixteen rows keep memory streams in
+flight. More rows take two weight rows by eight ``x`` rows: the widening is
+shared by eight rows and each ``x`` vector loaded serves two. The quantized
+bytes are read from memory once per product whatever the row count: a
+weight row's bytes stay in L1 while every ``x`` tile passes over them.
 
-Every row of ``x`` runs the same instructions in the same order whatever else
-is in the product (there is one inner loop, per row), so a row's result is
-the same bits alone and in a batch (batch invariance, tested). Arithmetic is
-float32 throughout; the widened weights are the values ``gguf.dequantize``
-computes, up to the last bit where the compiler fuses a multiply and an add.
+The tile is LLVM IR written here (numba has no vector types, and its loops
+over a block's bytes did not vectorise: the first kernel widened 1.3 weights
+a cycle per core). Each type's block is described once, as the list of its
+16-weight vectors (:func:`_block_vectors`); the product tile and the row
+lookup (:func:`_widen_row`) both emit that list.
+
+Every row of ``x`` takes the same operations in the same order whatever the
+tile's shape and whatever else is in the product, so a row's result is the
+same bits alone and in a batch (batch invariance, tested). Arithmetic is
+float32 throughout: each weight is ``float32(q) * d (+ m)``, exactly the
+value ``gguf.dequantize`` computes (multiply then add, unfused), and the
+products accumulate with FMAs.
 
 Hazards
 -------
@@ -65,6 +77,7 @@ import numba
 import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
+from numba.core import cgutils
 from numba.extending import intrinsic
 
 
@@ -106,330 +119,422 @@ _BLOCK_BYTES = {
 _Q4_0, _Q4_1, _Q5_0, _Q5_1, _Q8_0 = 2, 3, 6, 7, 8
 _Q4_K, _Q5_K, _Q6_K = 12, 13, 14
 
-_GROUP = 16  # weight rows widened together (sixteen accumulators per x row)
-_CHUNK = 256  # input columns widened at a time: 16 x 256 float32 = 16 KiB, in L1
-_ROW_CHUNK = 64  # rows of x per pass over a block (their accumulators stay in L1)
-_BLOCK_ROWS_MAX = 256  # weight rows per parallel block at most
+
+# --- a block's values, as LLVM vector IR ----------------------------------------
+#
+# numba has no vector types, and its loops over a block's bytes neither
+# vectorised nor kept the widened weights in registers (the first version
+# widened into an L1 buffer and re-read it: one core then widened 1.3
+# weights a cycle). So the kernels below are written as LLVM IR, sixteen
+# float32 lanes (one AVX-512 register) at a time: each type's block is a list
+# of "vectors" (16 lanes of widened weights each), and one product tile and
+# the row lookup both consume that list. A block's scalars (f16 scales, the
+# K-quants' 6-bit sub-block scales) are computed once per block and row.
+
+_LANES = 16  # float32 lanes per vector: one AVX-512 register
+_I8, _I16, _I32, _I64 = (ir.IntType(w) for w in (8, 16, 32, 64))
+_F32 = ir.FloatType()
+_VI8, _VI32, _VF32 = (ir.VectorType(t, _LANES) for t in (_I8, _I32, _F32))
 
 
-# --- reading a block's bytes ---------------------------------------------------
+def _ints(value: int) -> Any:
+    return ir.Constant(_VI32, [value] * _LANES)
+
+
+def _splat(builder: Any, value: Any) -> Any:
+    undef = ir.Constant(ir.VectorType(value.type, _LANES), ir.Undefined)
+    one = builder.insert_element(undef, value, ir.Constant(_I32, 0))
+    return builder.shuffle_vector(one, undef, ir.Constant(_VI32, [0] * _LANES))
+
+
+def _byte_ptr(builder: Any, base: Any, offset: Any, ty: Any) -> Any:
+    """A ``ty*`` at byte ``offset`` (an i64) of ``base``."""
+    ptr = builder.gep(builder.bitcast(base, _I8.as_pointer()), [offset])
+    return builder.bitcast(ptr, ty.as_pointer())
+
+
+class _Block:
+    """The bytes of block ``index`` of one quantized row, read as IR values.
+
+    Scalars are read once (memoised by offset): every vector of the block
+    that needs the scale uses the same value, emitted where it was first
+    asked for, so the block's IR stays straight-line in one basic block.
+    """
+
+    def __init__(self, builder: Any, row: Any, start: Any) -> None:
+        self.b, self.row, self.start = builder, row, start
+        self._memo: dict[tuple[str, int], Any] = {}
+
+    def _ptr(self, k: int, ty: Any) -> Any:
+        return _byte_ptr(self.b, self.row, self.b.add(self.start, ir.Constant(_I64, k)), ty)
+
+    def _once(self, what: str, k: int, make: Any) -> Any:
+        if (what, k) not in self._memo:
+            self._memo[what, k] = make()
+        return self._memo[what, k]
+
+    def byte(self, k: int) -> Any:
+        """Byte k, zero-extended to i32."""
+        return self._once("byte", k, lambda: self.b.zext(self.b.load(self._ptr(k, _I8)), _I32))
+
+    def half(self, k: int) -> Any:
+        """The little-endian float16 at byte k, as float32 (vcvtph2ps)."""
+
+        def make() -> Any:
+            bits = self.b.load(self._ptr(k, _I16), align=1)
+            return self.b.fpext(self.b.bitcast(bits, ir.HalfType()), _F32)
+
+        return self._once("half", k, make)
+
+    def word(self, k: int) -> Any:
+        """The little-endian 32-bit word at byte k."""
+        return self._once("word", k, lambda: self.b.load(self._ptr(k, _I32), align=1))
+
+    def lanes(self, k: int, *, signed: bool = False) -> Any:
+        """Bytes k .. k + 15, widened to sixteen i32 lanes."""
+        v = self.b.load(self._ptr(k, _VI8), align=1)
+        return self.b.sext(v, _VI32) if signed else self.b.zext(v, _VI32)
+
+    def bits(self, k: int, shift: int, mask: int) -> Any:
+        """``(byte >> shift) & mask`` for bytes k .. k + 15, moved up to bit 4 (a 5th/6th bit)."""
+        v = self.b.and_(self.b.lshr(self.lanes(k), _ints(shift)), _ints(mask))
+        return self.b.shl(v, _ints(4))
+
+    def word_bits(self, k: int, first: int) -> Any:
+        """Bit ``first + i`` of the word at byte k for lane i, moved up to bit 4."""
+        lane = ir.Constant(_VI32, list(range(first, first + _LANES)))
+        v = self.b.and_(self.b.lshr(_splat(self.b, self.word(k)), lane), _ints(1))
+        return self.b.shl(v, _ints(4))
+
+    def vector(
+        self,
+        k: int,
+        d: Any,
+        m: Any = None,
+        *,
+        signed: bool = False,
+        shift: int = 0,
+        high: Any = None,
+        offset: int = 0,
+    ) -> Any:
+        """Sixteen weights ``float32(q - offset) * d (+ m)``, q from bytes k .. k + 15.
+
+        ``q`` is the byte (``signed``: int8) or its nibble at ``shift``, or'ed
+        with ``high`` (the 5th/6th bits, already in place). Multiply then
+        add, unfused, as ``gguf.dequantize`` computes them: the widened values
+        are its values bit for bit.
+        """
+        q = self.lanes(k, signed=signed)
+        if not signed:
+            q = self.b.and_(self.b.lshr(q, _ints(shift)), _ints(15))
+        if high is not None:
+            q = self.b.or_(q, high())
+        if offset:
+            q = self.b.sub(q, _ints(offset))
+        v = self.b.fmul(self.b.sitofp(q, _VF32), _splat(self.b, d))
+        return v if m is None else self.b.fadd(v, _splat(self.b, m))
+
+    def k_scale_min(self, j: int) -> tuple[Any, Any]:
+        """Q4_K/Q5_K: sub-block j's 6-bit scale and min, as float32.
+
+        Bytes 4-7 of the block hold scales 0-3 (low 6 bits) and the top 2
+        bits of scales 4-7; bytes 8-11 the same for the mins; bytes 12-15
+        the low 4 bits of scales and mins 4-7 (scale low nibble, min high).
+        """
+        b = self.b
+
+        def c(v: int) -> Any:
+            return ir.Constant(_I32, v)
+
+        if j < 4:
+            sc = b.and_(self.byte(4 + j), c(63))
+            m = b.and_(self.byte(8 + j), c(63))
+        else:
+            top_sc = b.shl(b.lshr(self.byte(j), c(6)), c(4))
+            top_m = b.shl(b.lshr(self.byte(4 + j), c(6)), c(4))
+            sc = b.or_(b.and_(self.byte(8 + j), c(15)), top_sc)
+            m = b.or_(b.lshr(self.byte(8 + j), c(4)), top_m)
+        return b.uitofp(sc, _F32), b.uitofp(m, _F32)
+
+
+def _block_vectors(kind: int, blk: _Block) -> list[Any]:
+    """Block ``blk`` of a ``kind`` row as thunks, one per 16 weights, in order.
+
+    Calling thunk v emits the IR of weights 16 v .. 16 v + 15 (a <16 x float>).
+    """
+    b = blk.b
+    if kind == _Q8_0:  # d | 32 x int8
+        return [lambda s=s: blk.vector(2 + 16 * s, blk.half(0), signed=True) for s in (0, 1)]
+    if kind in (_Q4_0, _Q4_1, _Q5_0, _Q5_1):
+        # d (m) | (Q5: qh, bit i weight i's 5th) | 16 bytes: low nibbles are
+        # weights 0-15, high nibbles 16-31
+        with_min, five = kind in (_Q4_1, _Q5_1), kind in (_Q5_0, _Q5_1)
+        qh = 4 if with_min else 2
+        qs = qh + 4 if five else qh
+        off = 0 if with_min else (16 if five else 8)
+
+        def q4_q5(s: int) -> Any:
+            m = blk.half(2) if with_min else None
+            high = (lambda: blk.word_bits(qh, 16 * s)) if five else None
+            return blk.vector(qs, blk.half(0), m, shift=4 * s, high=high, offset=off)
+
+        return [lambda s=s: q4_q5(s) for s in (0, 1)]
+    if kind in (_Q4_K, _Q5_K):
+        # d, dmin | 12 bytes of scales | (Q5_K: 32 bytes of 5th bits) | 128 bytes of
+        # nibbles: 32 bytes per pair of sub-blocks, low nibbles 2g, high 2g + 1
+        qs = 16 if kind == _Q4_K else 48
+
+        def k_vector(j: int, s: int) -> Any:
+            sc, mn = blk.k_scale_min(j)
+            scale = b.fmul(blk.half(0), sc)
+            neg_min = b.fneg(b.fmul(blk.half(2), mn))
+            high = None if kind == _Q4_K else (lambda: blk.bits(16 + 16 * s, j, 1))
+            at = qs + 32 * (j // 2) + 16 * s
+            return blk.vector(at, scale, neg_min, shift=4 * (j % 2), high=high)
+
+        return [lambda j=j, s=s: k_vector(j, s) for j in range(8) for s in (0, 1)]
+    # _Q6_K: 128 bytes low nibbles | 64 bytes high 2-bit pairs | 16 int8 scales | d.
+    # Two halves of 128 weights, each four groups t of 32, a scale per 16.
+
+    def q6_vector(h: int, t: int, s: int) -> Any:
+        sc = b.sitofp(b.trunc(blk.byte(192 + 8 * h + 2 * t + s), _I8), _F32)
+        low = 64 * h + 32 * (t % 2) + 16 * s
+        high = lambda: blk.bits(128 + 32 * h + 16 * s, 2 * t, 3)  # noqa: E731
+        return blk.vector(low, b.fmul(blk.half(208), sc), shift=4 * (t // 2), high=high, offset=32)
+
+    halves = [(h, t, s) for h in (0, 1) for t in range(4) for s in (0, 1)]
+    return [lambda hts=hts: q6_vector(*hts) for hts in halves]
+
+
+def _literal(t: Any) -> int | None:
+    return t.literal_value if isinstance(t, types.IntegerLiteral) else None
+
+
+def _row_ptr(context: Any, builder: Any, ary: Any, index: Any) -> Any:
+    """The data pointer of row ``index`` of a 2-D array (its byte stride)."""
+    stride = cgutils.unpack_tuple(builder, ary.strides)[0]
+    return _byte_ptr(builder, ary.data, builder.mul(index, stride), _I8)
+
+
+def _clamp(builder: Any, i: Any, last: Any) -> Any:
+    return builder.select(builder.icmp_signed("<", i, last), i, last)
+
+
+def _sum_lanes(builder: Any, v: Any) -> Any:
+    """The 16 lanes of ``v`` added pairwise, in one fixed order (8 + 8, 4 + 4, ...)."""
+    width = _LANES
+    while width > 1:
+        width //= 2
+        lanes = ir.VectorType(_I32, width)
+        lo = builder.shuffle_vector(v, v, ir.Constant(lanes, list(range(width))))
+        hi = builder.shuffle_vector(v, v, ir.Constant(lanes, list(range(width, 2 * width))))
+        v = builder.fadd(lo, hi)
+    return builder.extract_element(v, ir.Constant(_I32, 0))
+
+
+def _tile_function(module: Any, K: int, T: int, R: int) -> Any:
+    """The LLVM function computing one (type K, T weight rows, R x rows) tile.
+
+    Its own function, never inlined: inlined into the product's loop (with
+    the other types' tiles beside it) LLVM spilled half the accumulators to
+    the stack, in a loop that left sixteen vector registers unused.
+    """
+    i8p = _I8.as_pointer()
+    fnty = ir.FunctionType(
+        ir.VoidType(), [i8p, _I64, _I64, i8p, _I64, _I64, _I64, _I64, _I64, _F32.as_pointer()]
+    )
+    fn = cgutils.get_or_insert_function(module, fnty, f"triollm_quant_tile_{K}_{T}x{R}")
+    if not fn.is_declaration:
+        return fn
+    fn.linkage = "internal"
+    fn.attributes.add("noinline")
+    builder = ir.IRBuilder(fn.append_basic_block("entry"))
+    x, x_stride, k_in, w, w_stride, r0, last, j0, e, out = fn.args
+    values = QuantType(K).block_values
+    nbytes = QuantType(K).block_bytes
+
+    def row(base: Any, stride: Any, first: Any, i: int, end: Any) -> Any:
+        index = _clamp(builder, builder.add(first, ir.Constant(_I64, i)), end)
+        return _byte_ptr(builder, base, builder.mul(index, stride), _I8)
+
+    xs = [row(x, x_stride, r0, r, last) for r in range(R)]
+    ws = [row(w, w_stride, j0, t, e) for t in range(T)]
+    accs = [[cgutils.alloca_once(builder, _VF32) for _ in range(T)] for _ in range(R)]
+    for acc in (a for row_accs in accs for a in row_accs):
+        builder.store(ir.Constant(_VF32, None), acc)
+    fma = cgutils.get_or_insert_function(
+        module, ir.FunctionType(_VF32, [_VF32] * 3), "llvm.fma.v16f32"
+    )
+    with cgutils.for_range(builder, builder.udiv(k_in, ir.Constant(_I64, values))) as loop:
+        start = builder.mul(loop.index, ir.Constant(_I64, nbytes))
+        first = builder.mul(loop.index, ir.Constant(_I64, values * 4))  # x's byte offset
+        thunks = [_block_vectors(K, _Block(builder, wp, start)) for wp in ws]
+        # the order of emission only steers LLVM's register allocation: each
+        # accumulator takes the same FMAs in the same order either way.
+        # One x row: weight row by weight row (a row's scale dies at once);
+        # more: vector by vector (an x vector serves every weight row)
+        steps = [(t, v) for t in range(T) for v in range(len(thunks[0]))]
+        if R > 1:
+            steps.sort(key=lambda tv: tv[1])
+        for t, v in steps:  # the hot loop
+            at = builder.add(first, ir.Constant(_I64, 64 * v))
+            wv = thunks[t][v]()
+            for r in range(R):
+                xv = builder.load(_byte_ptr(builder, xs[r], at, _VF32), align=4)
+                s = builder.load(accs[r][t])
+                builder.store(builder.call(fma, [xv, wv, s]), accs[r][t])
+    for r in range(R):
+        for t in range(T):
+            total = _sum_lanes(builder, builder.load(accs[r][t]))
+            builder.store(total, builder.gep(out, [ir.Constant(_I64, r * T + t)]))
+    builder.ret_void()
+    return fn
+
+
+def _each_type(builder: Any, kind: Any, emit: Any) -> None:
+    """Branch on the run-time type id ``kind`` (an i64): ``emit(K)`` writes type K's code."""
+    end = builder.append_basic_block("type.end")
+    switch = builder.switch(kind, end)  # no default: QuantizedTensor checked the type
+    for q in QuantType:
+        case = builder.append_basic_block(f"type.{q.name}")
+        switch.add_case(ir.Constant(_I64, int(q)), case)
+        builder.position_at_end(case)
+        emit(int(q))
+        builder.branch(end)
+    builder.position_at_end(end)
+
+
+@intrinsic(prefer_literal=True)
+def _tile(typingctx, kind, n_w, n_x, x, blocks, r0, last, j0, e, res):  # type: ignore[no-untyped-def]
+    """``res[r * n_w + t] = x[r0 + r] . W[j0 + t]`` for a tile of n_x rows by n_w weight rows.
+
+    Rows past ``last`` (of x) or ``e`` (of W) repeat it; ``kind`` is the
+    type id, ``n_w`` and ``n_x`` compile-time constants. The hot loop: per
+    block, each weight row's vectors are widened once, in registers, and
+    multiplied into every x row of the tile (``n_x * n_w`` accumulators of 16
+    lanes, fused multiply-add); the lanes are summed once at the end. A
+    row's sums take the same operations in the same order whatever the
+    tile's shape: a row's result has the same bits alone and in a batch.
+    """
+    T, R = _literal(n_w), _literal(n_x)
+    if T is None or R is None:
+        return None
+    ints = (types.intp,) * 5
+    sig = types.void(ints[0], n_w, n_x, x, blocks, *ints[1:], res)
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        a = signature.args
+        xa = context.make_array(a[3])(context, builder, args[3])
+        wa = context.make_array(a[4])(context, builder, args[4])
+        ra = context.make_array(a[9])(context, builder, args[9])
+        call_args = [
+            builder.bitcast(xa.data, _I8.as_pointer()),
+            cgutils.unpack_tuple(builder, xa.strides)[0],
+            cgutils.unpack_tuple(builder, xa.shape)[1],
+            builder.bitcast(wa.data, _I8.as_pointer()),
+            cgutils.unpack_tuple(builder, wa.strides)[0],
+            *args[5:9],
+            builder.bitcast(ra.data, _F32.as_pointer()),
+        ]
+        _each_type(
+            builder,
+            args[0],
+            lambda K: builder.call(_tile_function(builder.module, K, T, R), call_args),
+        )
+        return context.get_dummy_value()
+
+    return sig, codegen
 
 
 @intrinsic
-def _f16_to_f32(typingctx: Any, bits: Any) -> Any:
-    """The low 16 bits of an integer, read as float16, widened to float32 (vcvtph2ps)."""
-    if not isinstance(bits, types.Integer):
-        return None
+def _widen_row(typingctx, kind, blocks, j, out, i):  # type: ignore[no-untyped-def]
+    """``out[i, :] = W[j]`` widened to float32: the values ``gguf.dequantize`` gives."""
+    sig = types.void(types.intp, blocks, types.intp, out, types.intp)
 
     def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-        low = builder.trunc(args[0], ir.IntType(16))
-        return builder.fpext(builder.bitcast(low, ir.HalfType()), ir.FloatType())
+        a = signature.args
+        wa = context.make_array(a[1])(context, builder, args[1])
+        oa = context.make_array(a[3])(context, builder, args[3])
+        row = _row_ptr(context, builder, wa, args[2])
+        dst = _row_ptr(context, builder, oa, args[4])
+        k_in = cgutils.unpack_tuple(builder, oa.shape)[1]
 
-    return types.float32(bits), codegen
+        def emit(K: int) -> None:
+            values, nbytes = QuantType(K).block_values, QuantType(K).block_bytes
+            with cgutils.for_range(builder, builder.udiv(k_in, ir.Constant(_I64, values))) as loop:
+                start = builder.mul(loop.index, ir.Constant(_I64, nbytes))
+                first = builder.mul(loop.index, ir.Constant(_I64, values * 4))
+                for v, thunk in enumerate(_block_vectors(K, _Block(builder, row, start))):
+                    at = builder.add(first, ir.Constant(_I64, 64 * v))
+                    builder.store(thunk(), _byte_ptr(builder, dst, at, _VF32), align=4)
 
+        _each_type(builder, args[0], emit)
+        return context.get_dummy_value()
 
-@njit(inline="always")
-def _half(row: Any, o: int) -> Any:  # pragma: no cover - numba
-    # the little-endian float16 at byte o of a block row, as float32
-    bits = np.uint32(row[o]) | (np.uint32(row[o + 1]) << np.uint32(8))
-    return _f16_to_f32(bits)  # type: ignore[call-arg]  # typingctx is numba's
-
-
-@njit(inline="always")
-def _k_scale_min(row: Any, o: int, j: int) -> Any:  # pragma: no cover - numba
-    # Q4_K/Q5_K: sub-block j's 6-bit scale and min from the 12 bytes at o.
-    # Bytes 0-3 hold scales 0-3 (low 6 bits) and the top 2 bits of scales 4-7;
-    # bytes 4-7 the same for the mins; bytes 8-11 the low 4 bits of scales and
-    # mins 4-7 (scale in the low nibble, min in the high one).
-    if j < 4:
-        sc = row[o + j] & 63
-        m = row[o + j + 4] & 63
-    else:
-        sc = (row[o + j + 4] & 15) | ((row[o + j - 4] >> 6) << 4)
-        m = (row[o + j + 4] >> 4) | ((row[o + j] >> 6) << 4)
-    return np.float32(sc), np.float32(m)
-
-
-def _make_widen(lanes: int, *, signed: bool = False, word: bool = False, add: bool = True) -> Any:
-    """An intrinsic widening ``lanes`` packed values of a block row into float32.
-
-    For lane ``i`` it computes, in LLVM vector IR (one vector op per step)::
-
-        lo = (row[o_lo + i] >> ls) & lm          (sign-extended first if ``signed``)
-        hi = (row[o_hi + i] >> hs) & hm          (``word``: (o_hi >> (hs + i)) & hm,
-                                                  o_hi being a 32-bit word of high bits)
-        dst[p + i] = float32((lo | hi << hp) - off) * d + m     (no "+ m" unless ``add``)
-
-    Written as IR because numba's loops over bytes do not vectorise here: the
-    compiler cannot prove the block row and ``dst`` apart, so it will not move
-    a load above a store. Multiply then add, unfused, as ``gguf.dequantize``
-    computes them: the widened values are its values bit for bit.
-    """
-
-    @intrinsic
-    def widen(typingctx, row, o_lo, ls, lm, o_hi, hs, hm, hp, off, d, m, dst, p):  # type: ignore[no-untyped-def]
-        ints = (o_lo, ls, lm, o_hi, hs, hm, hp, off, p)
-        if not all(isinstance(t, types.Integer) for t in ints):
-            return None
-        sig = types.void(
-            row, o_lo, ls, lm, o_hi, hs, hm, hp, off, types.float32, types.float32, dst, p
-        )
-
-        def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-            i8, i32, f32 = ir.IntType(8), ir.IntType(32), ir.FloatType()
-            vi8, vi32, vf = (ir.VectorType(t, lanes) for t in (i8, i32, f32))
-            a = signature.args
-            r = context.make_array(a[0])(context, builder, args[0])
-            out = context.make_array(a[11])(context, builder, args[11])
-
-            def scalar(k: int, ty: Any) -> Any:
-                return context.cast(builder, args[k], a[k], ty)
-
-            def int32(k: int) -> Any:
-                return builder.trunc(scalar(k, types.int64), i32)
-
-            def splat(value: Any, vt: Any) -> Any:
-                undef = ir.Constant(vt, ir.Undefined)
-                one = builder.insert_element(undef, value, ir.Constant(i32, 0))
-                return builder.shuffle_vector(one, undef, ir.Constant(vi32, [0] * lanes))
-
-            def load(k: int) -> Any:
-                ptr = builder.gep(builder.bitcast(r.data, i8.as_pointer()), [scalar(k, types.intp)])
-                return builder.load(builder.bitcast(ptr, vi8.as_pointer()), align=1)
-
-            lo = builder.sext(load(1), vi32) if signed else builder.zext(load(1), vi32)
-            lo = builder.and_(builder.lshr(lo, splat(int32(2), vi32)), splat(int32(3), vi32))
-            if word:
-                lane = ir.Constant(vi32, list(range(lanes)))
-                shift = builder.add(lane, splat(int32(5), vi32))
-                hi = builder.lshr(splat(int32(4), vi32), shift)
-            else:
-                hi = builder.lshr(builder.zext(load(4), vi32), splat(int32(5), vi32))
-            hi = builder.shl(builder.and_(hi, splat(int32(6), vi32)), splat(int32(7), vi32))
-            q = builder.sub(builder.or_(lo, hi), splat(int32(8), vi32))
-            v = builder.fmul(builder.sitofp(q, vf), splat(scalar(9, types.float32), vf))
-            if add:
-                v = builder.fadd(v, splat(scalar(10, types.float32), vf))
-            base = builder.bitcast(out.data, f32.as_pointer())
-            ptr = builder.gep(base, [scalar(12, types.intp)])
-            builder.store(v, builder.bitcast(ptr, vf.as_pointer()), align=4)
-            return context.get_dummy_value()
-
-        return sig, codegen
-
-    return widen
-
-
-_widen_i8x32 = _make_widen(32, signed=True, add=False)  # Q8_0
-_widen_u8x32 = _make_widen(32)  # Q4_K, Q5_K
-_widen_u8x16 = _make_widen(16)  # Q4_1
-_widen_u8x16_nomin = _make_widen(16, add=False)  # Q4_0, Q6_K
-_widen_q5x16 = _make_widen(16, word=True)  # Q5_1
-_widen_q5x16_nomin = _make_widen(16, word=True, add=False)  # Q5_0
-
-
-@njit(inline="always")
-def _widen_block(kind: int, row: Any, b: int, dst: Any, p: int) -> None:  # pragma: no cover
-    # Block b of a quantized row, as float32, into dst[p : p + block values].
-    zero = np.float32(0.0)
-    if kind == _Q8_0:
-        o = b * 34
-        _widen_i8x32(row, o + 2, 0, -1, o + 2, 0, 0, 0, 0, _half(row, o), zero, dst, p)
-    elif kind == _Q4_0 or kind == _Q4_1:  # noqa: SIM109 (plain compares for numba)
-        o = b * 18 if kind == _Q4_0 else b * 20
-        d = _half(row, o)
-        m = zero
-        qs = o + 2
-        off = 8
-        if kind == _Q4_1:
-            m = _half(row, o + 2)
-            qs = o + 4
-            off = 0
-        if kind == _Q4_1:  # low nibbles: values 0-15, high nibbles: 16-31
-            _widen_u8x16(row, qs, 0, 15, qs, 0, 0, 0, off, d, m, dst, p)
-            _widen_u8x16(row, qs, 4, 15, qs, 0, 0, 0, off, d, m, dst, p + 16)
-        else:
-            _widen_u8x16_nomin(row, qs, 0, 15, qs, 0, 0, 0, off, d, m, dst, p)
-            _widen_u8x16_nomin(row, qs, 4, 15, qs, 0, 0, 0, off, d, m, dst, p + 16)
-    elif kind == _Q5_0 or kind == _Q5_1:  # noqa: SIM109 (plain compares for numba)
-        o = b * 22 if kind == _Q5_0 else b * 24
-        d = _half(row, o)
-        m = zero
-        h = o + 2
-        off = 16
-        if kind == _Q5_1:
-            m = _half(row, o + 2)
-            h = o + 4
-            off = 0
-        qh = (
-            np.int64(row[h])
-            | (np.int64(row[h + 1]) << 8)
-            | (np.int64(row[h + 2]) << 16)
-            | (np.int64(row[h + 3]) << 24)
-        )
-        # value i takes bit i of the 32-bit qh as its fifth bit
-        if kind == _Q5_1:
-            _widen_q5x16(row, h + 4, 0, 15, qh, 0, 1, 4, off, d, m, dst, p)
-            _widen_q5x16(row, h + 4, 4, 15, qh, 16, 1, 4, off, d, m, dst, p + 16)
-        else:
-            _widen_q5x16_nomin(row, h + 4, 0, 15, qh, 0, 1, 4, off, d, m, dst, p)
-            _widen_q5x16_nomin(row, h + 4, 4, 15, qh, 16, 1, 4, off, d, m, dst, p + 16)
-    elif kind == _Q4_K or kind == _Q5_K:  # noqa: SIM109 (plain compares for numba)
-        o = b * 144 if kind == _Q4_K else b * 176
-        d = _half(row, o)
-        dmin = _half(row, o + 2)
-        qs = o + 16 if kind == _Q4_K else o + 48  # Q5_K: 32 bytes of fifth bits first
-        hm = 0 if kind == _Q4_K else 1
-        for g in range(4):  # 32 bytes: low nibbles = sub-block 2g, high = 2g + 1
-            sc0, m0 = _k_scale_min(row, o + 4, 2 * g)
-            sc1, m1 = _k_scale_min(row, o + 4, 2 * g + 1)
-            q = qs + 32 * g
-            _widen_u8x32(
-                row, q, 0, 15, o + 16, 2 * g, hm, 4, 0, d * sc0, -(dmin * m0), dst, p + 64 * g
-            )
-            _widen_u8x32(
-                row,
-                q,
-                4,
-                15,
-                o + 16,
-                2 * g + 1,
-                hm,
-                4,
-                0,
-                d * sc1,
-                -(dmin * m1),
-                dst,
-                p + 64 * g + 32,
-            )
-    else:  # _Q6_K: two halves of 128 values, each four groups of 32, scales per 16
-        o = b * 210
-        d = _half(row, o + 208)
-        for h in range(2):
-            for t in range(4):  # group t: nibble t // 2 of ql[(t % 2) * 32 + i], bits 2t of qh[i]
-                ql = o + 64 * h + (t % 2) * 32
-                hb = o + 128 + 32 * h  # the high 2-bit pairs
-                sc = o + 192 + 8 * h + 2 * t
-                at = p + 128 * h + 32 * t
-                for s in range(2):
-                    scale = d * np.float32(np.int8(row[sc + s]))
-                    _widen_u8x16_nomin(
-                        row,
-                        ql + 16 * s,
-                        4 * (t // 2),
-                        15,
-                        hb + 16 * s,
-                        2 * t,
-                        3,
-                        4,
-                        32,
-                        scale,
-                        zero,
-                        dst,
-                        at + 16 * s,
-                    )
-
-
-@njit(nogil=True, cache=True)
-def _widen_span(kind: int, row: Any, c: int, kc: int, dst: Any) -> None:  # pragma: no cover
-    # Values c .. c + kc of a quantized row into dst[0:kc] (c, kc whole blocks).
-    # one loop per type, so the type test is not repeated per block
-    if kind == _Q8_0:
-        for b in range(kc // 32):
-            _widen_block(_Q8_0, row, c // 32 + b, dst, b * 32)
-    elif kind == _Q4_0:
-        for b in range(kc // 32):
-            _widen_block(_Q4_0, row, c // 32 + b, dst, b * 32)
-    elif kind == _Q4_1:
-        for b in range(kc // 32):
-            _widen_block(_Q4_1, row, c // 32 + b, dst, b * 32)
-    elif kind == _Q5_0:
-        for b in range(kc // 32):
-            _widen_block(_Q5_0, row, c // 32 + b, dst, b * 32)
-    elif kind == _Q5_1:
-        for b in range(kc // 32):
-            _widen_block(_Q5_1, row, c // 32 + b, dst, b * 32)
-    else:  # the K-quants: one super-block of 256 per chunk
-        _widen_block(kind, row, c // 256, dst, 0)
+    return sig, codegen
 
 
 # --- the product ---------------------------------------------------------------
 
+# Tile shapes: (weight rows, x rows), by the product's row count. Measured one
+# core, SmolLM2's shapes (bench/bench_gguf.py --products): one row takes
+# sixteen weight rows (sixteen accumulators hide the FMA latency, sixteen
+# memory streams); up to four rows 4 x 4 (a 2 x 8 tile would repeat rows);
+# more 2 x 8: 86 GFLOP/s a core at 16 rows against 74 for 4 x 4 and 37 for
+# 1 x 16 (whose x loads, one per FMA, came from L2).
+_ONE_W, _ONE_X = 16, 1
+_FEW_W, _FEW_X = 4, 4
+_MANY_W, _MANY_X = 2, 8
+_GROUP = 16  # parallel blocks are whole multiples of every tile's weight rows
+_BLOCK_ROWS_MAX = 256  # weight rows per parallel block at most
 
-@njit(cache=True, nogil=True, parallel=True, fastmath=True)
-def _quant_matmul(
-    x: Any, blocks: Any, kind: int, k_in: int, out: Any, block: int
-) -> None:  # pragma: no cover - numba
+
+@njit(inline="always")
+def _tile_shape(n: int) -> tuple[int, int]:  # pragma: no cover - numba
+    if n == 1:
+        return _ONE_W, _ONE_X
+    if n <= _FEW_X:
+        return _FEW_W, _FEW_X
+    return _MANY_W, _MANY_X
+
+
+@njit(inline="always")
+def _tile_of(kind, n, x, blocks, r0, last, j0, e, res):  # type: ignore[no-untyped-def]  # pragma: no cover
+    # the tile of _tile_shape(n): its shape must be compile-time constants
+    if n == 1:
+        _tile(kind, _ONE_W, _ONE_X, x, blocks, r0, last, j0, e, res)
+    elif n <= _FEW_X:
+        _tile(kind, _FEW_W, _FEW_X, x, blocks, r0, last, j0, e, res)
+    else:
+        _tile(kind, _MANY_W, _MANY_X, x, blocks, r0, last, j0, e, res)
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def _quant_matmul(x: Any, blocks: Any, kind: int, out: Any, block: int) -> None:  # pragma: no cover
     # x (n, k_in) float32; blocks (n_out, bytes per row) uint8; out (n, n_out).
+    # Threads split the weight rows into blocks; inside one, each group of
+    # weight rows meets every tile of x rows while its bytes sit in L1, so the
+    # quantized bytes come from memory once per product whatever n.
     n = x.shape[0]
     n_out = blocks.shape[0]
+    nw, nx = _tile_shape(n)
     for blk in prange((n_out + block - 1) // block):
         j0 = blk * block
         j1 = min(j0 + block, n_out)
-        buf = np.empty((_GROUP, _CHUNK), np.float32)
-        acc = np.empty((_ROW_CHUNK, _GROUP), np.float32)
-        for g in range(j0, j1, _GROUP):
-            e = min(g + _GROUP, j1) - 1  # a short last group repeats its last row
-            for r0 in range(0, n, _ROW_CHUNK):
-                r1 = min(r0 + _ROW_CHUNK, n)
-                acc[:, :] = 0.0
-                for c in range(0, k_in, _CHUNK):
-                    kc = min(_CHUNK, k_in - c)
-                    for t in range(_GROUP):
-                        _widen_span(kind, blocks[min(g + t, e)], c, kc, buf[t])
-                    for r in range(r0, r1):
-                        # a slice, so the loop index is known >= 0: an index that might
-                        # be negative (c + k) made LLVM gather x instead of loading it
-                        _dot16(x[r, c : c + kc], kc, buf, acc, r - r0)
-                for r in range(r0, r1):
-                    for t in range(min(_GROUP, j1 - g)):
-                        out[r, g + t] = acc[r - r0, t]
+        res = np.empty(nw * nx, np.float32)
+        for g in range(j0, j1, nw):
+            for r0 in range(0, n, nx):
+                _tile_of(kind, n, x, blocks, r0, n - 1, g, j1 - 1, res)
+                for r in range(min(nx, n - r0)):
+                    for t in range(min(nw, j1 - g)):
+                        out[r0 + r, g + t] = res[r * nw + t]
 
 
-@njit(inline="always", fastmath=True)
-def _dot16(xr: Any, kc: int, buf: Any, acc: Any, a: int) -> None:  # pragma: no cover
-    # acc[a, t] += xr[:kc] . buf[t, :kc] for the sixteen widened rows t:
-    # sixteen independent sums, each one vector accumulator (the hot loop).
-    w0, w1, w2, w3 = buf[0], buf[1], buf[2], buf[3]
-    w4, w5, w6, w7 = buf[4], buf[5], buf[6], buf[7]
-    w8, w9, w10, w11 = buf[8], buf[9], buf[10], buf[11]
-    w12, w13, w14, w15 = buf[12], buf[13], buf[14], buf[15]
-    s0, s1, s2, s3 = acc[a, 0], acc[a, 1], acc[a, 2], acc[a, 3]
-    s4, s5, s6, s7 = acc[a, 4], acc[a, 5], acc[a, 6], acc[a, 7]
-    s8, s9, s10, s11 = acc[a, 8], acc[a, 9], acc[a, 10], acc[a, 11]
-    s12, s13, s14, s15 = acc[a, 12], acc[a, 13], acc[a, 14], acc[a, 15]
-    for k in range(kc):
-        v = xr[k]
-        s0 += v * w0[k]
-        s1 += v * w1[k]
-        s2 += v * w2[k]
-        s3 += v * w3[k]
-        s4 += v * w4[k]
-        s5 += v * w5[k]
-        s6 += v * w6[k]
-        s7 += v * w7[k]
-        s8 += v * w8[k]
-        s9 += v * w9[k]
-        s10 += v * w10[k]
-        s11 += v * w11[k]
-        s12 += v * w12[k]
-        s13 += v * w13[k]
-        s14 += v * w14[k]
-        s15 += v * w15[k]
-    acc[a, 0], acc[a, 1], acc[a, 2], acc[a, 3] = s0, s1, s2, s3
-    acc[a, 4], acc[a, 5], acc[a, 6], acc[a, 7] = s4, s5, s6, s7
-    acc[a, 8], acc[a, 9], acc[a, 10], acc[a, 11] = s8, s9, s10, s11
-    acc[a, 12], acc[a, 13], acc[a, 14], acc[a, 15] = s12, s13, s14, s15
-
-
-@njit(cache=True, nogil=True, parallel=True, fastmath=True)
-def _widen_rows(blocks: Any, ids: Any, kind: int, k_in: int, out: Any) -> None:  # pragma: no cover
+@njit(cache=True, nogil=True, parallel=True)
+def _widen_rows(blocks: Any, ids: Any, kind: int, out: Any) -> None:  # pragma: no cover - numba
     # out[i] = row ids[i] of the quantized matrix, as float32 (embedding lookup)
     for i in prange(ids.shape[0]):
-        row = blocks[ids[i]]
-        for c in range(0, k_in, _CHUNK):
-            kc = min(_CHUNK, k_in - c)
-            _widen_span(kind, row, c, kc, out[i, c : c + kc])
+        _widen_row(kind, blocks, ids[i], out, i)
 
 
 # --- public API ----------------------------------------------------------------
@@ -488,7 +593,7 @@ class QuantizedTensor:
             raise IndexError(f"row index outside 0..{self.shape[0] - 1}")
         out = np.empty((idx.size, self.shape[1]), np.float32)
         if idx.size:
-            _widen_rows(self.blocks, idx, int(self.qtype), self.shape[1], out)
+            _widen_rows(self.blocks, idx, int(self.qtype), out)
         return out.reshape((*np.shape(ids), self.shape[1]))
 
     def dequantize(self) -> np.ndarray:
@@ -603,7 +708,6 @@ def linear(x: np.ndarray, w: QuantizedTensor | QuantizedStack, out: np.ndarray) 
             np.ascontiguousarray(x),
             w.blocks,
             int(w.qtype),
-            w.shape[1],
             out,
             block_rows(w.shape[0], numba.get_num_threads()),
         )
