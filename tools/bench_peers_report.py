@@ -117,7 +117,8 @@ def busy_section(busy: list[dict[str, Any]]) -> list[str]:
         "### A busy machine: one core taken by a competing process",
         "",
         "The decode runs of the side-by-side section (`--parts busy`), each round quiet "
-        f"and then with `python -c '{busy[0]['competitor']}'` spinning beside it for the whole run. The fall is "
+        f"and then with `python -c '{busy[0]['competitor']}'` spinning beside it for the "
+        "whole run. The fall is "
         "quiet / busy tok/s (1.00x: no loss; 2.00x: half the speed); the last column is "
         "triollm's fall / llama.cpp's (at or below 1.00x: triollm falls no further).",
         "",
