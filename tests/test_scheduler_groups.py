@@ -6,6 +6,7 @@ import pytest
 
 from triollm.kv import blocks_for
 from triollm.plan import SampledToken, StepPlan, StepResult
+from triollm.policies import SeqView, builtin
 from triollm.scheduler import Infeasible, Policy, Scheduler, SchedulerConfig, SeqState
 
 PROMPT = list(range(1, 41))  # 40 tokens: 10 blocks of 4, the last one the prompt's own
@@ -152,3 +153,57 @@ def test_a_group_of_one_is_a_plain_sequence() -> None:
     (only,) = s.add_group(PROMPT, 4, n=1)
     assert s.admit_waiting() == (only,)
     assert s.sequence(only).waits_for is None
+
+
+def test_an_heir_counts_as_cached_only_what_its_writer_had_written() -> None:
+    s = make(chunk_tokens=8, prefix_cache=True)
+    writer, heir, third = s.add_group(PROMPT, 4, n=3)
+    s.admit_waiting()
+    assert s.statistics().prefix_cache_hits_total == 0  # nothing is written yet
+    run_step(s)
+    run_step(s)  # the writer has committed 16 positions
+    s.cancel(writer)
+    # The heir computes positions 16..39 itself: only 16 were not computed again.
+    assert s.sequence(heir).cached_tokens == 16
+    assert s.sequence(third).cached_tokens == 36
+    run_to_the_end(s)
+    # Counted once each is written: the heir's 16, the third's 36 when the heir had them.
+    assert s.statistics().prefix_cache_hits_total == 16 + 36
+
+
+class Watching:
+    """The reserve policy, noting how often each waiter it is shown was overtaken."""
+
+    def __init__(self) -> None:
+        self.inner = builtin(Policy.RESERVE)
+        self.overtaken: dict[int, int] = {}
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.inner, name)
+
+    def waiting_order(self, waiting: tuple[SeqView, ...]) -> tuple[int, ...]:
+        self.overtaken.update({v.seq_id: v.overtaken for v in waiting})
+        return self.inner.waiting_order(waiting)
+
+
+def test_a_group_that_passes_an_older_waiter_counts_as_one_overtake() -> None:
+    policy = Watching()
+    s = make(num_blocks=18, policy=policy)
+    holder = s.add([1] * 8, 8)  # 4 blocks, 14 left
+    assert s.admit_waiting() == (holder,)
+    big = s.add(PROMPT, 24)  # 16 blocks: it waits for the holder
+    group = s.add_group([2] * 8, 4, n=3)  # 3 + 2 + 2 blocks: it fits, and passes big
+    assert s.admit_waiting() == group
+    s.admit_waiting()  # the policy is shown big again
+    assert policy.overtaken[big] == 1
+
+
+@pytest.mark.parametrize(("n", "room"), [(1, 24), (2, 16), (3, 8)])
+def test_the_room_of_n_choices_is_the_largest_answer_the_door_lets_each_have(
+    n: int, room: int
+) -> None:
+    s = make(num_blocks=20)  # 80 positions; the context is 64
+    assert s.room(len(PROMPT), n) == room
+    s.add_group(PROMPT, room, n=n)
+    with pytest.raises(Infeasible):
+        s.add_group(PROMPT, room + 1, n=n)

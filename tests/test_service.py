@@ -113,9 +113,10 @@ class Counter:
         self.rejections: dict[Unfinished, int] = {}
         self.finishes: dict[FinishReason, int] = {}
         self.tokens = 0
+        self.admissions: list[tuple[int, int]] = []  # (prompt tokens, choices) per request
 
-    def admitted(self, prompt_tokens: int, queue_seconds: float) -> None:
-        pass
+    def admitted(self, prompt_tokens: int, queue_seconds: float, choices: int = 1) -> None:
+        self.admissions.append((prompt_tokens, choices))
 
     def token(self, first: bool, seconds_since_previous: float) -> None:
         self.tokens += 1

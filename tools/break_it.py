@@ -65,24 +65,19 @@ MUTATIONS: tuple[Mutation, ...] = (
         "blocking-dispatch",
         "non-blocking dispatch (the batch loop waits for a slow client)",
         "src/triollm/service.py",
-        """        try:
-            live.send.send_nowait(Delta(text, info, piece.tool_calls))
-        except trio.WouldBlock:
-            self._too_slow(live)""",
-        """        while True:  # broken: wait until the client has room, holding everyone
-            try:
-                live.send.send_nowait(Delta(text, info, piece.tool_calls))
-                break
-            except trio.WouldBlock:
-                __import__("time").sleep(0.001)""",
+        """        if request.send.statistics().current_buffer_used >= request.delta_room:
+            self._too_slow(live)
+            return""",
+        """        while request.send.statistics().current_buffer_used >= request.delta_room:
+            __import__("time").sleep(0.001)  # broken: wait for room, holding everyone""",
         ("tests/test_service.py", "tests/server/test_slow_client.py", "tests/mechanisms"),
     ),
     Mutation(
         "unbounded-buffer",
         "the bounded per-request buffer",
         "src/triollm/service.py",
-        "trio.open_memory_channel[Delta](self.config.stream_buffer_steps)",
-        'trio.open_memory_channel[Delta](float("inf"))',
+        "delta_room = n * self.config.stream_buffer_steps",
+        'delta_room = float("inf")  # broken: no bound',
         ("tests/test_service.py", "tests/server/test_slow_client.py"),
     ),
     Mutation(
@@ -98,7 +93,8 @@ MUTATIONS: tuple[Mutation, ...] = (
         "stopping generation when the client leaves",
         "src/triollm/service.py",
         """        self._recv.close()
-        return self._service._abandon(self._live, reason)""",
+        cut = [self._service._abandon(live, reason, message) for live in self._members]
+        return any(cut)""",
         """        self._recv.close()
         return False  # broken: the request generates on, to max_tokens""",
         (
@@ -112,7 +108,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "unbounded-queue",
         "the bounded admission queue",
         "src/triollm/admission.py",
-        "        if len(self._waiters) >= self.max_waiters:",
+        "        if len(self._waiters) + n > self.max_waiters:",
         "        if False:  # broken: every arrival waits",
         ("tests/test_admission.py", "tests/server/test_live_streaming.py", "tests/mechanisms"),
     ),
@@ -199,11 +195,13 @@ MUTATIONS: tuple[Mutation, ...] = (
         "buffered-sse",
         "one flushed SSE event per token (the events are held until the end)",
         "src/triollm/server/responses.py",
-        """        async for delta in self.stream:
-            yield self._chunk(delta, None)""",
-        """        held = [self._chunk(delta, None) async for delta in self.stream]  # broken
-        for chunk in held:
-            yield chunk""",
+        """        async for event in self.stream.events():
+            if isinstance(event, Delta):
+                yield self._chunk(event.index, event, None)""",
+        """        held = [event async for event in self.stream.events()]  # broken
+        for event in held:
+            if isinstance(event, Delta):
+                yield self._chunk(event.index, event, None)""",
         ("tests/server/test_live_streaming.py", "tests/server/test_asgi.py"),
     ),
     Mutation(

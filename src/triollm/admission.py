@@ -86,6 +86,16 @@ class AdmissionScheduler(Protocol):
         priority: int = ...,
         cache_salt: str = ...,
     ) -> int: ...
+    def add_group(
+        self,
+        prompt_ids: Sequence[int],
+        max_tokens: int | None,
+        stop_token_ids: frozenset[int] = ...,
+        n: int = ...,
+        priority: int = ...,
+        *,
+        cache_salt: str = ...,
+    ) -> tuple[int, ...]: ...
     def admit_waiting(self) -> tuple[int, ...]: ...
     def cancel(self, seq_id: int) -> None: ...
 
@@ -99,10 +109,18 @@ class WaiterState(enum.Enum):
 
 @dataclass(eq=False)
 class _Waiter:
-    seq_id: int
+    """One request's wait: its sequence, or the members of its group (OpenAI's ``n``),
+    which the scheduler admits in one pass or not at all (its rule 10)."""
+
+    seq_ids: tuple[int, ...]
     arrived: float
     resolved: trio.Event
     state: WaiterState = WaiterState.WAITING
+    admitted: int = 0  # members the driver has let in so far
+
+    @property
+    def seq_id(self) -> int:
+        return self.seq_ids[0]
 
 
 def retry_after(wait_s: float) -> int:
@@ -151,10 +169,11 @@ class AdmissionQueue:
         self._on_admit = on_admit
         self._on_readmit = on_readmit
         self._on_release = on_release
-        # Invariant: every key is a WAITING sequence in the scheduler.
+        # Invariant: every key is a WAITING sequence in the scheduler. A group's waiter
+        # is here once per member, so the bound counts sequences, not requests.
         self._waiters: dict[int, _Waiter] = {}
         # Every waiter from enqueue until its wait_admitted returns (the driver may
-        # admit it before the caller starts waiting).
+        # admit it before the caller starts waiting), under its first sequence's id.
         self._tickets: dict[int, _Waiter] = {}
         self._wake_send, self._wake_recv = trio.open_memory_channel[None](1)
         self._closed = False
@@ -193,21 +212,45 @@ class AdmissionQueue:
         ``Infeasible`` (a request that could never run is refused before it queues)
         or its ``FieldError`` for a priority out of range.
         """
+        return self.enqueue_group(
+            prompt_ids, max_tokens, stop_token_ids, n=1, priority=priority, cache_salt=cache_salt
+        )[0]
+
+    def enqueue_group(
+        self,
+        prompt_ids: Sequence[int],
+        max_tokens: int | None,
+        stop_token_ids: frozenset[int] = frozenset(),
+        *,
+        n: int,
+        priority: int = 0,
+        cache_salt: str = "",
+    ) -> tuple[int, ...]:
+        """:meth:`enqueue` for the ``n`` choices of one prompt: ``n`` sequences, one
+        wait (:meth:`wait_admitted` with the first id), admitted together.
+
+        The group takes ``n`` places of ``max_waiters``: the bound is on the work
+        queued in front of a newcomer, and a group is ``n`` sequences of it (it will
+        hold ``n`` slots). Also raises the scheduler's ``Infeasible`` naming ``n``.
+        """
         if self._closed:
             raise QueueClosed(self._closed_reason)
-        if len(self._waiters) >= self.max_waiters:
+        if len(self._waiters) + n > self.max_waiters:
+            asked = "" if n == 1 else f"; this request's {n} choices take {n} places"
             raise QueueFull(
-                f"the admission queue is full ({self.max_waiters} waiting); retry later",
+                f"the admission queue is full ({len(self._waiters)} of {self.max_waiters} "
+                f"places taken{asked}); retry later",
                 retry_after(self.wait_s),
             )
-        seq_id = self._scheduler.add(
-            prompt_ids, max_tokens, stop_token_ids, priority=priority, cache_salt=cache_salt
+        seq_ids = self._scheduler.add_group(
+            prompt_ids, max_tokens, stop_token_ids, n, priority, cache_salt=cache_salt
         )
-        waiter = _Waiter(seq_id, trio.current_time(), trio.Event())
-        self._waiters[seq_id] = waiter
-        self._tickets[seq_id] = waiter
+        waiter = _Waiter(seq_ids, trio.current_time(), trio.Event())
+        for seq_id in seq_ids:
+            self._waiters[seq_id] = waiter
+        self._tickets[waiter.seq_id] = waiter
         self.signal()
-        return seq_id
+        return seq_ids
 
     def drive(self) -> tuple[int, ...]:
         """One admission pass (what the driver does at each wake). Sync, so tests
@@ -223,16 +266,18 @@ class AdmissionQueue:
                 # front of it has just left), and nothing else would wake it.
                 self._on_readmit(seq_id)
                 continue
-            waiter.state = WaiterState.ADMITTED
             self._on_admit(seq_id)
-            waiter.resolved.set()
+            waiter.admitted += 1
+            if waiter.admitted == len(waiter.seq_ids):  # a group: all in this same pass
+                waiter.state = WaiterState.ADMITTED
+                waiter.resolved.set()
         return admitted
 
     def close(self, reason: str = "the server is shutting down") -> None:
         """Stop admitting: every waiter is woken with :class:`QueueClosed` (``reason``)."""
         self._closed = True
         self._closed_reason = reason
-        for waiter in self._waiters.values():
+        for waiter in set(self._waiters.values()):
             waiter.state = WaiterState.CLOSED
             waiter.resolved.set()
         self._wake_send.close()
@@ -242,17 +287,19 @@ class AdmissionQueue:
         under a cancelled scope, where any ``await`` would raise at once."""
         was = waiter.state
         waiter.state = WaiterState.GONE
-        self._waiters.pop(waiter.seq_id, None)
-        self._scheduler.cancel(waiter.seq_id)
-        if was is WaiterState.ADMITTED:
-            self._on_release(waiter.seq_id)
+        for seq_id in waiter.seq_ids:  # every member, whatever the driver did
+            self._waiters.pop(seq_id, None)
+            self._scheduler.cancel(seq_id)
+            if was is WaiterState.ADMITTED:
+                self._on_release(seq_id)
         # A head that leaves may unblock the followers it was holding back.
         self.signal()
 
     # ------------------------------------------------------------------ async shell
 
     async def wait_admitted(self, seq_id: int) -> float:
-        """Wait until the driver admits ``seq_id``; returns the seconds waited.
+        """Wait until the driver admits ``seq_id`` (a group: its first member, and then
+        every member is admitted); returns the seconds waited.
 
         Raises :class:`QueueTimeout` when the wait budget runs out,
         :class:`QueueClosed` on shutdown; a client that leaves gets ``Cancelled``

@@ -2,10 +2,10 @@
 
 The service -> edge counterpart of ``plan.py``: everything that crosses from the
 batch loop to a request handler is one of these frozen values, sent over the
-request's memory channel (:class:`Delta`) or set once as its outcome
-(:class:`Completed` | :class:`Failed`). The :class:`Observer` is the other
-direction's interface: the metrics hooks the service calls, which
-``server/metrics.py`` implements. :class:`StepRecorder` keeps what each forward
+request's memory channel (:class:`Delta`, then one :class:`Ended` per choice) and
+set once as each choice's outcome (:class:`Completed` | :class:`Failed`). The
+:class:`Observer` is the other direction's interface: the metrics hooks the service
+calls, which ``server/metrics.py`` implements. :class:`StepRecorder` keeps what each forward
 pass computed, for tests and tools.
 
 Read with ``service.py`` (which produces all of these) and ``server/responses.py``
@@ -42,6 +42,7 @@ class Delta:
     text: str
     tokens: tuple[TokenInfo, ...]
     tool_calls: tuple[ToolCallDelta, ...] = ()  # pieces of tool calls (toolcalls.py)
+    index: int = 0  # the choice it belongs to (OpenAI's ``index``; n > 1 has several)
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,16 +70,29 @@ class Failed:
 Outcome = Completed | Failed
 
 
+@dataclass(frozen=True, slots=True)
+class Ended:
+    """Choice ``index`` of a request has ended, with ``outcome``: on the request's
+    channel after that choice's last :class:`Delta`, so a reader of several choices
+    can close each one as it ends."""
+
+    index: int
+    outcome: Outcome
+
+
 # --------------------------------------------------------------------------- the hooks
 
 
 class Observer(Protocol):
     """The metrics hooks the service calls (``server/metrics.py`` provides them).
 
+    ``admitted`` is called once per request (its prompt counted once, with its number
+    of ``choices``); every other hook once per choice, each choice being a sequence.
+
     Trap: they run inside the batch loop; one that raises fails every request, so
     they take enums, never strings that could be misspelt."""
 
-    def admitted(self, prompt_tokens: int, queue_seconds: float) -> None: ...
+    def admitted(self, prompt_tokens: int, queue_seconds: float, choices: int = 1) -> None: ...
     def token(self, first: bool, seconds_since_previous: float) -> None: ...
     def finished(self, reason: FinishReason, e2e_seconds: float) -> None: ...
     def ended_early(self, reason: Unfinished) -> None: ...
@@ -88,7 +102,7 @@ class Observer(Protocol):
 class NullObserver:
     """An Observer that records nothing (a Service built without metrics)."""
 
-    def admitted(self, prompt_tokens: int, queue_seconds: float) -> None:
+    def admitted(self, prompt_tokens: int, queue_seconds: float, choices: int = 1) -> None:
         pass
 
     def token(self, first: bool, seconds_since_previous: float) -> None:

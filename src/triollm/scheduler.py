@@ -608,6 +608,19 @@ class Scheduler:
             )
         return None
 
+    def room(self, prompt_len: int, n: int = 1) -> int:
+        """The largest ``max_tokens`` each of ``n`` choices of this prompt may have and
+        still pass the door (rule 1, and rule 10 for a group): what "the rest of the
+        context" means for a request that leaves ``max_tokens`` out. Below 1 when not
+        even one token fits (the door then names the limit the prompt breaks).
+
+        The group's blocks are ``n`` tables less the shared ones counted ``n - 1``
+        times too many, so each member may have ``(num_blocks + (n - 1) * shared) // n``.
+        """
+        cfg = self.config
+        per_member = (cfg.num_blocks + (n - 1) * self._shared_blocks(prompt_len)) // n
+        return min(cfg.context_tokens, per_member * cfg.block_size) - prompt_len
+
     def _shared_blocks(self, n_tokens: int) -> int:
         """Leading full blocks a sequence of ``n_tokens`` can take from someone else
         (the cache, or its group's writer): all but the one its last token is in."""
@@ -747,21 +760,31 @@ class Scheduler:
             take, _ = self._admission_blocks(other)
             got = self.pool.acquire(shared, take - k)
             assert got is not None
-            self._enter(other, [*shared, *got], k)
-            if writer.computed < other.computed:  # the writer has positions to compute
-                other.waits_for = writer
+            # The group passed the waiters older than it once (rule 3 counts it as one).
+            self._enter(other, [*shared, *got], k, waits_for=writer, overtakes=False)
         for m in members:
             m.group = None  # admitted: from here on each is a sequence of its own
         return tuple(m.seq_id for m in members)
 
-    def _enter(self, seq: _Seq, blocks: list[int], shared: int) -> None:
+    def _enter(
+        self,
+        seq: _Seq,
+        blocks: list[int],
+        shared: int,
+        *,
+        waits_for: _Seq | None = None,
+        overtakes: bool = True,
+    ) -> None:
         """The bookkeeping of one admission: ``blocks`` are taken, their first
-        ``shared`` already written by someone else (a cache hit, or the group's writer)."""
+        ``shared`` already written by someone else (a cache hit), or to be written by
+        ``waits_for`` (its group's writer, rule 10). ``overtakes``: count it against
+        the older waiters (False for a group's other members: the group passed once)."""
         self._waiting.remove((seq.ticket, seq.seq_id))
-        for ticket, sid in self._waiting:  # sorted by ticket: the ones it passed come first
-            if ticket > seq.ticket:
-                break
-            self._seqs[sid].overtaken += 1
+        if overtakes:
+            for ticket, sid in self._waiting:  # sorted by ticket: the passed ones come first
+                if ticket > seq.ticket:
+                    break
+                self._seqs[sid].overtaken += 1
         seq.overtaken = 0
         seq.blocks = blocks
         seq.state = SeqState.PREFILLING
@@ -770,9 +793,12 @@ class Scheduler:
         seq.computed = shared * self.config.block_size
         if self.config.prefix_cache:
             self._cache_queries += len(seq.token_ids)
-            self._cache_hits += seq.computed
         if seq.cached_tokens is None:
             seq.cached_tokens = min(seq.computed, seq.prompt_len)
+        if waits_for is not None and waits_for.computed < seq.computed:
+            seq.waits_for = waits_for  # its hits are counted once they are written (_ready)
+        else:
+            self._count_hits(seq)
         seq.passed = 0
         seq.left_out = False
         seq.admission = self._next_admission
@@ -882,7 +908,15 @@ class Scheduler:
         if writer.computed < seq.computed:
             return False
         seq.waits_for = None
+        self._count_hits(seq)
         return True
+
+    def _count_hits(self, seq: _Seq) -> None:
+        """Count the positions this admission did not compute as prefix-cache hits:
+        when it enters, or, for a group member that waited, when its writer has
+        written them (a writer that left may have handed some of them to it)."""
+        if self.config.prefix_cache:
+            self._cache_hits += seq.computed
 
     def _decode_order(self, decoding: list[_Seq]) -> list[_Seq]:
         order = list(self.policy.decode_order(tuple(self._view(d) for d in decoding)))
@@ -1146,6 +1180,10 @@ class Scheduler:
         heir.waits_for = None
         heir.computed = writer.computed
         heir.published = writer.computed // self.config.block_size
+        # It computes the rest of the shared positions itself: they are not its cached
+        # tokens (it entered counting all of them), nor hits.
+        heir.cached_tokens = min(heir.computed, heir.prompt_len)
+        self._count_hits(heir)
         for other in rest:
             other.waits_for = heir
 

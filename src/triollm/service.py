@@ -21,7 +21,18 @@ The batch loop is one task. Each turn:
 
 A request's stream ends with exactly one :data:`~triollm.events.Outcome`, set *before*
 the channel is closed, so the reader drains the buffered deltas and then reads why it
-ended. The events themselves and the metrics hooks live in ``events.py``; the text
+ended.
+
+The ``n`` choices of one prompt (OpenAI's ``n``, :meth:`Service.submit_choices`) are
+``n`` sequences of one scheduler group (its rule 10: admitted together, the prompt's
+blocks shared), each with its own sampler and text pipeline, streaming into the
+request's *one* channel: every :class:`~triollm.events.Delta` carries its choice's
+``index``, and each choice's end is an :class:`~triollm.events.Ended` on the same
+channel, after its last delta. One channel, not one per choice, because the reader is
+one client: its handler reads one channel in one task (the SSE body is an async
+generator, and a nursery of readers cannot be held open across its ``yield``), a
+slow client is cut as one, and a client that leaves cancels every choice with one
+``close``. The events themselves and the metrics hooks live in ``events.py``; the text
 rules in ``textstream.py``; the memory arithmetic in ``sizing.py``.
 
 Cancellation: a client that leaves makes its handler's cancel scope fire; the HTTP
@@ -36,10 +47,11 @@ Trap: every change that could let a waiter in (finish, cancel, step) must call
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from collections import deque
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -50,6 +62,7 @@ from triollm.errors import FieldError
 from triollm.events import (
     Completed,
     Delta,
+    Ended,
     Failed,
     NullObserver,
     Observer,
@@ -72,8 +85,10 @@ from triollm.textstream import Detokenizer, TextStream
 from triollm.toolcalls import ToolCallParser
 
 __all__ = [
+    "Choice",
     "Completed",
     "Delta",
+    "Ended",
     "Executor",
     "Failed",
     "Outcome",
@@ -125,15 +140,45 @@ class Executor(Protocol):
 # --------------------------------------------------------------------------- one request
 
 
+@dataclass(frozen=True)
+class Choice:
+    """What differs between the choices of one request: each samples with its own
+    ``params`` (the edge gives choice ``i`` the seed ``seed + i``) and parses its own
+    tool calls (a parser holds the state of one answer)."""
+
+    params: Any
+    tools: ToolCallParser | None = None
+
+
+Event = Delta | Ended
+
+
+@dataclass(eq=False)
+class _Request:
+    """The one channel a request's choices stream into, and who still writes to it.
+
+    Invariant: the buffer never holds more than ``delta_room`` deltas (``_deliver``
+    refuses the next one: too slow), and each choice sends one :class:`Ended`, so the
+    ``delta_room + n`` places always have room for every choice's end.
+    """
+
+    send: trio.MemorySendChannel[Event]
+    delta_room: int  # n x stream_buffer_steps: each step gives each choice <= 1 delta
+    open: int  # choices with no outcome yet; the channel closes when none is left
+    members: list[_Live]
+
+
 @dataclass(eq=False)
 class _Live:
-    """The service's record of one request from enqueue to its outcome."""
+    """The service's record of one sequence (a request's choice) from enqueue to its
+    outcome."""
 
     seq_id: int
+    index: int  # its choice's index in the request
+    request: _Request
     prompt_ids: tuple[int, ...]
     params: Any
     text: TextStream
-    send: trio.MemorySendChannel[Delta]
     arrived: float
     want_logprobs: bool
     internal: bool = False  # the warm-up request: not counted in metrics
@@ -147,44 +192,76 @@ class _Live:
 
 class RequestStream:
     """The handler's end of one admitted request: ``async for delta in stream``,
-    then :attr:`outcome`.
+    then :attr:`outcome`. A request of several choices: :meth:`events` gives each
+    choice's deltas (``Delta.index``) and each choice's :class:`Ended`, in order.
 
     Trap: call :meth:`close` in a ``finally`` (the HTTP edge does); a stream
     dropped without it keeps generating until its buffer fills.
     """
 
     def __init__(
-        self, service: Service, live: _Live, recv: trio.MemoryReceiveChannel[Delta]
+        self, service: Service, request: _Request, recv: trio.MemoryReceiveChannel[Event]
     ) -> None:
         self._service = service
-        self._live = live
+        self._members = tuple(request.members)
         self._recv = recv
-        self.seq_id = live.seq_id
-        self.prompt_tokens = len(live.prompt_ids)
+        self.seq_ids = tuple(live.seq_id for live in self._members)
+        self.seq_id = self.seq_ids[0]
+        self.n = len(self._members)
+        first = self._members[0]
+        self.prompt_tokens = len(first.prompt_ids)
         # `is None`, not `or`: MockClock starts at 0.0, a real admission time.
-        admitted = live.arrived if live.admitted_at is None else live.admitted_at
-        self.queue_seconds = admitted - live.arrived
+        admitted = first.arrived if first.admitted_at is None else first.admitted_at
+        self.queue_seconds = admitted - first.arrived
 
     def __aiter__(self) -> RequestStream:
         return self
 
     async def __anext__(self) -> Delta:
+        """The next delta of any choice (the ends are left out: see :meth:`events`)."""
+        while True:
+            event = await self._receive()
+            if event is None:
+                raise StopAsyncIteration
+            if isinstance(event, Delta):
+                return event
+
+    async def events(self) -> AsyncIterator[Event]:
+        """Every delta and every choice's :class:`Ended`, in the order they happened;
+        it stops once every choice has ended."""
+        while (event := await self._receive()) is not None:
+            yield event
+
+    async def _receive(self) -> Event | None:
         try:
             return await self._recv.receive()
         except (trio.EndOfChannel, trio.ClosedResourceError):
-            raise StopAsyncIteration from None
+            return None
+
+    @property
+    def outcomes(self) -> tuple[Outcome | None, ...]:
+        """Each choice's outcome, by index; None while it runs."""
+        return tuple(live.outcome for live in self._members)
 
     @property
     def outcome(self) -> Outcome | None:
-        """How the request ended; None while it runs."""
-        return self._live.outcome
+        """How the request ended; None while it runs. With several choices: the first
+        that failed, else the first choice's (None while any choice runs)."""
+        outcomes = self.outcomes
+        failed = [o for o in outcomes if isinstance(o, Failed)]
+        if failed:
+            return failed[0]
+        return None if None in outcomes else outcomes[0]
 
-    def close(self, reason: EndCode = EndCode.CLIENT_CLOSED) -> bool:
-        """End the request now if it is still running (sync: safe in a cancelled
-        ``finally``). Returns True if this cut it short; ``reason`` is recorded
-        (``CLIENT_CLOSED``, or ``SHUTDOWN`` when the server cut it)."""
+    def close(self, reason: EndCode = EndCode.CLIENT_CLOSED, message: str | None = None) -> bool:
+        """End every choice still running now (sync: safe in a cancelled ``finally``);
+        their blocks are back in the pool on return. Returns True if this cut any
+        short; ``reason`` is recorded (``CLIENT_CLOSED``, ``SHUTDOWN`` when the
+        server cut it, or the code of a sibling choice whose failure failed the
+        response), with ``message`` if given."""
         self._recv.close()
-        return self._service._abandon(self._live, reason)
+        cut = [self._service._abandon(live, reason, message) for live in self._members]
+        return any(cut)
 
 
 # --------------------------------------------------------------------------- the service
@@ -330,19 +407,38 @@ class Service:
         prompt_ids: Sequence[int],
         *,
         params: Any,
+        tools: ToolCallParser | None = None,
+        **options: Any,
+    ) -> RequestStream:
+        """Queue a request of one choice and wait for its admission; returns its
+        stream. ``options``: the keywords of :meth:`submit_choices`."""
+        return await self.submit_choices(prompt_ids, [Choice(params, tools)], **options)
+
+    async def submit_choices(
+        self,
+        prompt_ids: Sequence[int],
+        choices: Sequence[Choice],
+        *,
         max_tokens: int | None = None,
         stop: Sequence[str] = (),
         ignore_eos: bool = False,
         want_logprobs: bool = False,
         internal: bool = False,
-        tools: ToolCallParser | None = None,
         cache_salt: str = "",
         priority: int = 0,
         stop_token_ids: Sequence[int] = (),
         min_tokens: int = 0,
         include_stop: bool = False,
     ) -> RequestStream:
-        """Queue a request and wait for its admission; returns its stream.
+        """Queue a request with ``len(choices)`` answers to one prompt (OpenAI's ``n``)
+        and wait for their admission, all together; returns their stream.
+
+        The choices are one scheduler group (its rule 10): the prompt's full blocks
+        are computed once and shared, each choice has its own answer blocks, sampler
+        (``Choice.params``) and text pipeline (stop strings, tool calls), and ends on
+        its own: a choice that fails ends alone, like any sequence. ``max_tokens``,
+        the stops and the rest are each choice's. Left out, ``max_tokens`` is the
+        room every choice can have at once (``Scheduler.room``).
 
         ``priority`` (smaller is served earlier; vLLM's convention) reaches the
         policy's views. A non-zero one under a policy that does not order by it is
@@ -354,10 +450,12 @@ class Service:
         earlier (the ids through :class:`~triollm.plan.MinTokens`, the strings in the
         TextStream); ``include_stop`` keeps a matched stop string in the text.
 
-        Raises ``QueueFull`` / ``QueueTimeout`` (429), ``QueueClosed`` (503), the
-        scheduler's ``Infeasible`` or ``FieldError`` (400); a client that leaves
-        while queued gets ``Cancelled`` with nothing left behind.
+        Raises ``QueueFull`` / ``QueueTimeout`` (429; the choices take ``n`` places in
+        the queue), ``QueueClosed`` (503), the scheduler's ``Infeasible`` (naming
+        ``n`` when the group could never fit) or ``FieldError`` (400); a client that
+        leaves while queued gets ``Cancelled`` with nothing left behind.
         """
+        n = len(choices)
         if priority != 0 and not self.scheduler.policy.orders_by_priority:
             raise FieldError(
                 "priority",
@@ -369,49 +467,60 @@ class Service:
             # "The rest of the context" must also fit the pool: with a pool smaller
             # than slots x context, an unset max_tokens would reserve the whole
             # context and every request without max_tokens (the openai chat
-            # default) would be refused. Room is counted against the largest
-            # request the pool can hold.
+            # default) would be refused. Room is counted against what the pool can
+            # hold for all the choices at once.
             max_tokens = self.config.max_tokens_default
-            room = self.scheduler.config.largest_request - len(prompt_ids)
+            room = self.scheduler.room(len(prompt_ids), max(n, 1))
             if room >= 1:  # else: let the scheduler name the limit the prompt breaks
                 max_tokens = room if max_tokens is None else min(max_tokens, room)
         stop_ids = (frozenset() if ignore_eos else self.eos_token_ids) | frozenset(stop_token_ids)
-        if min_tokens > 0 and stop_ids:
-            params = MinTokens(params, min_tokens, stop_ids)
-        # Everything that can fail is built before enqueue: after it, a sequence exists.
-        text = TextStream(
-            self._detokenizer(prompt_ids),
-            stops=stop,
-            stop_ids=stop_ids,
-            tools=tools,
-            include_stop=include_stop,
-            min_tokens=min_tokens,
+        # Everything that can fail is built before enqueue: after it, sequences exist.
+        members = []
+        for choice in choices:
+            params = choice.params
+            if min_tokens > 0 and stop_ids:
+                params = MinTokens(params, min_tokens, stop_ids)
+            text = TextStream(
+                self._detokenizer(prompt_ids),
+                stops=stop,
+                stop_ids=stop_ids,
+                tools=choice.tools,
+                include_stop=include_stop,
+                min_tokens=min_tokens,
+            )
+            members.append((params, text))
+        seq_ids = self.queue.enqueue_group(
+            prompt_ids, max_tokens, stop_ids, n=n, priority=priority, cache_salt=cache_salt
         )
-        seq_id = self.queue.enqueue(
-            prompt_ids, max_tokens, stop_ids, priority=priority, cache_salt=cache_salt
-        )
-        send, recv = trio.open_memory_channel[Delta](self.config.stream_buffer_steps)
-        live = _Live(
-            seq_id=seq_id,
-            prompt_ids=tuple(prompt_ids),
-            params=params,
-            text=text,
-            send=send,
-            arrived=trio.current_time(),
-            want_logprobs=want_logprobs,
-            internal=internal,
-        )
-        self._live[seq_id] = live
+        delta_room = n * self.config.stream_buffer_steps
+        send, recv = trio.open_memory_channel[Event](delta_room + n)  # and one end each
+        request = _Request(send, delta_room, n, [])
+        now = trio.current_time()
+        for index, (seq_id, (params, text)) in enumerate(zip(seq_ids, members, strict=True)):
+            live = _Live(
+                seq_id=seq_id,
+                index=index,
+                request=request,
+                prompt_ids=tuple(prompt_ids),
+                params=params,
+                text=text,
+                arrived=now,
+                want_logprobs=want_logprobs,
+                internal=internal,
+            )
+            request.members.append(live)
+            self._live[seq_id] = live
         self.notify()
         try:
-            await self.queue.wait_admitted(seq_id)
+            await self.queue.wait_admitted(seq_ids[0])
         except BaseException:
-            # Sync cleanup (we may be cancelled). The queue already cancelled the sequence.
-            self._live.pop(seq_id, None)
+            # Sync cleanup (we may be cancelled). The queue already cancelled every member.
+            for seq_id in seq_ids:
+                self._live.pop(seq_id, None)
             send.close()
             self.notify()
             raise
-        return RequestStream(self, live, recv)
+        return RequestStream(self, request, recv)
 
     def _on_admit(self, seq_id: int) -> None:
         live = self._live.get(seq_id)
@@ -423,8 +532,11 @@ class Service:
         live.admitted_at = trio.current_time()
         live.cached_tokens = self.scheduler.sequence(seq_id).cached_tokens
         self._to_add.append(seq_id)
-        if not live.internal:
-            self.observer.admitted(len(live.prompt_ids), live.admitted_at - live.arrived)
+        if not live.internal and live.index == 0:
+            # A request's prompt is counted once, however many choices share it.
+            self.observer.admitted(
+                len(live.prompt_ids), live.admitted_at - live.arrived, len(live.request.members)
+            )
         self._work.set()
         self.notify()
 
@@ -454,8 +566,8 @@ class Service:
             # The freed blocks may let a running sequence the pool had starved
             # (free-slot) grow again; a loop parked on an empty plan must look.
             self._work.set()
-        live.outcome = outcome  # before close(): the reader drains, then reads this
-        live.send.close()
+        live.outcome = outcome  # before the end: the reader drains, then reads this
+        self._send_end(live, outcome)
         if live.in_batch:
             self._to_remove.append(live.seq_id)
         ended = outcome.finish_reason if isinstance(outcome, Completed) else outcome.code
@@ -468,15 +580,28 @@ class Service:
         self.queue.signal()
         self.notify()
 
+    def _send_end(self, live: _Live, outcome: Outcome) -> None:
+        """Tell the reader this choice has ended; close the channel after the last."""
+        request = live.request
+        # The reader may have gone (close()): nobody to tell then.
+        with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+            request.send.send_nowait(Ended(live.index, outcome))  # room: _Request's invariant
+        request.open -= 1
+        if request.open == 0:
+            request.send.close()
+
     def _failed(self, live: _Live, code: EndCode, message: str) -> Failed:
         return Failed(code, message, len(live.prompt_ids), live.n_generated)
 
-    def _abandon(self, live: _Live, reason: EndCode) -> bool:
+    def _abandon(self, live: _Live, reason: EndCode, message: str | None = None) -> bool:
         if live.outcome is not None or self._live.get(live.seq_id) is not live:
             return False
-        message = (
-            SHUT_DOWN_MESSAGE if reason is EndCode.SHUTDOWN else "the client closed the connection"
-        )
+        if message is None:
+            message = (
+                SHUT_DOWN_MESSAGE
+                if reason is EndCode.SHUTDOWN
+                else "the client closed the connection"
+            )
         self._end(live, self._failed(live, reason, message), cancel=True)
         return True
 
@@ -532,7 +657,7 @@ class Service:
                 log.exception("seq %d: ending it failed; closing its stream", live.seq_id)
                 self._live.pop(live.seq_id, None)
                 live.outcome = self._failed(live, EndCode.INTERNAL, message)
-                live.send.close()
+                live.request.send.close()
                 try:
                     self.scheduler.cancel(live.seq_id)
                 except Exception:
@@ -647,10 +772,11 @@ class Service:
             return
         if not text and not info and not piece.tool_calls:
             return  # held back: nothing to say yet
-        try:
-            live.send.send_nowait(Delta(text, info, piece.tool_calls))
-        except trio.WouldBlock:
+        request = live.request
+        if request.send.statistics().current_buffer_used >= request.delta_room:
             self._too_slow(live)
+            return
+        request.send.send_nowait(Delta(text, info, piece.tool_calls, live.index))
 
     def _text_failed(self, live: _Live, exc: Exception) -> None:
         """One request's text pipeline (its detokenizer, its stop matcher) raised: that
@@ -661,6 +787,7 @@ class Service:
         self._end(live, self._failed(live, EndCode.INTERNAL, message), cancel=True)
 
     def _complete(self, live: _Live, reason: FinishReason, final: Delta) -> None:
+        final = Delta(final.text, final.tokens, final.tool_calls, live.index)
         outcome = Completed(
             reason, final, len(live.prompt_ids), live.n_generated, live.cached_tokens
         )
@@ -668,18 +795,16 @@ class Service:
         self._end(live, outcome, cancel=False)
 
     def _too_slow(self, live: _Live) -> None:
+        """The client has not read its stream for ``stream_buffer_steps`` steps: every
+        choice of its request ends (one client reads them all)."""
         n = self.config.stream_buffer_steps
         log.warning("seq %d: client %d steps behind (buffer full); cancelling it", live.seq_id, n)
-        self._end(
-            live,
-            self._failed(
-                live,
-                EndCode.TOO_SLOW,
-                f"the client fell {n} steps behind the generation (its stream buffer is full);"
-                " the request was cancelled to free its slot",
-            ),
-            cancel=True,
+        message = (
+            f"the client fell {n} steps behind the generation (its stream buffer is full);"
+            " the request was cancelled to free its slot"
         )
+        for member in live.request.members:
+            self._end(member, self._failed(member, EndCode.TOO_SLOW, message), cancel=True)
 
     # ------------------------------------------------------------------ observation
 

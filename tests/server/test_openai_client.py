@@ -146,9 +146,9 @@ async def test_client_errors_reach_the_openai_client_with_the_field_named(loaded
         c = client(live.url)
         with pytest.raises(openai.BadRequestError) as bad:
             await trio.to_thread.run_sync(
-                lambda: c.completions.create(model=MODEL_ID, prompt="x", n=2)
+                lambda: c.completions.create(model=MODEL_ID, prompt="x", n=3)
             )
-        assert bad.value.body["param"] == "n"
+        assert bad.value.body["param"] == "n"  # three choices, two slots
         with pytest.raises(openai.NotFoundError):
             await trio.to_thread.run_sync(
                 lambda: c.completions.create(model="gpt-4", prompt="x", max_tokens=2)

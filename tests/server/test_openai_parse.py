@@ -78,7 +78,9 @@ def test_prompt_forms():
         ("seed", "7"),
         ("logprobs", 6),
         ("stream", "yes"),
-        ("n", 2),
+        ("n", 0),
+        ("n", 129),
+        ("n", True),
         ("best_of", 3),
         ("echo", "yes"),
         ("suffix", "x"),
@@ -134,7 +136,7 @@ def test_chat_messages_and_logprobs():
 
 
 def test_error_body_is_openai_shaped():
-    err = refused(completion, n=3)
+    err = refused(completion, n=0)
     body = err.body()
     assert set(body["error"]) == {"message", "type", "param", "code"}
     assert body["error"]["type"] == "invalid_request_error"
@@ -212,3 +214,11 @@ def test_priority_is_an_integer_and_zero_when_left_out():
         for call in (completion, chat):
             err = refused(call, priority=bad)
             assert err.param == "priority" and "'priority' must be an integer" in err.message
+
+
+def test_n_is_the_number_of_choices_and_best_of_may_only_repeat_it():
+    assert completion().n == 1
+    assert completion(n=3).n == 3 and chat(n=3).n == 3
+    assert completion(n=2, best_of=2).n == 2
+    assert refused(completion, n=2, best_of=4).param == "best_of"
+    assert "between 1 and 128" in refused(chat, n=200).message

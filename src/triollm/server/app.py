@@ -66,7 +66,7 @@ from triollm.server.openai import (
 )
 from triollm.server.responses import ResponseWriter, ServedModel, error_response, json_text
 from triollm.server.structured import ToolChoice
-from triollm.service import Service
+from triollm.service import Choice, Service
 from triollm.toolcalls import ToolCallFormat, ToolCallParser, tool_grammar
 
 __all__ = ["DEFAULT_MAX_BODY_BYTES", "ServedModel", "create_app", "http_error"]
@@ -252,8 +252,13 @@ def create_app(
             # Compiling may take many milliseconds for a large schema: off the loop.
             # A grammar the library refuses is a GrammarError (a FieldError): 400.
             grammar = await trio.to_thread.run_sync(model.grammars.get, spec)
-        params = _sampling_params(req, model, grammar)
-        parser = ToolCallParser(tool_format) if tool_format is not None else None
+        choices = [
+            Choice(
+                _sampling_params(req, model, grammar, choice=i),
+                ToolCallParser(tool_format) if tool_format is not None else None,
+            )
+            for i in range(req.n)
+        ]
         max_tokens = req.max_tokens
         if (
             max_tokens is None
@@ -263,7 +268,7 @@ def create_app(
             # OpenAI's default for /v1/completions (vLLM follows it); chat keeps "the
             # rest of the context". Capped by the room left, so it never refuses; a
             # min_tokens above it raises it (the client asked for that many).
-            room = service.scheduler.config.largest_request - len(prompt_ids)
+            room = service.scheduler.room(len(prompt_ids), req.n)
             wanted = max(COMPLETIONS_DEFAULT_MAX_TOKENS, req.min_tokens)
             max_tokens = min(wanted, room) if room >= 1 else None
         echo = ""
@@ -275,14 +280,13 @@ def create_app(
                 )
         life.stage = Stage.QUEUED
         try:
-            stream = await service.submit(
+            stream = await service.submit_choices(
                 prompt_ids,
-                params=params,
+                choices,
                 max_tokens=max_tokens,
                 stop=req.stop,
                 ignore_eos=req.ignore_eos,
                 want_logprobs=req.logprobs is not None,
-                tools=parser,
                 cache_salt=req.cache_salt,
                 priority=req.priority,
                 stop_token_ids=req.stop_token_ids,
@@ -291,7 +295,9 @@ def create_app(
             )
         except Infeasible as exc:
             life.stage = Stage.REFUSED
-            raise field_error(exc, code="context_length_exceeded") from None
+            # 'n': the choices do not fit the slots or the pool, whatever the context.
+            code = None if exc.field == "n" else "context_length_exceeded"
+            raise field_error(exc, code=code) from None
         except FieldError as exc:  # a priority out of range, or one the policy ignores
             life.stage = Stage.REFUSED
             raise field_error(exc) from None
@@ -471,10 +477,19 @@ def _constraint(
     return GrammarSpec(GrammarKind.LARK, lark, "tools")
 
 
-def _sampling_params(req: GenerationRequest, model: ServedModel, grammar: Any = None) -> Any:
-    """The request's SamplingParams; a value out of range raises its FieldError,
-    which the app's handler answers with 400 and ``param`` (the one owner of the
-    ranges is ``SamplingParams``)."""
+def _sampling_params(
+    req: GenerationRequest, model: ServedModel, grammar: Any = None, *, choice: int = 0
+) -> Any:
+    """The SamplingParams of the request's choice ``choice``; a value out of range
+    raises its FieldError, which the app's handler answers with 400 and ``param``
+    (the one owner of the ranges is ``SamplingParams``).
+
+    Choice ``i`` samples with ``seed + i`` (vLLM gives each of its ``n`` the same
+    kind of derived seed): the choices differ, and the same seed gives the same
+    ``n`` answers again. Without a seed each choice draws from the OS's entropy.
+    With ``temperature`` 0 every choice is the same greedy answer, as OpenAI's and
+    vLLM's are."""
+    seed = None if req.seed is None else req.seed + choice
     return model.make_params(
         temperature=req.temperature,
         top_p=req.top_p,
@@ -483,7 +498,7 @@ def _sampling_params(req: GenerationRequest, model: ServedModel, grammar: Any = 
         repetition_penalty=req.repetition_penalty,
         presence_penalty=req.presence_penalty,
         frequency_penalty=req.frequency_penalty,
-        seed=req.seed,
+        seed=seed,
         logprobs=req.logprobs,
         grammar=grammar,
     )

@@ -179,7 +179,16 @@ class Metrics:
             registry=r,
         )
         self.prompt_tokens = Counter(
-            "triollm:prompt_tokens", "Prompt tokens of admitted requests.", registry=r
+            "triollm:prompt_tokens",
+            "Prompt tokens of admitted requests (once per request, however many choices).",
+            registry=r,
+        )
+        # vLLM's request_params_n: how many choices (n) the admitted requests asked for.
+        self.params_n = Histogram(
+            "triollm:request_params_n",
+            "Choices (n) per admitted request.",
+            buckets=(1, 2, 4, 8, 16, 32, 64, 128),
+            registry=r,
         )
         self.generation_tokens = Counter(
             "triollm:generation_tokens", "Tokens generated.", registry=r
@@ -233,9 +242,10 @@ class Metrics:
 
     # -- the service's Observer hooks (triollm.events.Observer) ---------------------
 
-    def admitted(self, prompt_tokens: int, queue_seconds: float) -> None:
+    def admitted(self, prompt_tokens: int, queue_seconds: float, choices: int = 1) -> None:
         self.prompt_tokens.inc(prompt_tokens)
         self.queue_time.observe(queue_seconds)
+        self.params_n.observe(choices)
 
     def token(self, first: bool, seconds_since_previous: float) -> None:
         self.generation_tokens.inc()

@@ -2,8 +2,8 @@
 
 Everything about the request's *shape* is checked here, before the request touches
 the tokenizer, the queue or the scheduler: bad JSON, a field of the wrong JSON type,
-a feature we do not implement (``n`` other than 1, ``echo`` with ``logprobs``,
-``logit_bias`` ...),
+a feature we do not implement (``best_of`` other than ``n``, ``echo`` with
+``logprobs``, ``logit_bias`` ...),
 limits of OpenAI's API itself (``stop``, ``logprobs``). Each refusal is an
 :class:`ApiError` whose ``param`` names the field, so the ``openai`` client shows
 the user which argument to fix. The sampling *ranges* are not checked here:
@@ -43,6 +43,10 @@ MAX_COMPLETION_LOGPROBS = 5
 # min_tokens holds them back, one masked logit: 256 is far past any real list.
 MAX_STOP_TOKEN_IDS = 256
 MAX_CHAT_TOP_LOGPROBS = 20
+# OpenAI's own bound on `n`; the server's is its slots (the choices run at once), which
+# the scheduler's door names (Scheduler.add_group). This one caps the work done for a
+# request before that check (a text pipeline per choice).
+MAX_CHOICES = 128
 # chat_template_kwargs: a template reads a handful of switches (enable_thinking ...)
 MAX_TEMPLATE_KWARGS = 32
 _IDENTIFIER = re.compile(r"[A-Za-z][A-Za-z0-9_]*")
@@ -163,6 +167,7 @@ class GenerationRequest:
     min_tokens: int = 0  # no stop id or stop string ends the answer before this many tokens
     include_stop_str_in_output: bool = False  # a matched stop string stays in the text
     echo: bool = False  # completions: the answer's text starts with the prompt's
+    n: int = 1  # choices: answers to the one prompt, sampled apart (choice i: seed + i)
     # chat: further variables for the chat template (vLLM's chat_template_kwargs), as
     # (name, JSON value) pairs; the tokenizer refuses the names it sets itself
     template_kwargs: tuple[tuple[str, Any], ...] = ()
@@ -298,12 +303,16 @@ VLLM_OUTPUT_FIELDS = {
 def _refuse_unsupported(body: dict[str, Any], kind: str) -> None:
     """Fields we do not implement are refused by name, never silently ignored:
     a client that asked for two choices and got one would miscount."""
-    n = as_integer(body.get("n"))
-    if n is not None and (isinstance(n, bool) or n != 1 or not isinstance(n, int)):
-        raise bad_request(f"'n' must be 1 (this server returns one choice), got {n!r}", "n")
+    n = _integer(body, "n", 1, MAX_CHOICES) or 1
     best_of = as_integer(body.get("best_of"))
-    if best_of is not None and (isinstance(best_of, bool) or best_of != 1):
-        raise bad_request(f"'best_of' must be 1, got {best_of!r}", "best_of")
+    if best_of is not None and (isinstance(best_of, bool) or best_of != n):
+        # best_of samples more answers than it returns and keeps the likeliest; this
+        # server returns every answer it samples. Equal to n, it asks for nothing else.
+        raise bad_request(
+            f"'best_of' must equal 'n' ({n}): this server returns every choice it samples "
+            f"and ranks none, got {best_of!r}",
+            "best_of",
+        )
     if kind == "chat" and body.get("echo"):
         raise bad_request("'echo' is a /v1/completions field", "echo")
     if body.get("suffix") is not None:
@@ -373,6 +382,7 @@ def _common(body: dict[str, Any], kind: Literal["completion", "chat"]) -> dict[s
     return {
         "kind": kind,
         "model": model,
+        "n": _integer(body, "n") or 1,  # its range: _refuse_unsupported
         "max_tokens": max_tokens,
         "min_tokens": min_tokens,
         "stop_token_ids": _stop_token_ids(body),

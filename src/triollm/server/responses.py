@@ -16,13 +16,14 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from collections import defaultdict
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
 from quart import Response
 
-from triollm.events import Completed, Delta, Failed
+from triollm.events import Completed, Delta, Ended, Failed, Outcome
 from triollm.outcomes import EndCode
 from triollm.server import sse
 from triollm.server.openai import ApiError, GenerationRequest
@@ -79,13 +80,23 @@ def error_response(err: ApiError) -> Response:
 
 
 class ResponseWriter:
-    """Turns a RequestStream into OpenAI's JSON: SSE chunks or one whole object."""
+    """Turns a RequestStream into OpenAI's JSON: SSE chunks or one whole object.
+
+    A request of ``n`` choices: every chunk names its choice's ``index`` and each
+    choice gets its own ``finish_reason`` when it ends, in the order things happen
+    (the stream's one channel interleaves them). The usage counts the prompt once and
+    the completion tokens of every choice; ``cached_tokens`` is the prompt's, as its
+    first choice (the one that computed it) found them. A choice that fails fails the
+    response: OpenAI's shapes have no error for one choice, so the stream gets its
+    error event and ends (the whole body its status), and the other choices are ended
+    at once with the failed one's code (``RequestStream.close``).
+    """
 
     def __init__(
         self, req: GenerationRequest, model: ServedModel, stream: RequestStream, echo: str = ""
     ) -> None:
         """``echo``: the prompt's text, when the completion request asked for ``echo``:
-        the answer's text starts with it (the first event of a stream carries it)."""
+        each choice's text starts with it (a stream's first events carry it)."""
         self.req = req
         self.echo = echo
         self.model = model
@@ -93,7 +104,7 @@ class ResponseWriter:
         self.chat = req.kind == "chat"
         self.id = ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex[:24]
         self.created = int(time.time())
-        self.text_offset = 0
+        self.text_offsets: defaultdict[int, int] = defaultdict(int)  # logprobs, per choice
 
     # -- logprobs -------------------------------------------------------------------
 
@@ -135,8 +146,8 @@ class ResponseWriter:
             top.append({self._token(i)[0]: lp for i, lp in t.top})
             # Where this token's text starts in the returned text: the text is what
             # the detokenizer and stop matcher released, not the tokens' own strings.
-            offsets.append(self.text_offset)
-        self.text_offset += len(delta.text)
+            offsets.append(self.text_offsets[delta.index])
+        self.text_offsets[delta.index] += len(delta.text)
         return {
             "tokens": tokens,
             "token_logprobs": token_logprobs,
@@ -146,7 +157,9 @@ class ResponseWriter:
 
     # -- chunks ---------------------------------------------------------------------
 
-    def _chunk(self, delta: Delta | None, finish: str | None, first: bool = False) -> bytes:
+    def _chunk(
+        self, index: int, delta: Delta | None, finish: str | None, first: bool = False
+    ) -> bytes:
         lp = self._logprobs(delta) if delta is not None else None
         text = delta.text if delta is not None else ""
         if self.chat:
@@ -156,14 +169,14 @@ class ResponseWriter:
             if delta is not None and delta.tool_calls:
                 d["tool_calls"] = [_call_delta(t) for t in delta.tool_calls]
             choice: dict[str, Any] = {
-                "index": 0,
+                "index": index,
                 "delta": d,
                 "logprobs": lp,
                 "finish_reason": finish,
             }
             obj = "chat.completion.chunk"
         else:
-            choice = {"index": 0, "text": text, "logprobs": lp, "finish_reason": finish}
+            choice = {"index": index, "text": text, "logprobs": lp, "finish_reason": finish}
             obj = "text_completion"
         return sse.event(
             {
@@ -175,94 +188,117 @@ class ResponseWriter:
             }
         )
 
-    def _usage(self, outcome: Completed) -> dict[str, Any]:
-        prompt, completion = outcome.prompt_tokens, outcome.completion_tokens
+    def _usage(self, outcomes: list[Completed]) -> dict[str, Any]:
+        """The prompt once (its choices shared it), every choice's completion tokens."""
+        prompt = outcomes[0].prompt_tokens
+        completion = sum(o.completion_tokens for o in outcomes)
         return {
             "prompt_tokens": prompt,
             "completion_tokens": completion,
             "total_tokens": prompt + completion,
-            # OpenAI's shape: how many prompt tokens were not computed again.
-            "prompt_tokens_details": {"cached_tokens": outcome.cached_tokens},
+            # OpenAI's shape: how many prompt tokens were not computed again. The first
+            # choice's: it computed the prompt; the others read its blocks.
+            "prompt_tokens_details": {"cached_tokens": outcomes[0].cached_tokens},
         }
 
-    def _failure(self) -> tuple[str, str]:
-        """(code, message) of a stream that did not complete."""
-        outcome = self.stream.outcome
+    @staticmethod
+    def _failure(outcome: Outcome | None) -> tuple[str, str]:
+        """(code, message) of a choice that did not complete."""
         if isinstance(outcome, Failed):
             return outcome.code.value, outcome.message
         return EndCode.INTERNAL.value, "the stream ended without an outcome"
 
+    def _cut_the_others(self, failed: Ended) -> None:
+        """End the choices still running when one has failed the response: with its
+        code, so the log and the metrics say why (not as if the client had left)."""
+        if isinstance(failed.outcome, Failed) and self.stream.n > 1:
+            why = f"choice {failed.index} of the request failed: {failed.outcome.message}"
+            self.stream.close(failed.outcome.code, why)
+
     async def events(self) -> AsyncIterator[bytes]:
         """The SSE body. Holds no cleanup: the middleware ends the request."""
-        if self.chat:
-            yield self._chunk(None, None, first=True)
-        elif self.echo:
-            yield self._chunk(Delta(self.echo, ()), None)
-        async for delta in self.stream:
-            yield self._chunk(delta, None)
-        outcome = self.stream.outcome
-        if isinstance(outcome, Completed):
-            yield self._chunk(outcome.final, outcome.finish_reason.value)
-            if self.req.include_usage:
-                yield sse.event(
-                    {
-                        "id": self.id,
-                        "object": "chat.completion.chunk" if self.chat else "text_completion",
-                        "created": self.created,
-                        "model": self.model.id,
-                        "choices": [],
-                        "usage": self._usage(outcome),
-                    }
-                )
-        else:
-            code, message = self._failure()
+        for index in range(self.stream.n):
+            if self.chat:
+                yield self._chunk(index, None, None, first=True)
+            elif self.echo:
+                yield self._chunk(index, Delta(self.echo, (), index=index), None)
+        done: dict[int, Completed] = {}
+        async for event in self.stream.events():
+            if isinstance(event, Delta):
+                yield self._chunk(event.index, event, None)
+                continue
+            outcome = event.outcome
+            if not isinstance(outcome, Completed):
+                code, message = self._failure(outcome)
+                self._cut_the_others(event)
+                yield sse.error_event(message, type="server_error", code=code)
+                yield sse.DONE
+                return
+            done[event.index] = outcome
+            yield self._chunk(event.index, outcome.final, outcome.finish_reason.value)
+        if len(done) < self.stream.n:  # the channel closed under a choice still running
+            code, message = self._failure(self.stream.outcome)
             yield sse.error_event(message, type="server_error", code=code)
+        elif self.req.include_usage:
+            yield sse.event(
+                {
+                    "id": self.id,
+                    "object": "chat.completion.chunk" if self.chat else "text_completion",
+                    "created": self.created,
+                    "model": self.model.id,
+                    "choices": [],
+                    "usage": self._usage([done[i] for i in range(self.stream.n)]),
+                }
+            )
         yield sse.DONE
 
     async def whole(self) -> tuple[dict[str, Any], int]:
         """The non-streaming body: (JSON object, status)."""
-        texts: list[str] = [self.echo]
-        lps: list[dict[str, Any] | None] = []
-        calls: list[ParsedDelta] = []
-        async for delta in self.stream:
-            texts.append(delta.text)
-            lps.append(self._logprobs(delta))
-            calls.append(ParsedDelta("", delta.tool_calls))
-        outcome = self.stream.outcome
-        if not isinstance(outcome, Completed):
-            code, message = self._failure()
+        n = self.stream.n
+        deltas: list[list[Delta]] = [[Delta(self.echo, (), index=i)] for i in range(n)]
+        done: dict[int, Completed] = {}
+        failed: Outcome | None = None
+        async for event in self.stream.events():
+            if isinstance(event, Delta):
+                deltas[event.index].append(event)
+            elif isinstance(event.outcome, Completed):
+                done[event.index] = event.outcome
+                deltas[event.index].append(event.outcome.final)
+            else:
+                self._cut_the_others(event)  # one choice failed: so does the response
+                failed = event.outcome
+                break
+        if len(done) < n:
+            outcome = failed if failed is not None else self.stream.outcome
+            code, message = self._failure(outcome)
             status = STATUS_OF_END[outcome.code] if isinstance(outcome, Failed) else 500
             return ApiError(status, message, type="server_error", code=code).body(), status
-        texts.append(outcome.final.text)
-        lps.append(self._logprobs(outcome.final))
-        calls.append(ParsedDelta("", outcome.final.tool_calls))
-        text = "".join(texts)
-        _, tool_calls = merge(calls)
-        logprobs = merge_logprobs([x for x in lps if x is not None], self.chat)
-        finish = outcome.finish_reason.value
-        if self.chat:
-            answer: dict[str, Any] = {"role": "assistant", "content": text}
-            if tool_calls:
-                # OpenAI: content is null when the answer is only calls.
-                answer["content"] = text or None
-                answer["tool_calls"] = [c.to_openai() for c in tool_calls]
-            choice: dict[str, Any] = {
-                "index": 0,
-                "message": answer,
-                "logprobs": logprobs,
-                "finish_reason": finish,
-            }
-        else:
-            choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
+        outcomes = [done[i] for i in range(n)]
         body = {
             "id": self.id,
             "object": "chat.completion" if self.chat else "text_completion",
             "created": self.created,
             "model": self.model.id,
-            "choices": [choice],
-            "usage": self._usage(outcome),
+            "choices": [self._choice(i, deltas[i], outcomes[i]) for i in range(n)],
+            "usage": self._usage(outcomes),
         }
         return body, 200
+
+    def _choice(self, index: int, deltas: list[Delta], outcome: Completed) -> dict[str, Any]:
+        """One whole choice from its deltas (the echo first, the final one last)."""
+        text = "".join(d.text for d in deltas)
+        _, tool_calls = merge([ParsedDelta("", d.tool_calls) for d in deltas])
+        lps = [self._logprobs(d) for d in deltas[1:]]  # the echo has no tokens
+        logprobs = merge_logprobs([x for x in lps if x is not None], self.chat)
+        finish = outcome.finish_reason.value
+        if not self.chat:
+            return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+        answer: dict[str, Any] = {"role": "assistant", "content": text}
+        if tool_calls:
+            # OpenAI: content is null when the answer is only calls.
+            answer["content"] = text or None
+            answer["tool_calls"] = [c.to_openai() for c in tool_calls]
+        return {"index": index, "message": answer, "logprobs": logprobs, "finish_reason": finish}
 
 
 def _call_delta(t: ToolCallDelta) -> dict[str, Any]:
