@@ -130,14 +130,26 @@ async def test_the_choices_take_n_places_in_the_queue(autojump_clock):
     service, _ex, _ = make_service(slots=2, depth=1, gated=True)  # 2 places
     async with trio.open_nursery() as nursery:
         await nursery.start(service.run)
-        await service.submit([5], params=None, max_tokens=2)  # holds one of the 2 slots
-        nursery.start_soon(lambda: service.submit_choices([6], choices(2), max_tokens=2))
+        for prompt in ([5], [6]):  # both slots held
+            await service.submit(prompt, params=None, max_tokens=2)
+        single = trio.CancelScope()
+
+        async def one_waiter() -> None:
+            with single:
+                await service.submit([7], params=None, max_tokens=2)
+
+        nursery.start_soon(one_waiter)
+        await trio.testing.wait_all_tasks_blocked()
+        assert service.queue.waiting == 1  # one place of 2 is left: not enough for two
+        with pytest.raises(QueueFull, match="this request's 2 choices take 2 places"):
+            await service.submit_choices([8], choices(2), max_tokens=2)
+        single.cancel()
+        await trio.testing.wait_all_tasks_blocked()
+        nursery.start_soon(lambda: service.submit_choices([8], choices(2), max_tokens=2))
         await trio.testing.wait_all_tasks_blocked()
         assert service.queue.waiting == 2  # two choices, two places: the queue is full
         with pytest.raises(QueueFull, match=r"2 of 2 places taken\)"):
-            await service.submit([7], params=None, max_tokens=2)
-        with pytest.raises(QueueFull, match="2 choices take 2 places"):
-            await service.submit_choices([8], choices(2), max_tokens=2)
+            await service.submit([9], params=None, max_tokens=2)
         nursery.cancel_scope.cancel()
 
 
