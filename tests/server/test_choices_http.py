@@ -199,3 +199,13 @@ async def test_the_openai_client_gets_two_chat_choices_whole_and_streamed(loaded
         assert [texts[0], texts[1]] == [ch.message.content for ch in whole.choices]
         assert usage.completion_tokens == whole.usage.completion_tokens
         assert usage.prompt_tokens == whole.usage.prompt_tokens
+
+
+async def test_every_choice_follows_the_grammar_with_its_own_matcher(loaded):
+    async with live_server(loaded, slots=3) as live:
+        options = ["alpha", "beta gamma", "delta"]
+        body = {"model": MODEL_ID, "prompt": "Pick one:", "max_tokens": 20, "n": 3}
+        r = await post(live.url, "/v1/completions", body | {"seed": 8, "guided_choice": options})
+        assert r.status_code == 200, r.text
+        for choice in r.json()["choices"]:
+            assert choice["text"] in options and choice["finish_reason"] == "stop"

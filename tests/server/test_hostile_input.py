@@ -252,8 +252,8 @@ def test_an_integer_past_the_digit_limit_is_a_400_naming_the_limit():
 def test_an_error_message_quotes_a_huge_value_only_in_part():
     from triollm.server.openai import MAX_ERROR_MESSAGE_CHARS
 
-    err = refusal(b'{"prompt": "x", "n": "' + b"n" * 3_000_000 + b'"}')
-    assert err.param == "n"
+    err = refusal(b'{"prompt": "x", "best_of": "' + b"n" * 3_000_000 + b'"}')
+    assert err.param == "best_of"
     assert len(err.message) <= MAX_ERROR_MESSAGE_CHARS and "characters in all" in err.message
 
 
