@@ -117,7 +117,7 @@ def hostile_bodies(rng: random.Random, model: str) -> tuple[bytes, dict[str, str
         return json.dumps(base | {"prompt": [10**9]}).encode(), json_headers
     if choice == 10:
         return json.dumps(base | {"top_p": -1}).encode(), json_headers
-    return json.dumps(base | {"n": 3}).encode(), json_headers
+    return json.dumps(base | {"n": 1000}).encode(), json_headers
 
 
 class Soak:
