@@ -33,10 +33,12 @@ the weight rows, the quantized values are *widened* to float32 sixteen at a
 time, in AVX-512 registers, and multiplied into every ``x`` row of the tile
 with fused multiply-adds, one 16-lane accumulator per (x row, weight row),
 whose lanes are summed once at the end. Nothing widened goes back to
-memory. One row (batch-1 decode) takes sixteen weight rows per tile: sixteen
-accumulators hide the FMA latency and sixteen rows keep memory streams in
-flight. More rows take two weight rows by eight ``x`` rows: the widening is
-shared by eight rows and each ``x`` vector loaded serves two. The quantized
+memory (a 4-bit type on AVX-512 looks each nibble up in a register holding
+the 16 values it can stand for, computed once per block). One row (batch-1
+decode) takes sixteen weight rows per tile: sixteen accumulators hide the
+FMA latency and sixteen rows keep memory streams in flight. Two to four rows
+take a 4 x 4 tile; more take two weight rows by eight ``x`` rows: the
+widening is shared by eight rows and each ``x`` vector loaded serves two. The quantized
 bytes are read from memory once per product whatever the row count: a
 weight row's bytes stay in L1 while every ``x`` tile passes over them.
 
@@ -161,8 +163,9 @@ class _Block:
     asked for, so the block's IR stays straight-line in one basic block.
     """
 
-    def __init__(self, builder: Any, row: Any, start: Any) -> None:
+    def __init__(self, builder: Any, row: Any, start: Any, *, permute: bool) -> None:
         self.b, self.row, self.start = builder, row, start
+        self.permute = permute  # AVX-512's vpermps may look nibbles up in a table
         self._memo: dict[tuple[str, int], Any] = {}
 
     def _ptr(self, k: int, ty: Any) -> Any:
@@ -227,12 +230,26 @@ class _Block:
         q = self.lanes(k, signed=signed)
         if not signed:
             q = self.b.and_(self.b.lshr(q, _ints(shift)), _ints(15))
+        if self.permute and not signed and high is None:
+            # a 4-bit q has 16 values: compute them once per block, then each
+            # lane is one lookup (vpermps) instead of convert, multiply, add
+            return self.b.call(_permute_fn(self.b.module), [self._table(d, m, offset), q])
         if high is not None:
             q = self.b.or_(q, high())
         if offset:
             q = self.b.sub(q, _ints(offset))
         v = self.b.fmul(self.b.sitofp(q, _VF32), _splat(self.b, d))
         return v if m is None else self.b.fadd(v, _splat(self.b, m))
+
+    def _table(self, d: Any, m: Any, offset: int) -> Any:
+        """The 16 weights a nibble can stand for, ``float32(i - offset) * d (+ m)``."""
+
+        def make() -> Any:
+            i = ir.Constant(_VF32, [float(i - offset) for i in range(_LANES)])
+            v = self.b.fmul(i, _splat(self.b, d))
+            return v if m is None else self.b.fadd(v, _splat(self.b, m))
+
+        return self._once("table", hash((id(d), id(m), offset)), make)  # per scale and min
 
     def k_scale_min(self, j: int) -> tuple[Any, Any]:
         """Q4_K/Q5_K: sub-block j's 6-bit scale and min, as float32.
@@ -255,6 +272,21 @@ class _Block:
             sc = b.or_(b.and_(self.byte(8 + j), c(15)), top_sc)
             m = b.or_(b.lshr(self.byte(8 + j), c(4)), top_m)
         return b.uitofp(sc, _F32), b.uitofp(m, _F32)
+
+
+def _permute_fn(module: Any) -> Any:
+    """``llvm.x86.avx512.permvar.sf.512``: lane i of the result is ``table[idx[i]]``."""
+    fnty = ir.FunctionType(_VF32, [_VF32, _VI32])
+    return cgutils.get_or_insert_function(module, fnty, "llvm.x86.avx512.permvar.sf.512")
+
+
+def _can_permute(context: Any) -> bool:
+    """Whether the target has AVX-512F (else every type takes the portable widening).
+
+    Hazard: numba's target features are a private attribute; without it the
+    portable path runs (the same values: the table holds the very products).
+    """
+    return "+avx512f" in getattr(context.codegen(), "_tm_features", "")
 
 
 def _block_vectors(kind: int, blk: _Block) -> list[Any]:
@@ -332,7 +364,7 @@ def _sum_lanes(builder: Any, v: Any) -> Any:
     return builder.extract_element(v, ir.Constant(_I32, 0))
 
 
-def _tile_function(module: Any, K: int, T: int, R: int) -> Any:
+def _tile_function(module: Any, K: int, T: int, R: int, permute: bool) -> Any:
     """The LLVM function computing one (type K, T weight rows, R x rows) tile.
 
     Its own function, never inlined: inlined into the product's loop (with
@@ -368,7 +400,7 @@ def _tile_function(module: Any, K: int, T: int, R: int) -> Any:
     with cgutils.for_range(builder, builder.udiv(k_in, ir.Constant(_I64, values))) as loop:
         start = builder.mul(loop.index, ir.Constant(_I64, nbytes))
         first = builder.mul(loop.index, ir.Constant(_I64, values * 4))  # x's byte offset
-        thunks = [_block_vectors(K, _Block(builder, wp, start)) for wp in ws]
+        thunks = [_block_vectors(K, _Block(builder, wp, start, permute=permute)) for wp in ws]
         # the order of emission only steers LLVM's register allocation: each
         # accumulator takes the same FMAs in the same order either way.
         # One x row: weight row by weight row (a row's scale dies at once);
@@ -439,7 +471,9 @@ def _tile(typingctx, kind, n_w, n_x, x, blocks, r0, last, j0, e, res):  # type: 
         _each_type(
             builder,
             args[0],
-            lambda K: builder.call(_tile_function(builder.module, K, T, R), call_args),
+            lambda K: builder.call(
+                _tile_function(builder.module, K, T, R, _can_permute(context)), call_args
+            ),
         )
         return context.get_dummy_value()
 
@@ -464,7 +498,8 @@ def _widen_row(typingctx, kind, blocks, j, out, i):  # type: ignore[no-untyped-d
             with cgutils.for_range(builder, builder.udiv(k_in, ir.Constant(_I64, values))) as loop:
                 start = builder.mul(loop.index, ir.Constant(_I64, nbytes))
                 first = builder.mul(loop.index, ir.Constant(_I64, values * 4))
-                for v, thunk in enumerate(_block_vectors(K, _Block(builder, row, start))):
+                blk = _Block(builder, row, start, permute=_can_permute(context))
+                for v, thunk in enumerate(_block_vectors(K, blk)):
                     at = builder.add(first, ir.Constant(_I64, 64 * v))
                     builder.store(thunk(), _byte_ptr(builder, dst, at, _VF32), align=4)
 
