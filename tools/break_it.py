@@ -234,10 +234,8 @@ MUTATIONS: tuple[Mutation, ...] = (
         "batch-dependent-kernel",
         "batch invariance of the weight products (a row's sum depends on its batch)",
         "src/triollm/model/matmul.py",
-        """            a0 = a1 = a2 = a3 = np.float32(0.0)
-            b0 = b1 = b2 = b3 = np.float32(0.0)""",
-        """            a0 = a1 = a2 = a3 = np.float32(1e-6) * np.float32(last > 0)  # broken
-            b0 = b1 = b2 = b3 = np.float32(0.0)""",
+        "            zero = ir.Constant(vf, [0.0] * _LANES)",
+        "            zero = ir.Constant(vf, [1e-6 * (rows == 1)] * _LANES)  # broken",
         ("tests/model/test_matmul.py", "tests/model/test_batch.py"),
     ),
     Mutation(

@@ -186,7 +186,9 @@ def test_bad_plans_are_refused_before_any_kernel_runs(chunk: ChunkPlan, message:
 @pytest.mark.parametrize("name", MODEL_NAMES)
 def test_weight_bytes_counts_every_buffer_held_once(name: str) -> None:
     model = fixture_model(name)
-    buffers = [model.embed_tokens, model.norm, model.lm_head.data]
+    embed = model.embed_tokens  # a tied head's panels double as the embedding table
+    buffers = [embed.data if isinstance(embed, PreparedWeight) else embed, model.norm]
+    buffers.append(model.lm_head.data)
     for layer in model.layers:
         for value in vars(layer).values():
             if isinstance(value, PreparedWeight):
@@ -198,3 +200,19 @@ def test_weight_bytes_counts_every_buffer_held_once(name: str) -> None:
         if not any(np.shares_memory(b, u) for u in unique):
             unique.append(b)
     assert model.weight_bytes == sum(b.nbytes for b in unique)
+
+
+def test_a_tied_head_is_also_the_embedding_table_held_once() -> None:
+    # prepare() repacks the head into column panels; a second, checkpoint-layout
+    # copy of the same (vocab, hidden) matrix for the embedding lookup would
+    # double the largest tensor of a small model. The lookup reads the panels.
+    config = random_config()
+    weights = random_weights(config)
+    model = LlamaModel(config, weights)
+    assert model.embed_tokens is model.lm_head
+    table = weights["model.embed_tokens.weight"]
+    ids = np.array([0, 7, 31, 32, 49])
+    np.testing.assert_array_equal(model.lm_head.rows(ids), table[ids])
+    untied_config = random_config(tie_word_embeddings=False)
+    untied = LlamaModel(untied_config, random_weights(untied_config))
+    assert untied.embed_tokens is not untied.lm_head

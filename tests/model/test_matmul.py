@@ -133,8 +133,39 @@ def test_prepared_weight_reports_shape_storage_and_bytes() -> None:
     assert (p32.out_features, p32.in_features) == (6, 10)
     assert (p32.storage, p16.storage, pbf.storage) == ("float32", "float16", "bfloat16")
     # 16-bit formats stay 16-bit in memory: half the bytes read per product
-    assert (p32.nbytes, p16.nbytes, pbf.nbytes) == (240, 120, 120)
+    # (6 output columns fill one zero-padded panel of 32: 32 x 10 values)
+    assert matmul.PANEL == 32
+    assert (p32.nbytes, p16.nbytes, pbf.nbytes) == (1280, 640, 640)
     assert pbf.to_float32().dtype == np.float32
+
+
+@pytest.mark.parametrize("kind", ["f32", "f16", "bf16"])
+@pytest.mark.parametrize("n_out", [1, 31, 32, 33, 70])
+def test_the_panels_give_back_the_checkpoint_rows_and_matrix(kind: str, n_out: int) -> None:
+    # A tied head is also the embedding table: the model looks its rows up in
+    # the panels (the only copy), so rows() and to_float32() must undo the
+    # packing exactly, bf16's interleaved columns and the padded last panel too.
+    rng = np.random.default_rng(n_out)
+    pw, ref_w = stored(rng.standard_normal((n_out, 9)).astype(np.float32), kind)
+    np.testing.assert_array_equal(pw.to_float32(), ref_w.astype(np.float32))
+    index = rng.integers(0, n_out, size=12)
+    got = pw.rows(index)
+    assert got.dtype == np.float32 and got.shape == (12, 9)
+    np.testing.assert_array_equal(got, ref_w[index].astype(np.float32))
+    with pytest.raises(IndexError, match="row index"):
+        pw.rows(np.array([n_out]))
+
+
+@pytest.mark.parametrize("kind", ["f32", "f16", "bf16"])
+def test_every_tile_shape_gives_a_row_the_same_bits(kind: str) -> None:
+    # Rows go through 8-, 4-, 2- and 1-row tiles; a row's bits must not
+    # depend on which (n = 15 is 8 + 4 + 2 + 1: row 14 is the 1-row tile's).
+    rng = np.random.default_rng(4)
+    pw, _ = stored(rng.standard_normal((70, 300)).astype(np.float32), kind)
+    x = rng.standard_normal((15, 300)).astype(np.float32)
+    batched = linear(x, pw)
+    for n in (1, 2, 3, 4, 7, 8, 9, 15):
+        np.testing.assert_array_equal(linear(x[15 - n :], pw), batched[15 - n :])
 
 
 def test_linear_rejects_float64_rows() -> None:
@@ -163,7 +194,7 @@ def test_prepare_rejects_integers_without_the_bf16_flag() -> None:
 def test_kernel_releases_the_gil() -> None:
     # The server runs the forward in a worker thread; a kernel holding the GIL
     # would freeze the event loop for a whole step.
-    assert matmul._stream_matmul.targetoptions["nogil"] is True
+    assert matmul._panel_matmul.targetoptions["nogil"] is True
 
 
 @pytest.mark.parametrize(("preset", "expected"), [(None, "PASSIVE"), ("ACTIVE", "ACTIVE")])

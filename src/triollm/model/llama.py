@@ -165,9 +165,10 @@ class LlamaModel:
         self._source = as_source(weights)
         self._shapes = expected_shapes(config)
         c = config
-        # model.embed_tokens.weight: (vocab, hidden), kept in the checkpoint dtype;
-        # only the rows a step looks up are widened to float32.
-        self.embed_tokens = self._take("model.embed_tokens.weight")
+        # model.embed_tokens.weight: (vocab, hidden), kept in the checkpoint dtype
+        # (or, tied to the head, the head's PreparedWeight); only the rows a step
+        # looks up are widened to float32.
+        self.embed_tokens: np.ndarray | PreparedWeight = self._take("model.embed_tokens.weight")
         self.layers: list[LlamaLayer] = []
         for i in range(c.num_hidden_layers):
             p = f"model.layers.{i}."
@@ -196,9 +197,12 @@ class LlamaModel:
             )
         self.norm = self._vector("model.norm.weight")  # (hidden,) float32
         if c.tie_word_embeddings:
-            # The head is the embedding matrix; prepare() may keep the same buffer
-            # or lay out its own (weight_bytes counts what is really held).
+            # The head is the embedding matrix. prepare() repacks it into column
+            # panels (a new array); the embedding lookup then reads its rows from
+            # the panels, and the checkpoint-layout copy is dropped: held once.
             self.lm_head = self._prepare("model.embed_tokens.weight", self.embed_tokens)
+            if isinstance(self.lm_head, PreparedWeight):
+                self.embed_tokens = self.lm_head
         else:
             self.lm_head = self._linear("lm_head.weight")
         # Drop the source: a Checkpoint holds its files open, and nothing is read later.
@@ -314,7 +318,11 @@ class LlamaModel:
         att3 = att.reshape(n, n_h, hd)  # (n, n_heads, head_dim) view
 
         # token embedding (widened from the checkpoint dtype, only these rows)
-        x[...] = to_f32(self.embed_tokens[rows.tokens])
+        table = self.embed_tokens
+        if isinstance(table, PreparedWeight):  # tied to the head: rows read from its panels
+            x[...] = table.rows(rows.tokens)
+        else:
+            x[...] = to_f32(table[rows.tokens])
 
         for i, layer in enumerate(self.layers):
             # attention rmsnorm
