@@ -307,12 +307,17 @@ def _make_tile(
 # rows it halved the CPU time of a sweep over the model's products (the tile is
 # compute bound, so without it the panel's reads from memory were not
 # overlapped with arithmetic); later tiles find the panel in L2 and skip it.
-# One row needs no help: the hardware prefetcher keeps up with its stream.
 _tile8_first = _make_tile(8, prefetch_next=True)
 _tile8 = _make_tile(8)
 _tile4 = _make_tile(4, prefetch_next=True)
 _tile2 = _make_tile(2, prefetch_next=True)
 _tile1 = _make_tile(1)
+# One row alone (batch-1 decode) is bound by memory: it takes four panels at
+# once (four streams in flight, 8 accumulators) and asks for the lines 1 KiB
+# ahead of each; against one panel at a time, a sweep over the model's
+# products took 10-30 % less time (docs/performance.md).
+_ONE_ROW_PANELS = 4
+_tile1_wide = _make_tile(1, panels=_ONE_ROW_PANELS, prefetch_bytes=1024)
 
 
 @njit(cache=True, nogil=True, parallel=True)
@@ -324,8 +329,18 @@ def _panel_matmul(x: Any, w: Any, out: Any, n_cols: int) -> None:  # pragma: no 
     # in the bits. A panel (K x 32 weights, 72-192 KiB here) stays in L2 while
     # a long prefill's row tiles pass over it.
     n = x.shape[0]
-    k_in = w.shape[1]
-    for p in prange(w.shape[0]):
+    n_panels, k_in = w.shape[0], w.shape[1]
+    if n == 1:
+        groups = n_panels // _ONE_ROW_PANELS
+        for g in prange(groups + n_panels - groups * _ONE_ROW_PANELS):
+            if g < groups:
+                p = g * _ONE_ROW_PANELS
+                _tile1_wide(x, w, out, 0, p, k_in, n_cols - p * PANEL)
+            else:  # the panels left over
+                p = groups * _ONE_ROW_PANELS + g - groups
+                _tile1(x, w, out, 0, p, k_in, n_cols - p * PANEL)
+        return
+    for p in prange(n_panels):
         ncols = n_cols - p * PANEL  # columns left from this panel on (stores are masked)
         r = 0
         if n >= 8:
