@@ -209,3 +209,36 @@ async def test_every_choice_follows_the_grammar_with_its_own_matcher(loaded):
         assert r.status_code == 200, r.text
         for choice in r.json()["choices"]:
             assert choice["text"] in options and choice["finish_reason"] == "stop"
+
+
+async def test_a_preempted_choice_comes_back_alone_and_its_answer_is_unchanged(loaded):
+    # 8 blocks of 16 positions hold the two choices' 60-token answers (4 blocks each)
+    # but not a third request's too: the latest arrivals, the choices, are preempted,
+    # recomputed and readmitted one by one.
+    async with live_server(
+        loaded, slots=3, policy="preempt", block_size=16, num_blocks=8, context_tokens=96
+    ) as live:
+        body = completion(prompt="The cat", max_tokens=60, temperature=1.0)
+        other = completion(prompt="A dog", max_tokens=60, temperature=0)
+        replies: dict[str, Any] = {}
+
+        async def send(name: str, fields: dict[str, Any]) -> None:
+            replies[name] = (await post(live.url, "/v1/completions", fields)).json()
+
+        service = live.service
+        gate = StepGate(service)  # all three start before anything runs
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(send, "other", other)
+            await service.wait_until(lambda: service.scheduler.statistics().running == 1)
+            nursery.start_soon(send, "both", body | {"n": 2, "seed": 30})
+            await service.wait_until(lambda: service.scheduler.statistics().running == 3)
+            gate.open()
+        assert service.scheduler.statistics().preemptions_total >= 1
+        alone = [
+            (await post(live.url, "/v1/completions", body | {"seed": seed})).json()
+            for seed in (30, 31)
+        ]
+        texts = [c["text"] for c in replies["both"]["choices"]]
+        assert texts == [a["choices"][0]["text"] for a in alone]
+        assert all(c["finish_reason"] == "length" for c in replies["both"]["choices"])
+        assert live.pool_is_idle()
