@@ -84,6 +84,14 @@ async def test_the_whole_body_lists_the_choices_in_index_order_with_the_usage_su
         assert all(len(c["logprobs"]["tokens"]) == 5 for c in body["choices"])
         assert body["usage"]["prompt_tokens"] == 40
         assert body["usage"]["completion_tokens"] == 15
+        assert body["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+        # Again: the first choice finds the four full blocks in the cache, and the usage
+        # says so once (the other choices read them from it too, but they are one prompt).
+        again = (
+            await post(live.url, "/v1/completions", completion(n=3, logprobs=1, seed=4))
+        ).json()
+        assert again["usage"]["prompt_tokens_details"] == {"cached_tokens": 32}
+        assert [c["text"] for c in again["choices"]] == [c["text"] for c in body["choices"]]
 
 
 async def test_the_choices_hold_the_prompts_blocks_once_and_prefill_it_once(loaded):
