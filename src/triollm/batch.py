@@ -23,6 +23,13 @@ the two pieces of state the model needs across steps:
   must still generate before its stop ids may be sampled: until then their logits
   are minus infinity (vLLM's ``min_tokens``).
 
+A chunk with ``score_ids`` (a prompt whose log-probabilities were asked for: echo
+with logprobs) gets every scored row's logits through the output head, in slices of
+:data:`SCORE_SLICE_ROWS` rows so a long chunk never holds rows x vocab floats at
+once, and answers with one :class:`~triollm.plan.PromptScores` (the same
+log-probability rule as a sampled token's, ``sampling.token_logprobs``). The sampled
+rows are computed as they would be without it: nobody else's tokens change.
+
 The Batch knows nothing of trio: :meth:`Batch.run` is a plain blocking call that
 the service runs in a worker thread. The kernels release the GIL, so the event
 loop keeps streaming while a step computes.
@@ -43,8 +50,22 @@ import numpy as np
 from triollm.model.constrained import MaskFiller, MatcherFailed, SequenceMatcher
 from triollm.model.llama import LlamaModel, PagedKVCache
 from triollm.model.loader import LoadedModel
-from triollm.model.sampling import Sample, SamplingParams, SequenceSampler
-from triollm.plan import MinTokens, SampledToken, SequenceFailure, StepPlan, StepResult
+from triollm.model.sampling import Sample, SamplingParams, SequenceSampler, token_logprobs
+from triollm.plan import (
+    ChunkPlan,
+    MinTokens,
+    PromptScores,
+    SampledToken,
+    SequenceFailure,
+    StepPlan,
+    StepResult,
+)
+
+# Scored prompt rows run through the output head this many at a time: 64 rows of a
+# 49152-token vocabulary are 12.6 MB of float32 logits, where a whole 512-row chunk
+# would be 100 MB. 64 rows already make the head's product compute bound (each
+# weight read serves 64 rows), so larger slices would buy little.
+SCORE_SLICE_ROWS = 64
 
 
 class BadChunks(ValueError):
@@ -178,6 +199,13 @@ class Batch:
                 )
             elif chunk.block_table and not all(0 <= b < nblocks for b in chunk.block_table):
                 bad[chunk.seq_id] = f"its block table names a block outside the pool of {nblocks}"
+            elif len(chunk.score_ids) > len(ids):
+                bad[chunk.seq_id] = f"{len(chunk.score_ids)} scored tokens for {len(ids)} rows"
+            elif chunk.score_ids and not all(0 <= t < vocab for t in chunk.score_ids):
+                wrong = next(t for t in chunk.score_ids if not 0 <= t < vocab)
+                bad[chunk.seq_id] = (
+                    f"scored token id {wrong} is outside the model's vocabulary of {vocab}"
+                )
         if bad:
             detail = "; ".join(f"sequence {s}: {why}" for s, why in bad.items())
             raise BadChunks(tuple(bad), f"cannot run: {detail}")
@@ -205,10 +233,21 @@ class Batch:
                 rows.append((chunk.seq_id, sampler, self._matchers.get(chunk.seq_id)))
                 if chunk.seq_id in self._held:
                     held[chunk.seq_id] = self._held[chunk.seq_id]
+        scoring: list[tuple[ChunkPlan, int]] = []  # (scored chunk, its top-n)
+        for chunk in plan.chunks:
+            if chunk.score_ids:
+                sampler = self._samplers.get(chunk.seq_id)
+                if sampler is None:
+                    raise ValueError(f"sequence {chunk.seq_id} is scored but was never added")
+                scoring.append((chunk, sampler.params.logprobs or 0))
         matchers = [m for _, _, m in rows if m is not None]
         filling = self._start_masks(matchers)
+        hidden = None
         try:
-            logits = self.model.forward(plan.chunks, self.kv)  # (n_sampled, vocab) float32
+            if scoring:
+                logits, hidden = self.model.forward_scored(plan.chunks, self.kv)
+            else:
+                logits = self.model.forward(plan.chunks, self.kv)  # (n_sampled, vocab) float32
         finally:
             # Hazard: the fill writes the mask buffer with the GIL released; it must
             # end before anything reads the buffer or a later step refills it.
@@ -247,13 +286,41 @@ class Batch:
             sampled.append(SampledToken(seq_id, s.token_id, s.logprob, s.top_logprobs, completes))
             if seq_id in held:
                 held[seq_id][0][0] -= 1  # counted only once the step's tokens stand
+        scores = self._score(scoring, hidden) if hidden is not None else ()
         return StepResult(
             step=plan.step,
             sampled=tuple(sampled),
             n_rows=plan.n_rows,
             seconds=time.perf_counter() - t0,
             failed=tuple(failed),
+            scores=scores,
         )
+
+    def _score(
+        self, scoring: list[tuple[ChunkPlan, int]], hidden: np.ndarray
+    ) -> tuple[PromptScores, ...]:
+        """The scored chunks' PromptScores, from their rows' normed hidden states
+        (``(n_scored, hidden)`` float32, chunk after chunk), a slice at a time."""
+        ids = np.fromiter(
+            (t for chunk, _ in scoring for t in chunk.score_ids), dtype=np.int64, count=len(hidden)
+        )
+        top_of_row = [n for chunk, n in scoring for _ in chunk.score_ids]
+        chosen = np.empty(len(hidden), dtype=np.float64)
+        best: list[tuple[tuple[int, float], ...]] = []
+        for lo in range(0, len(hidden), SCORE_SLICE_ROWS):
+            hi = min(lo + SCORE_SLICE_ROWS, len(hidden))
+            logits = self.model.head(hidden[lo:hi])  # (<= SCORE_SLICE_ROWS, vocab) float32
+            tops = top_of_row[lo:hi]
+            chosen[lo:hi], alts = token_logprobs(logits, ids[lo:hi], max(tops))
+            best.extend(a[:n] for a, n in zip(alts, tops, strict=True))
+        out: list[PromptScores] = []
+        row = 0
+        for chunk, _ in scoring:
+            m = len(chunk.score_ids)
+            lps = tuple(float(v) for v in chosen[row : row + m])
+            out.append(PromptScores(chunk.seq_id, chunk.start + 1, lps, tuple(best[row : row + m])))
+            row += m
+        return tuple(out)
 
     def _fill(self, matchers: list[SequenceMatcher]) -> None:
         if self._masks is None:

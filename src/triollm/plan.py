@@ -53,6 +53,11 @@ class ChunkPlan:
     block_table: tuple[int, ...]  # block ids in position order
     sample: bool  # True: the last row's logits are sampled (decode row, or a prompt's final chunk)
     prefill: bool  # True: these are prompt positions (a chunk); False: one decode row
+    # Prompt scoring: row i predicts score_ids[i], the prompt token at position
+    # start + i + 1, and the Batch returns that token's log-probability (PromptScores).
+    # Empty: no row is scored. At most n_rows ids: a final chunk's last row predicts
+    # the first answer token, which is sampled (or, with max_tokens 0, nothing).
+    score_ids: tuple[int, ...] = ()
 
     @property
     def n_rows(self) -> int:
@@ -105,6 +110,24 @@ class SequenceFailure:
 
 
 @dataclass(frozen=True, slots=True)
+class PromptScores:
+    """The log-probabilities of the prompt tokens one scored chunk's rows predicted.
+
+    ``logprobs[i]`` is log p(token at position ``first + i`` | the tokens before it)
+    under the model's own distribution (the raw logits' log-softmax: no penalty or
+    temperature, which belong to sampling the answer); ``top[i]`` the ``k`` most
+    likely tokens there, ``(token_id, logprob)`` best first, ``k`` being the
+    request's ``logprobs``. Positions, not a running list: a sequence preempted
+    before its first token scores its prompt again, and the receiver overwrites.
+    """
+
+    seq_id: int
+    first: int  # position of the first scored token: the chunk's start + 1
+    logprobs: tuple[float, ...]
+    top: tuple[tuple[tuple[int, float], ...], ...]
+
+
+@dataclass(frozen=True, slots=True)
 class StepResult:
     """What the Batch produced for one StepPlan: one SampledToken per sampling chunk."""
 
@@ -113,6 +136,7 @@ class StepResult:
     n_rows: int = 0  # rows the forward pass computed (for the step recorder / metrics)
     seconds: float = 0.0  # wall time of the forward + sampling (measured by the Batch)
     failed: tuple[SequenceFailure, ...] = ()  # sampled chunks that got no token, and why
+    scores: tuple[PromptScores, ...] = ()  # one per chunk with score_ids, in chunk order
 
 
 @dataclass(frozen=True, slots=True)

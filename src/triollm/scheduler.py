@@ -83,6 +83,15 @@ Rules (docs/scheduling.md teaches each one, with the test that proves it):
     hands the writing to the next member, which continues from the writer's last
     committed position. Once admitted, each member is a sequence like any other
     (a preempted one comes back alone, through the prefix cache when it is on).
+11. **A scored prompt computes every position** (``add(..., score_prompt=True)``:
+    ``echo`` with ``logprobs``, what evaluation harnesses send). Until its first token
+    (or, with ``max_tokens=0``, until it ends), such a sequence takes no prefix-cache
+    hit, since a cached position has no logits, and each of its chunks carries
+    ``score_ids`` (the next prompt token of each row) so the Batch returns the
+    prompt's log-probabilities. A preemption before the first token recomputes and
+    rescores the prompt; one after it recomputes as usual, through the cache. It
+    alone may ask for ``max_tokens=0``: its final chunk is not sampled, and it ends
+    with ``LENGTH`` as soon as that chunk commits.
 
 Theory of operation (one turn of the batch loop)::
 
@@ -373,6 +382,7 @@ class _Seq:
         "prompt_len",
         "published",
         "salt",
+        "score",
         "seq_id",
         "state",
         "stop_ids",
@@ -411,6 +421,7 @@ class _Seq:
         self.overtaken = 0  # later arrivals admitted while it waited (a policy may age by it)
         self.preemptions = 0
         self.salt = salt  # the prefix cache's domain: only equal salts share blocks
+        self.score = False  # rule 11: its prompt's log-probabilities are wanted
         # Invariant: hashes[i] is prefix_hashes(token_ids, ...)[i] (computed as needed).
         self.hashes: tuple[bytes, ...] = ()
         # Invariant: blocks[:published] are full and never written again (shared or
@@ -427,6 +438,11 @@ class _Seq:
     @property
     def n_generated(self) -> int:
         return len(self.token_ids) - self.prompt_len
+
+    @property
+    def scoring(self) -> bool:
+        """Rule 11: every prompt position must still be computed, and scored."""
+        return self.score and self.first_token_step is None
 
 
 class _Group:
@@ -478,13 +494,19 @@ class Scheduler:
         problem = self._infeasible(prompt_len, max_tokens)
         return None if problem is None else str(problem)
 
-    def _infeasible(self, prompt_len: int, max_tokens: int | None) -> Infeasible | None:
+    def _infeasible(
+        self, prompt_len: int, max_tokens: int | None, score_prompt: bool = False
+    ) -> Infeasible | None:
         cfg = self.config
         ctx = cfg.context_tokens
         if prompt_len < 1:
             return Infeasible("prompt", "the prompt is empty; at least one token is needed")
-        if max_tokens is not None and max_tokens < 1:
-            return Infeasible("max_tokens", f"max_tokens must be >= 1, got {max_tokens}")
+        if max_tokens is not None and max_tokens < (0 if score_prompt else 1):
+            return Infeasible(
+                "max_tokens",
+                f"max_tokens must be >= 1 (0 only for a request that scores its prompt), "
+                f"got {max_tokens}",
+            )
         if prompt_len >= ctx:
             return Infeasible(
                 "prompt",
@@ -520,6 +542,7 @@ class Scheduler:
         priority: int = 0,
         *,
         cache_salt: str = "",
+        score_prompt: bool = False,
     ) -> int:
         """Queue a request as a WAITING sequence with the next arrival ticket.
 
@@ -528,10 +551,12 @@ class Scheduler:
         that orders by it (smaller first); any other policy ignores it, and refusing
         it is the server's business (``Service.submit``), not the simulator's.
         ``cache_salt`` is the prefix cache's domain: only sequences with equal salts
-        share blocks (rule 9). Raises :class:`Infeasible` (nothing queued) when it
-        could never run. Trap: ``add`` never admits; call ``admit_waiting``.
+        share blocks (rule 9). ``score_prompt``: the Batch returns the log-probability
+        of every prompt token after the first, and ``max_tokens`` may be 0 (rule 11).
+        Raises :class:`Infeasible` (nothing queued) when it could never run.
+        Trap: ``add`` never admits; call ``admit_waiting``.
         """
-        problem = self._infeasible(len(prompt_ids), max_tokens)
+        problem = self._infeasible(len(prompt_ids), max_tokens, score_prompt)
         if problem is not None:
             raise problem
         if (
@@ -550,6 +575,7 @@ class Scheduler:
         seq = _Seq(
             seq_id, seq_id, prompt_ids, answer, frozenset(stop_token_ids), priority, cache_salt
         )
+        seq.score = bool(score_prompt)
         self._seqs[seq_id] = seq
         bisect.insort(self._waiting, (seq.ticket, seq_id))
         return seq_id
@@ -563,6 +589,7 @@ class Scheduler:
         priority: int = 0,
         *,
         cache_salt: str = "",
+        score_prompt: bool = False,
     ) -> tuple[int, ...]:
         """Queue ``n`` sequences of one prompt (OpenAI's ``n`` choices), admitted
         together or not at all, the prompt's full blocks computed once (rule 10).
@@ -573,13 +600,20 @@ class Scheduler:
         """
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise Infeasible("n", f"n must be an integer >= 1, got {n!r}")
-        problem = self._infeasible(len(prompt_ids), max_tokens) or self._group_infeasible(
-            len(prompt_ids), max_tokens, n
-        )
+        problem = self._infeasible(
+            len(prompt_ids), max_tokens, score_prompt
+        ) or self._group_infeasible(len(prompt_ids), max_tokens, n)
         if problem is not None:
             raise problem
         ids = tuple(
-            self.add(prompt_ids, max_tokens, stop_token_ids, priority, cache_salt=cache_salt)
+            self.add(
+                prompt_ids,
+                max_tokens,
+                stop_token_ids,
+                priority,
+                cache_salt=cache_salt,
+                score_prompt=score_prompt,
+            )
             for _ in range(n)
         )
         if n > 1:
@@ -685,7 +719,7 @@ class Scheduler:
         shared, and a shared block is never written (one writer per block, no
         copy-on-write). The price is at most ``block_size`` rows of prefill.
         """
-        if not self.config.prefix_cache:
+        if not self.config.prefix_cache or seq.scoring:  # rule 11: no row may be skipped
             return ()
         bs = self.config.block_size
         usable = self._shared_blocks(len(seq.token_ids))
@@ -944,8 +978,13 @@ class Scheduler:
             token_ids=tuple(seq.token_ids[start:end]),
             start=start,
             block_table=tuple(seq.blocks),
-            sample=end == len(seq.token_ids),  # only the final chunk's logits are a new token
+            # only the final chunk's logits are a new token (none with max_tokens 0)
+            sample=end == len(seq.token_ids) and seq.max_tokens > 0,
             prefill=True,
+            # rule 11: each row's next prompt token (the final row's is the answer's)
+            score_ids=tuple(seq.token_ids[start + 1 : min(end + 1, seq.prompt_len)])
+            if seq.scoring
+            else (),
         )
 
     def _empty_plan(self) -> StepPlan:
@@ -1059,6 +1098,8 @@ class Scheduler:
             seq.computed = chunk.start + chunk.n_rows
             self._publish_full_blocks(seq)
             if not chunk.sample:
+                if seq.max_tokens == 0 and seq.computed == seq.prompt_len:  # rule 11: scored
+                    finished.append(self._end(seq, SeqState.FINISHED, FinishReason.LENGTH))
                 continue
             tok = sampled[seq.seq_id]
             seq.token_ids.append(tok.token_id)

@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from triollm.kv import blocks_for, prefix_hashes
-from triollm.plan import FinishReason, SampledToken, StepPlan, StepResult
+from triollm.plan import ChunkPlan, FinishReason, SampledToken, StepPlan, StepResult
 from triollm.policies import Claim, Policy, SchedulingPolicy, builtin
 from triollm.scheduler import (
     RUNNING_STATES,
@@ -81,7 +81,8 @@ def liveness_bound(s: Scheduler, seq_id: int) -> int:
             steps += -(-(len(s.token_ids(other)) - info.n_computed) // q)
         if other == seq_id:
             break
-    return steps + 2 * (me.max_tokens - me.n_generated - 1)
+    # max_tokens 0 (a scored prompt, rule 11): it ends with its prompt's last chunk
+    return steps + 2 * max(me.max_tokens - me.n_generated - 1, 0)
 
 
 class SchedulerMachine(RuleBasedStateMachine):
@@ -117,6 +118,11 @@ class SchedulerMachine(RuleBasedStateMachine):
         # seq_id -> its group (the n choices of one prompt, Scheduler rule 10); this
         # machine adds none, property_tests/test_group_properties.py does.
         self.group_of: dict[int, int] = {}
+        # Scheduler rule 11, a scored prompt: seq_id -> (its preemptions, the position its
+        # next chunk must start at), until its first token. Its chunks run from position
+        # 0 without a gap (no cache hit), again from 0 after a preemption. This machine
+        # adds none, property_tests/test_scoring_properties.py does.
+        self.scoring: dict[int, tuple[int, int]] = {}
 
     # -- claims -----------------------------------------------------------------------
 
@@ -594,6 +600,30 @@ class SchedulerMachine(RuleBasedStateMachine):
                         )
                 assert self.s.pool.content(b) is None, f"seq {c.seq_id} writes published block {b}"
             assert info.waits_for is None, f"seq {c.seq_id} runs before its writer is done"
+            self._check_scoring(c)
+
+    def _check_scoring(self, c: ChunkPlan) -> None:
+        """Rule 11: a scored prompt's chunks cover it from 0 with no gap, each row
+        naming its next prompt token, and only its final chunk is sampled (never, with
+        max_tokens 0)."""
+        if c.seq_id not in self.scoring:
+            assert not c.score_ids, f"seq {c.seq_id} is scored, but never asked to be"
+            return
+        info = self.s.sequence(c.seq_id)
+        preemptions, start = self.scoring[c.seq_id]
+        if info.preemptions != preemptions:
+            start = 0  # evicted: it recomputes (and rescores) from the first position
+        assert c.start == start, (
+            f"scored seq {c.seq_id} computes from {c.start}, not {start}: "
+            "a cache hit skipped positions whose log-probabilities were asked for"
+        )
+        ids = self.s.token_ids(c.seq_id)
+        end = c.start + c.n_rows
+        assert c.score_ids == tuple(ids[c.start + 1 : min(end + 1, info.prompt_len)])
+        assert c.sample == (end == info.prompt_len and info.max_tokens > 0)
+        self.scoring[c.seq_id] = (info.preemptions, end)
+        if end == info.prompt_len:  # the prompt is scored: the first token, or the end
+            del self.scoring[c.seq_id]
 
     def _record_writes(self, plan: StepPlan) -> None:
         """Model the Batch: each row's K/V lands in its block; a block whose last offset

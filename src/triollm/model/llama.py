@@ -21,7 +21,12 @@ Theory of operation, per layer (the labels match the comments in ``forward``):
 After the last layer, the final norm and the output head run only on the rows
 whose logits will be sampled (the last row of a chunk with ``sample=True``):
 a 512-token prefill chunk needs one row of logits, not 512, and the head is the
-largest single product for a small model (vocab x hidden).
+largest single product for a small model (vocab x hidden). A chunk that scores its
+prompt (``ChunkPlan.score_ids``: echo with logprobs) needs every row's logits;
+:meth:`LlamaModel.forward_scored` returns those rows' normed hidden states instead,
+and the caller runs :meth:`LlamaModel.head` over them a slice of rows at a time
+(``batch.py``), since all of them at once would be rows x vocab float32 (512 x
+49152 is 100 MB).
 
 Every array is float32. numpy 2 promotes a float32 array times an
 ``np.float64`` scalar to float64, and one such constant once made a step 14x
@@ -291,9 +296,30 @@ class LlamaModel:
         kernels themselves do no bounds checks.
         """
         with self._lock:
+            return self._forward(chunks, kv)[0]
+
+    def forward_scored(
+        self, chunks: Sequence[ChunkPlan], kv: PagedKVCache
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`forward`, plus the final-normed hidden state of every scored row.
+
+        The scored rows are the first ``len(score_ids)`` rows of each chunk, in
+        chunk order: ``(n_scored, hidden)`` float32, a copy. Their logits are
+        :meth:`head` of them; the sampled rows' logits are computed exactly as
+        :meth:`forward` computes them, scored rows or not.
+        """
+        with self._lock:
             return self._forward(chunks, kv)
 
-    def _forward(self, chunks: Sequence[ChunkPlan], kv: PagedKVCache) -> np.ndarray:
+    def head(self, h: np.ndarray) -> np.ndarray:
+        """``(k, hidden)`` final-normed hidden states -> ``(k, vocab)`` float32 logits.
+
+        Needs no lock: it reads only the head's weights and writes a new array."""
+        return linear(h, self.lm_head)
+
+    def _forward(
+        self, chunks: Sequence[ChunkPlan], kv: PagedKVCache
+    ) -> tuple[np.ndarray, np.ndarray]:
         c = self.config
         rows = _RowIndex.build(chunks, kv, c)
         n = rows.n
@@ -379,7 +405,12 @@ class LlamaModel:
         # final norm + output head, only on the rows that are sampled
         h = x[rows.sampled]  # (n_sampled, hidden) float32, a copy
         kernels.rms_norm(h, self.norm, self.eps, h)
-        return linear(h, self.lm_head)  # (n_sampled, vocab) float32
+        logits = linear(h, self.lm_head)  # (n_sampled, vocab) float32
+        # final norm of the scored rows; the caller takes their head in slices
+        scored = x[rows.scored]  # (n_scored, hidden) float32, a copy
+        if len(scored):
+            kernels.rms_norm(scored, self.norm, self.eps, scored)
+        return logits, scored
 
 
 @dataclass(frozen=True)
@@ -394,6 +425,7 @@ class _RowIndex:
     offset: np.ndarray  # (n,) int64 offset inside that block
     tables: np.ndarray  # (n_chunks, max_blocks) int64 block tables, padded with 0
     sampled: np.ndarray  # (n_sampled,) int64 rows whose logits are returned
+    scored: np.ndarray  # (n_scored,) int64 rows whose next prompt token is scored
     window: int  # sliding window, 0 for none
 
     @staticmethod
@@ -408,6 +440,7 @@ class _RowIndex:
         positions = np.empty(n, dtype=np.int64)
         chunk_of_row = np.empty(n, dtype=np.int64)
         sampled: list[int] = []
+        scored: list[int] = []
         row = 0
         for ci, ch in enumerate(chunks):
             m = lengths[ci]
@@ -424,9 +457,14 @@ class _RowIndex:
                     f"sequence {ch.seq_id}: position {end - 1} is past the model's "
                     f"max_position_embeddings ({c.max_position_embeddings})"
                 )
+            if len(ch.score_ids) > m:
+                raise ValueError(
+                    f"sequence {ch.seq_id}: {len(ch.score_ids)} scored tokens for {m} rows"
+                )
             tables[ci, : len(ch.block_table)] = ch.block_table
             positions[row : row + m] = np.arange(ch.start, end)
             chunk_of_row[row : row + m] = ci
+            scored.extend(range(row, row + len(ch.score_ids)))
             row += m
             if ch.sample:
                 sampled.append(row - 1)
@@ -447,6 +485,7 @@ class _RowIndex:
             offset=positions % bs,
             tables=tables,
             sampled=np.asarray(sampled, dtype=np.int64),
+            scored=np.asarray(scored, dtype=np.int64),
             window=c.sliding_window or 0,
         )
 

@@ -286,23 +286,46 @@ def log_softmax(x: np.ndarray) -> np.ndarray:
 
 
 def _with_logprobs(token: int, x: np.ndarray, top_n: int) -> Sample:
-    """The chosen token's log-probability under softmax(x), and the top ``top_n``.
+    """The chosen token's log-probability under softmax(x), and the top ``top_n``."""
+    chosen, best = token_logprobs(x[None, :], np.array([token]), top_n)
+    return Sample(token, float(chosen[0]), best[0])
 
-    Only the normaliser needs the whole vocabulary; log-softmax is monotone, so the
-    top-n of the log-probabilities are the top-n of ``x``.
+
+def token_logprobs(
+    x: np.ndarray, ids: np.ndarray, top_n: int
+) -> tuple[np.ndarray, list[tuple[tuple[int, float], ...]]]:
+    """For each row ``r`` of ``x`` (``(k, vocab)`` float32 logits): the log-probability
+    of ``ids[r]`` under softmax(x[r]) (a ``(k,)`` float64 array), and the top
+    ``top_n`` as ``(token_id, logprob)`` pairs, best first.
+
+    The one log-probability rule, for a sampled token (one row) and for a scored
+    prompt (a slice of rows, ``batch.py``): exp in float32 after the row's maximum
+    is subtracted, summed in float64. Only the normaliser needs the whole
+    vocabulary; log-softmax is monotone, so the top-n of the log-probabilities are
+    the top-n of ``x``. The same token gets the same value in both places, so a
+    client comparing the chosen logprob with the best alternative's finds them
+    equal exactly when the token was the most likely one (lm-eval's ``is_greedy``).
     """
-    top = float(x.max())
-    log_total = float(np.log(np.exp(x - np.float32(top)).sum(dtype=np.float64)))
-
-    def logprob(i: int) -> float:
-        return float(x[i]) - top - log_total
-
-    best: tuple[tuple[int, float], ...] = ()
-    if top_n > 0:
-        n = min(top_n, x.shape[0])
-        idx = np.argpartition(x, -n)[-n:]
-        idx = idx[np.argsort(-x[idx], kind="stable")]
-        # A grammar's mask leaves forbidden tokens at -inf: they are not alternatives
-        # (and -inf is not a JSON number).
-        best = tuple((int(i), logprob(int(i))) for i in idx if np.isfinite(x[i]))
-    return Sample(token, logprob(token), best)
+    k = x.shape[0]
+    top = x.max(axis=1)  # (k,) float32
+    shifted = x - top[:, None]  # (k, vocab) float32 scratch
+    np.exp(shifted, out=shifted)
+    log_total = np.log(shifted.sum(axis=1, dtype=np.float64))  # (k,) float64
+    top64 = top.astype(np.float64)
+    chosen = (x[np.arange(k), ids].astype(np.float64) - top64) - log_total
+    if top_n <= 0:
+        return chosen, [()] * k
+    n = min(top_n, x.shape[1])
+    idx = np.argpartition(x, -n, axis=1)[:, -n:]  # (k, n)
+    vals = np.take_along_axis(x, idx, axis=1)
+    order = np.argsort(-vals, axis=1, kind="stable")
+    idx = np.take_along_axis(idx, order, axis=1)
+    vals = np.take_along_axis(vals, order, axis=1)
+    lps = (vals.astype(np.float64) - top64[:, None]) - log_total[:, None]
+    # A grammar's mask leaves forbidden tokens at -inf: they are not alternatives
+    # (and -inf is not a JSON number).
+    best = [
+        tuple((int(i), float(lp)) for i, lp, v in zip(ir, lr, vr, strict=True) if np.isfinite(v))
+        for ir, lr, vr in zip(idx, lps, vals, strict=True)
+    ]
+    return chosen, best
