@@ -197,11 +197,11 @@ MUTATIONS: tuple[Mutation, ...] = (
         "src/triollm/server/responses.py",
         """        async for event in self.stream.events():
             if isinstance(event, Delta):
-                yield self._chunk(event.index, event, None)""",
+                lp = await self._delta_logprobs(event)""",
         """        held = [event async for event in self.stream.events()]  # broken
         for event in held:
             if isinstance(event, Delta):
-                yield self._chunk(event.index, event, None)""",
+                lp = await self._delta_logprobs(event)""",
         ("tests/server/test_live_streaming.py", "tests/server/test_asgi.py"),
     ),
     Mutation(

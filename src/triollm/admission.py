@@ -95,6 +95,7 @@ class AdmissionScheduler(Protocol):
         priority: int = ...,
         *,
         cache_salt: str = ...,
+        score_prompt: bool = ...,
     ) -> tuple[int, ...]: ...
     def admit_waiting(self) -> tuple[int, ...]: ...
     def cancel(self, seq_id: int) -> None: ...
@@ -225,6 +226,7 @@ class AdmissionQueue:
         n: int,
         priority: int = 0,
         cache_salt: str = "",
+        score_prompt: bool = False,
     ) -> tuple[int, ...]:
         """:meth:`enqueue` for the ``n`` choices of one prompt: ``n`` sequences, one
         wait (:meth:`wait_admitted` with the first id), admitted together.
@@ -232,6 +234,7 @@ class AdmissionQueue:
         The group takes ``n`` places of ``max_waiters``: the bound is on the work
         queued in front of a newcomer, and a group is ``n`` sequences of it (it will
         hold ``n`` slots). Also raises the scheduler's ``Infeasible`` naming ``n``.
+        ``score_prompt``: the prompt's log-probabilities are wanted (Scheduler rule 11).
         """
         if self._closed:
             raise QueueClosed(self._closed_reason)
@@ -243,7 +246,13 @@ class AdmissionQueue:
                 retry_after(self.wait_s),
             )
         seq_ids = self._scheduler.add_group(
-            prompt_ids, max_tokens, stop_token_ids, n, priority, cache_salt=cache_salt
+            prompt_ids,
+            max_tokens,
+            stop_token_ids,
+            n,
+            priority,
+            cache_salt=cache_salt,
+            score_prompt=score_prompt,
         )
         waiter = _Waiter(seq_ids, trio.current_time(), trio.Event())
         for seq_id in seq_ids:

@@ -43,6 +43,9 @@ class Delta:
     tokens: tuple[TokenInfo, ...]
     tool_calls: tuple[ToolCallDelta, ...] = ()  # pieces of tool calls (toolcalls.py)
     index: int = 0  # the choice it belongs to (OpenAI's ``index``; n > 1 has several)
+    # A scored prompt (echo with logprobs): each prompt token with its log-probability
+    # (the first one's is None: nothing predicts it), once, in each choice's first delta.
+    prompt: tuple[TokenInfo, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

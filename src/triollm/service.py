@@ -48,6 +48,7 @@ Trap: every change that could let a waiter in (finish, cancel, step) must call
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
 from collections import deque
@@ -75,6 +76,7 @@ from triollm.plan import (
     Finished,
     FinishReason,
     MinTokens,
+    PromptScores,
     SampledToken,
     SequenceFailure,
     StepPlan,
@@ -166,6 +168,10 @@ class _Request:
     delta_room: int  # n x stream_buffer_steps: each step gives each choice <= 1 delta
     open: int  # choices with no outcome yet; the channel closes when none is left
     members: list[_Live]
+    # A scored prompt (echo with logprobs): position -> its token's TokenInfo, filled
+    # from the steps' PromptScores of whichever choice computed that position (they
+    # share the prompt), and given to each choice in its first delta.
+    prompt_scores: list[TokenInfo | None] | None = None
 
 
 @dataclass(eq=False)
@@ -188,6 +194,7 @@ class _Live:
     n_generated: int = 0
     in_batch: bool = False
     outcome: Outcome | None = None
+    prompt_sent: bool = False  # a scored prompt: its first delta has carried the scores
 
 
 class RequestStream:
@@ -429,6 +436,7 @@ class Service:
         stop_token_ids: Sequence[int] = (),
         min_tokens: int = 0,
         include_stop: bool = False,
+        score_prompt: bool = False,
     ) -> RequestStream:
         """Queue a request with ``len(choices)`` answers to one prompt (OpenAI's ``n``)
         and wait for their admission, all together; returns their stream.
@@ -449,6 +457,9 @@ class Service:
         vLLM); ``min_tokens`` keeps every stop id and stop string from ending it
         earlier (the ids through :class:`~triollm.plan.MinTokens`, the strings in the
         TextStream); ``include_stop`` keeps a matched stop string in the text.
+        ``score_prompt`` (echo with logprobs): each choice's first delta carries every
+        prompt token's log-probability (``Delta.prompt``), and ``max_tokens`` may be 0
+        (Scheduler rule 11).
 
         Raises ``QueueFull`` / ``QueueTimeout`` (429; the choices take ``n`` places in
         the queue), ``QueueClosed`` (503), the scheduler's ``Infeasible`` (naming
@@ -490,11 +501,20 @@ class Service:
             )
             members.append((params, text))
         seq_ids = self.queue.enqueue_group(
-            prompt_ids, max_tokens, stop_ids, n=n, priority=priority, cache_salt=cache_salt
+            prompt_ids,
+            max_tokens,
+            stop_ids,
+            n=n,
+            priority=priority,
+            cache_salt=cache_salt,
+            score_prompt=score_prompt,
         )
         delta_room = n * self.config.stream_buffer_steps
         send, recv = trio.open_memory_channel[Event](delta_room + n)  # and one end each
         request = _Request(send, delta_room, n, [])
+        if score_prompt:  # nothing predicts the first token: its logprob is None
+            request.prompt_scores = [TokenInfo(prompt_ids[0], None, ())]
+            request.prompt_scores += [None] * (len(prompt_ids) - 1)
         now = trio.current_time()
         for index, (seq_id, (params, text)) in enumerate(zip(seq_ids, members, strict=True)):
             live = _Live(
@@ -703,6 +723,7 @@ class Service:
             rec = self.recorder.record(plan, result)
             if not self._only_internal(plan):  # the warm-up's steps stay out of the metrics
                 self.observer.step(rec.rows, rec.width)
+            self._record_scores(result.scores)
             self._dispatch(result.sampled, finished)
             self._fail_sequences(result.failed)
             self.queue.signal()  # a step may have freed a slot (and a signal is cheap)
@@ -726,6 +747,28 @@ class Service:
             else:
                 self.scheduler.cancel(failure.seq_id)
 
+    def _record_scores(self, scores: Sequence[PromptScores]) -> None:
+        """Keep each scored chunk's log-probabilities by position (a prompt scored
+        again after a preemption overwrites them) until the first deltas take them."""
+        for chunk in scores:
+            live = self._live.get(chunk.seq_id)
+            if live is None or live.request.prompt_scores is None:
+                continue  # cancelled while the step ran
+            kept, ids = live.request.prompt_scores, live.prompt_ids
+            for i, (lp, top) in enumerate(zip(chunk.logprobs, chunk.top, strict=True)):
+                kept[chunk.first + i] = TokenInfo(ids[chunk.first + i], lp, top)
+
+    def _prompt_infos(self, live: _Live) -> tuple[TokenInfo, ...]:
+        """The scored prompt, for a choice's first delta; () for every other delta."""
+        scores = live.request.prompt_scores
+        if scores is None or live.prompt_sent:
+            return ()
+        live.prompt_sent = True
+        missing = [p for p, info in enumerate(scores) if info is None]
+        if missing:  # the scheduler computes every position of a scored prompt
+            raise RuntimeError(f"seq {live.seq_id}: prompt positions {missing} were not scored")
+        return tuple(info for info in scores if info is not None)
+
     def _dispatch(self, sampled: Sequence[SampledToken], finished: dict[int, Finished]) -> None:
         now = trio.current_time()
         for tok in sampled:
@@ -735,8 +778,8 @@ class Service:
             self._deliver(live, tok, finished.get(tok.seq_id), now)
         for seq_id, fin in finished.items():
             live = self._live.get(seq_id)
-            if live is not None:  # finished without a token this step (never expected)
-                self._complete(live, fin.reason, Delta("", ()))
+            if live is not None:  # finished without a token: a scored prompt, max_tokens 0
+                self._complete(live, fin.reason, Delta("", (), prompt=self._prompt_infos(live)))
 
     def _deliver(self, live: _Live, tok: SampledToken, fin: Finished | None, now: float) -> None:
         first = live.last_token_at is None
@@ -749,6 +792,7 @@ class Service:
         info = (
             (TokenInfo(tok.token_id, tok.logprob, tok.top_logprobs),) if live.want_logprobs else ()
         )
+        prompt = self._prompt_infos(live)  # () but in a scored prompt's first delta
         try:
             piece = live.text.push(tok.token_id)
         except Exception as exc:
@@ -757,7 +801,9 @@ class Service:
         if piece.finish is not None:  # a stop id or a stop string ended the text
             if fin is None:  # a stop string: the scheduler does not know yet
                 self.scheduler.finish(live.seq_id, FinishReason.STOP)
-            self._complete(live, piece.finish, Delta(piece.text, info, piece.tool_calls))
+            self._complete(
+                live, piece.finish, Delta(piece.text, info, piece.tool_calls, prompt=prompt)
+            )
             return
         text = piece.text
         if fin is not None:  # the scheduler ended it (length, or a complete grammar)
@@ -768,15 +814,15 @@ class Service:
                 return
             assert end.finish is not None
             calls = piece.tool_calls + end.tool_calls
-            self._complete(live, end.finish, Delta(text + end.text, info, calls))
+            self._complete(live, end.finish, Delta(text + end.text, info, calls, prompt=prompt))
             return
-        if not text and not info and not piece.tool_calls:
+        if not text and not info and not piece.tool_calls and not prompt:
             return  # held back: nothing to say yet
         request = live.request
         if request.send.statistics().current_buffer_used >= request.delta_room:
             self._too_slow(live)
             return
-        request.send.send_nowait(Delta(text, info, piece.tool_calls, live.index))
+        request.send.send_nowait(Delta(text, info, piece.tool_calls, live.index, prompt))
 
     def _text_failed(self, live: _Live, exc: Exception) -> None:
         """One request's text pipeline (its detokenizer, its stop matcher) raised: that
@@ -787,7 +833,7 @@ class Service:
         self._end(live, self._failed(live, EndCode.INTERNAL, message), cancel=True)
 
     def _complete(self, live: _Live, reason: FinishReason, final: Delta) -> None:
-        final = Delta(final.text, final.tokens, final.tool_calls, live.index)
+        final = dataclasses.replace(final, index=live.index)
         outcome = Completed(
             reason, final, len(live.prompt_ids), live.n_generated, live.cached_tokens
         )

@@ -154,12 +154,10 @@ async def test_echo_returns_the_prompt_before_the_answer_whole_and_streamed(load
         assert by_ids.startswith(loaded.tokenizer.decode(ids))
 
 
-def test_echo_with_logprobs_is_refused_with_the_reason_and_chat_has_no_echo():
+def test_chat_has_no_echo():
     from triollm.server.openai import ApiError
 
     with pytest.raises(ApiError) as info:
-        parse_completion(b'{"prompt": "x", "echo": true, "logprobs": 1}')
-    assert info.value.param == "echo" and "prompt's log-probabilities" in info.value.message
-    with pytest.raises(ApiError) as info:
         parse_chat(b'{"messages": [{"role": "user", "content": "x"}], "echo": true}')
     assert info.value.param == "echo"
+    # echo with logprobs on /v1/completions: tests/server/test_echo_logprobs.py

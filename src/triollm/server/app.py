@@ -292,6 +292,7 @@ def create_app(
                 stop_token_ids=req.stop_token_ids,
                 min_tokens=req.min_tokens,
                 include_stop=req.include_stop_str_in_output,
+                score_prompt=req.scores_prompt,
             )
         except Infeasible as exc:
             life.stage = Stage.REFUSED

@@ -2,8 +2,7 @@
 
 Everything about the request's *shape* is checked here, before the request touches
 the tokenizer, the queue or the scheduler: bad JSON, a field of the wrong JSON type,
-a feature we do not implement (``best_of`` other than ``n``, ``echo`` with
-``logprobs``, ``logit_bias`` ...),
+a feature we do not implement (``best_of`` other than ``n``, ``logit_bias`` ...),
 limits of OpenAI's API itself (``stop``, ``logprobs``). Each refusal is an
 :class:`ApiError` whose ``param`` names the field, so the ``openai`` client shows
 the user which argument to fix. The sampling *ranges* are not checked here:
@@ -171,6 +170,13 @@ class GenerationRequest:
     # chat: further variables for the chat template (vLLM's chat_template_kwargs), as
     # (name, JSON value) pairs; the tokenizer refuses the names it sets itself
     template_kwargs: tuple[tuple[str, Any], ...] = ()
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Does the answer need the prompt's log-probabilities? ``echo`` with
+        ``logprobs`` (what lm-eval's loglikelihood tasks send), or ``echo`` with
+        ``max_tokens`` 0: the answer is the prompt alone (Scheduler rule 11)."""
+        return self.echo and (self.logprobs is not None or self.max_tokens == 0)
 
 
 # --------------------------------------------------------------------------- field readers
@@ -345,8 +351,16 @@ def _common(body: dict[str, Any], kind: Literal["completion", "chat"]) -> dict[s
         raise bad_request("'model' must be a non-empty string (or left out)", "model")
     if model is not None:
         _text(model, "model")
-    max_tokens = _integer(body, "max_tokens", 1)
-    max_completion = _integer(body, "max_completion_tokens", 1)
+    max_tokens = _integer(body, "max_tokens", 0)
+    max_completion = _integer(body, "max_completion_tokens", 0)
+    echo = kind == "completion" and body.get("echo") is True
+    for name, value in (("max_tokens", max_tokens), ("max_completion_tokens", max_completion)):
+        if value == 0 and not echo:
+            raise bad_request(
+                f"'{name}' must be at least 1, got 0 (0 is only for 'echo': the prompt "
+                "alone, with its log-probabilities)",
+                name,
+            )
     if max_tokens is not None and max_completion is not None and max_tokens != max_completion:
         raise bad_request(
             f"'max_tokens' ({max_tokens}) and 'max_completion_tokens' ({max_completion}) differ;"
@@ -504,16 +518,6 @@ def parse_completion(raw: bytes) -> GenerationRequest:
         )
     logprobs = _integer(body, "logprobs", 0, MAX_COMPLETION_LOGPROBS)
     echo = _boolean(body, "echo")
-    if echo and logprobs is not None:
-        # What lm-eval's loglikelihood tasks ask for. The forward pass computes the
-        # output head only for the rows it samples (one per sequence and step), and
-        # the prefix cache skips cached prompt positions altogether: the prompt's
-        # log-probabilities are never computed, so they cannot be returned.
-        raise bad_request(
-            "'echo' with 'logprobs' is not supported: this server does not compute the "
-            "prompt's log-probabilities (only the generated tokens'); send one of the two",
-            "echo",
-        )
     return GenerationRequest(
         prompt_text=prompt_text, prompt_ids=prompt_ids, logprobs=logprobs, echo=echo, **fields
     )

@@ -7,8 +7,11 @@ quart's ``request``, which is gone inside the body generator) and turns the stre
 ``text_completion`` / ``chat.completion.chunk`` events of a stream, or the whole
 ``text_completion`` / ``chat.completion`` body. Logprobs entries show each token's
 text, or its bytes (``Tokenizer.token_bytes``) when the token is part of a character.
-An outcome that is not a completion becomes an SSE error event, or a status from
-:data:`STATUS_OF_END`.
+A scored prompt (``echo`` with ``logprobs``) arrives as each choice's first delta's
+``prompt``: its tokens become entries like the answer's, before them, with offsets
+into the echoed text, and the echoed text travels with them (a stream's first event
+of the choice carries both, as vLLM sends them). An outcome that is not a
+completion becomes an SSE error event, or a status from :data:`STATUS_OF_END`.
 """
 
 from __future__ import annotations
@@ -21,9 +24,11 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
+import trio
 from quart import Response
 
-from triollm.events import Completed, Delta, Ended, Failed, Outcome
+from triollm.events import Completed, Delta, Ended, Failed, Outcome, TokenInfo
+from triollm.model.tokenizer import IncrementalDetokenizer
 from triollm.outcomes import EndCode
 from triollm.server import sse
 from triollm.server.openai import ApiError, GenerationRequest
@@ -104,7 +109,11 @@ class ResponseWriter:
         self.chat = req.kind == "chat"
         self.id = ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex[:24]
         self.created = int(time.time())
-        self.text_offsets: defaultdict[int, int] = defaultdict(int)  # logprobs, per choice
+        # logprobs, per choice: where its next answer token's text starts (after the echo)
+        self.text_offsets: defaultdict[int, int] = defaultdict(lambda: len(echo))
+        # A scored prompt: the echoed text waits for the prompt's log-probabilities and
+        # goes out with them, in each choice's first delta (Delta.prompt).
+        self.echo_waits = req.scores_prompt
 
     # -- logprobs -------------------------------------------------------------------
 
@@ -139,14 +148,27 @@ class ResponseWriter:
                     {"token": s, "logprob": t.logprob, "bytes": list(raw), "top_logprobs": alts}
                 )
             return {"content": content}
-        tokens, token_logprobs, top, offsets = [], [], [], []
-        for t in delta.tokens:
+        tokens: list[str] = []
+        token_logprobs: list[float | None] = []
+        top: list[dict[str, float] | None] = []
+        offsets: list[int] = []
+
+        def entry(t: TokenInfo, offset: int) -> None:
             tokens.append(self._token(t.token_id)[0])
             token_logprobs.append(t.logprob)
-            top.append({self._token(i)[0]: lp for i, lp in t.top})
+            # The first prompt token has no logprob and no alternatives: null, as in
+            # OpenAI's and vLLM's answers.
+            top.append(None if t.logprob is None else {self._token(i)[0]: lp for i, lp in t.top})
+            offsets.append(offset)
+
+        if delta.prompt:
+            ids = [t.token_id for t in delta.prompt]
+            for t, offset in zip(delta.prompt, self._prompt_offsets(ids), strict=True):
+                entry(t, offset)
+        for t in delta.tokens:
             # Where this token's text starts in the returned text: the text is what
             # the detokenizer and stop matcher released, not the tokens' own strings.
-            offsets.append(self.text_offsets[delta.index])
+            entry(t, self.text_offsets[delta.index])
         self.text_offsets[delta.index] += len(delta.text)
         return {
             "tokens": tokens,
@@ -155,13 +177,40 @@ class ResponseWriter:
             "text_offset": offsets,
         }
 
+    def _prompt_offsets(self, ids: list[int]) -> list[int]:
+        """Where each prompt token's text starts in the echoed text: the prompt streamed
+        through the detokenizer as an answer is, so the offsets follow the same rule."""
+        detok = IncrementalDetokenizer(self.model.tokenizer)
+        offsets, at = [], 0
+        for token_id in ids:
+            offsets.append(at)
+            at += len(detok.push(token_id))
+        return offsets
+
+    async def _delta_logprobs(self, delta: Delta) -> dict[str, Any] | None:
+        """:meth:`_logprobs`; a scored prompt's delta in a worker thread, since a few
+        tokenizer calls per prompt token would stall every other stream."""
+        if not delta.prompt:
+            return self._logprobs(delta)
+        return await trio.to_thread.run_sync(self._logprobs, delta)
+
+    def _text(self, delta: Delta) -> str:
+        """A delta's text; the echoed prompt first in the one that carries its scores
+        (a scored choice's first delta always does, the first token's at least)."""
+        return self.echo + delta.text if delta.prompt else delta.text
+
     # -- chunks ---------------------------------------------------------------------
 
     def _chunk(
-        self, index: int, delta: Delta | None, finish: str | None, first: bool = False
+        self,
+        index: int,
+        delta: Delta | None,
+        finish: str | None,
+        first: bool = False,
+        lp: dict[str, Any] | None = None,
     ) -> bytes:
-        lp = self._logprobs(delta) if delta is not None else None
-        text = delta.text if delta is not None else ""
+        """One SSE event; ``lp`` is the delta's logprobs (:meth:`_delta_logprobs`)."""
+        text = self._text(delta) if delta is not None else ""
         if self.chat:
             d: dict[str, Any] = {"role": "assistant", "content": ""} if first else {}
             if text:
@@ -220,12 +269,13 @@ class ResponseWriter:
         for index in range(self.stream.n):
             if self.chat:
                 yield self._chunk(index, None, None, first=True)
-            elif self.echo:
+            elif self.echo and not self.echo_waits:
                 yield self._chunk(index, Delta(self.echo, (), index=index), None)
         done: dict[int, Completed] = {}
         async for event in self.stream.events():
             if isinstance(event, Delta):
-                yield self._chunk(event.index, event, None)
+                lp = await self._delta_logprobs(event)
+                yield self._chunk(event.index, event, None, lp=lp)
                 continue
             outcome = event.outcome
             if not isinstance(outcome, Completed):
@@ -235,7 +285,8 @@ class ResponseWriter:
                 yield sse.DONE
                 return
             done[event.index] = outcome
-            yield self._chunk(event.index, outcome.final, outcome.finish_reason.value)
+            lp = await self._delta_logprobs(outcome.final)
+            yield self._chunk(event.index, outcome.final, outcome.finish_reason.value, lp=lp)
         if len(done) < self.stream.n:  # the channel closed under a choice still running
             code, message = self._failure(self.stream.outcome)
             yield sse.error_event(message, type="server_error", code=code)
@@ -255,7 +306,8 @@ class ResponseWriter:
     async def whole(self) -> tuple[dict[str, Any], int]:
         """The non-streaming body: (JSON object, status)."""
         n = self.stream.n
-        deltas: list[list[Delta]] = [[Delta(self.echo, (), index=i)] for i in range(n)]
+        echo = "" if self.echo_waits else self.echo  # else it comes with the scores
+        deltas: list[list[Delta]] = [[Delta(echo, (), index=i)] for i in range(n)]
         done: dict[int, Completed] = {}
         failed: Outcome | None = None
         async for event in self.stream.events():
@@ -274,21 +326,29 @@ class ResponseWriter:
             status = STATUS_OF_END[outcome.code] if isinstance(outcome, Failed) else 500
             return ApiError(status, message, type="server_error", code=code).body(), status
         outcomes = [done[i] for i in range(n)]
+        # the echo (deltas[i][0]) has no tokens
+        lps = [[await self._delta_logprobs(d) for d in deltas[i][1:]] for i in range(n)]
         body = {
             "id": self.id,
             "object": "chat.completion" if self.chat else "text_completion",
             "created": self.created,
             "model": self.model.id,
-            "choices": [self._choice(i, deltas[i], outcomes[i]) for i in range(n)],
+            "choices": [self._choice(i, deltas[i], outcomes[i], lps[i]) for i in range(n)],
             "usage": self._usage(outcomes),
         }
         return body, 200
 
-    def _choice(self, index: int, deltas: list[Delta], outcome: Completed) -> dict[str, Any]:
-        """One whole choice from its deltas (the echo first, the final one last)."""
-        text = "".join(d.text for d in deltas)
+    def _choice(
+        self,
+        index: int,
+        deltas: list[Delta],
+        outcome: Completed,
+        lps: list[dict[str, Any] | None],
+    ) -> dict[str, Any]:
+        """One whole choice from its deltas (the echo first, the final one last) and
+        their logprobs."""
+        text = "".join(self._text(d) for d in deltas)
         _, tool_calls = merge([ParsedDelta("", d.tool_calls) for d in deltas])
-        lps = [self._logprobs(d) for d in deltas[1:]]  # the echo has no tokens
         logprobs = merge_logprobs([x for x in lps if x is not None], self.chat)
         finish = outcome.finish_reason.value
         if not self.chat:
