@@ -38,9 +38,10 @@ the 16 values it can stand for, computed once per block). One row (batch-1
 decode) takes sixteen weight rows per tile: sixteen accumulators hide the
 FMA latency and sixteen rows keep memory streams in flight. Two to four rows
 take a 4 x 4 tile; more take two weight rows by eight ``x`` rows: the
-widening is shared by eight rows and each ``x`` vector loaded serves two. The quantized
-bytes are read from memory once per product whatever the row count: a
-weight row's bytes stay in L1 while every ``x`` tile passes over them.
+widening is shared by eight rows and each ``x`` vector loaded serves two.
+The quantized bytes are read from memory once per product whatever the row
+count: a weight row's bytes stay in L1 while every ``x`` tile passes over
+them.
 
 The tile is LLVM IR written here (numba has no vector types, and its loops
 over a block's bytes did not vectorise: the first kernel widened 1.3 weights
@@ -64,6 +65,14 @@ Hazards
 - The embedding lookup (:meth:`QuantizedTensor.__getitem__`) widens only the
   rows asked for; nothing widens a whole quantized matrix except
   :meth:`QuantizedTensor.dequantize` (tests, tools).
+- The nibble lookup is an x86 AVX-512 intrinsic (``vpermps``), emitted only
+  when numba's target has AVX-512F (:func:`_can_permute`); anywhere else
+  every type takes the portable IR, which LLVM lowers to what the CPU has.
+  The two give the same bits (the table holds the very products); each is
+  proved equal to ``gguf.dequantize`` on the machine that runs the tests.
+- A tile is its own LLVM function, ``noinline``: inlined, LLVM spilled its
+  accumulators (see :func:`_tile_function`). Emitting the vector ops in
+  another order never changes a result, only the register allocation.
 """
 
 from __future__ import annotations
