@@ -759,14 +759,20 @@ class Service:
                 kept[chunk.first + i] = TokenInfo(ids[chunk.first + i], lp, top)
 
     def _prompt_infos(self, live: _Live) -> tuple[TokenInfo, ...]:
-        """The scored prompt, for a choice's first delta; () for every other delta."""
+        """The scored prompt, for a choice's first delta; () for every other delta.
+
+        Raises RuntimeError if a position was never scored (a bug: the scheduler
+        computes every position of a scored prompt); the caller ends that request
+        alone, as when its text pipeline fails."""
         scores = live.request.prompt_scores
         if scores is None or live.prompt_sent:
             return ()
         live.prompt_sent = True
         missing = [p for p, info in enumerate(scores) if info is None]
-        if missing:  # the scheduler computes every position of a scored prompt
-            raise RuntimeError(f"seq {live.seq_id}: prompt positions {missing} were not scored")
+        if missing:
+            raise RuntimeError(
+                f"{len(missing)} prompt position(s) were not scored (from {missing[0]})"
+            )
         return tuple(info for info in scores if info is not None)
 
     def _dispatch(self, sampled: Sequence[SampledToken], finished: dict[int, Finished]) -> None:
@@ -779,7 +785,12 @@ class Service:
         for seq_id, fin in finished.items():
             live = self._live.get(seq_id)
             if live is not None:  # finished without a token: a scored prompt, max_tokens 0
-                self._complete(live, fin.reason, Delta("", (), prompt=self._prompt_infos(live)))
+                try:
+                    prompt = self._prompt_infos(live)
+                except RuntimeError as exc:
+                    self._text_failed(live, exc)
+                    continue
+                self._complete(live, fin.reason, Delta("", (), prompt=prompt))
 
     def _deliver(self, live: _Live, tok: SampledToken, fin: Finished | None, now: float) -> None:
         first = live.last_token_at is None
@@ -792,8 +803,8 @@ class Service:
         info = (
             (TokenInfo(tok.token_id, tok.logprob, tok.top_logprobs),) if live.want_logprobs else ()
         )
-        prompt = self._prompt_infos(live)  # () but in a scored prompt's first delta
         try:
+            prompt = self._prompt_infos(live)  # () but in a scored prompt's first delta
             piece = live.text.push(tok.token_id)
         except Exception as exc:
             self._text_failed(live, exc)
