@@ -578,7 +578,7 @@ def _quant_matmul(x: Any, blocks: Any, kind: int, out: Any, block: int) -> None:
 def _widen_rows(blocks: Any, ids: Any, kind: int, out: Any) -> None:  # pragma: no cover - numba
     # out[i] = row ids[i] of the quantized matrix, as float32 (embedding lookup)
     for i in prange(ids.shape[0]):
-        _widen_row(kind, blocks, ids[i], out, i)
+        _widen_row(kind, blocks, ids[i], out, i)  # type: ignore[call-arg]  # typingctx is numba's
 
 
 # --- public API ----------------------------------------------------------------
