@@ -27,7 +27,8 @@ float32 multiply-add chain over ``k`` in order, whatever the row count.
    same sequence in the 8-row, 4-row, 2-row and 1-row tiles, whichever tile
    and position the row lands in. A row alone (batch-1 decode), in a 16-row
    decode step or in a 512-row prefill gets the same bits by construction.
-   Nothing reassociates it: the kernel is not compiled with ``fastmath``.
+   Nothing reassociates it: the chains are ``llvm.fma`` calls without
+   fast-math flags, which LLVM may neither reorder nor split.
 4. **16-bit weights stay 16-bit.** bfloat16 and float16 panels are widened to
    float32 in registers, per loaded vector: half the bytes of float32, the
    same float32 arithmetic. bfloat16 is the top half of a float32; its panels
@@ -40,9 +41,10 @@ Hazards
 -------
 - The kernel is compiled ``nogil=True`` because the server runs the forward in
   a worker thread; holding the GIL there would freeze the trio event loop.
-- ``fastmath`` must stay off the kernel: reassociating the ``k`` chain would
-  let the compiler sum a 1-row product in another order than a tiled one, and
-  batch invariance would hold by luck (``test_a_row_gets_the_same_bits_alone_and_in_a_batch``).
+- The ``k`` chain must stay sequential in every tile: a tile that summed it
+  in another order (two half-chains, reversed, or numba arithmetic under
+  ``fastmath``, which may reassociate) would give a row other bits alone than
+  in a batch (``test_a_row_gets_the_same_bits_alone_and_in_a_batch`` fails).
 - The last panel of a weight whose ``out_features`` is not a multiple of 32
   is padded with zero columns, never stored: the kernel masks its stores.
 - A tied output head is also the embedding table: the model reads embedding
