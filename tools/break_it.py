@@ -246,6 +246,14 @@ MUTATIONS: tuple[Mutation, ...] = (
         "        return min(running, key=lambda s: s.ticket).seq_id",
         ("tests/test_scheduler.py", "property_tests"),
     ),
+    Mutation(
+        "one-choice-closed",
+        "a request's end ending every one of its n choices (only the first is ended)",
+        "src/triollm/service.py",
+        "        cut = [self._service._abandon(live, reason, message) for live in self._members]",
+        "        cut = [self._service._abandon(live, reason, message) for live in self._members[:1]]",
+        ("tests/test_service_choices.py", "tests/server/test_choices_http.py"),
+    ),
 )
 
 
