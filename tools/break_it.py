@@ -250,8 +250,8 @@ MUTATIONS: tuple[Mutation, ...] = (
         "one-choice-closed",
         "a request's end ending every one of its n choices (only the first is ended)",
         "src/triollm/service.py",
-        "        cut = [self._service._abandon(live, reason, message) for live in self._members]",
-        "        cut = [self._service._abandon(live, reason, message) for live in self._members[:1]]",
+        "reason, message) for live in self._members]",
+        "reason, message) for live in self._members[:1]]  # broken: the rest generate on",
         ("tests/test_service_choices.py", "tests/server/test_choices_http.py"),
     ),
 )
