@@ -60,11 +60,32 @@ def test_rope_rotates_halves_like_numpy(n: int, heads: int, half: int, seed: int
 @given(n=st.integers(1, 5), f=st.integers(1, 80), seed=st.integers(0, 2**32 - 1))
 def test_silu_mul_equals_numpy(n: int, f: int, seed: int) -> None:
     rng = rng_for(seed)
-    gate, up = f32(rng, n, f) * 4, f32(rng, n, f)
-    out = np.empty_like(gate)
-    kernels.silu_mul(gate, up, out)
+    gate_up = np.concatenate([f32(rng, n, f) * 4, f32(rng, n, f)], axis=1)
+    gate, up = gate_up[:, :f], gate_up[:, f:]
+    out = np.empty((n, f), np.float32)
+    kernels.silu_mul(gate_up, out)
     g = gate.astype(np.float64)
     np.testing.assert_allclose(out, g / (1 + np.exp(-g)) * up, rtol=1e-5, atol=1e-6)
+
+
+@settings(max_examples=10, deadline=None)
+@given(f=st.integers(1, 2000), seed=st.integers(0, 2**32 - 1))
+def test_silu_mul_gives_a_row_the_same_bits_alone_and_in_a_batch(f: int, seed: int) -> None:
+    """Rows of one fused gate/up array, as the forward passes them.
+
+    Two column ranges of that array (the old call) broke this: one row is
+    C-contiguous, more rows are strided, and numba's two compiled versions
+    rounded ``exp`` differently.
+    """
+    rows = 17
+    rng = rng_for(seed)
+    fused = f32(rng, rows, 2 * f) * 4
+    batch = np.empty((rows, f), np.float32)
+    kernels.silu_mul(fused, batch)
+    for i in (0, rows // 2, rows - 1):
+        alone = np.empty((1, f), np.float32)
+        kernels.silu_mul(fused[i : i + 1], alone)
+        np.testing.assert_array_equal(alone[0], batch[i])
 
 
 @SETTINGS
@@ -124,6 +145,44 @@ def test_paged_attention_equals_dense_numpy(
             p = np.exp(scores - scores.max())
             want = (p / p.sum()) @ v
             np.testing.assert_allclose(out[i, h], want, rtol=1e-4, atol=1e-5)
+
+
+@settings(max_examples=10, deadline=None)
+@given(
+    window=st.sampled_from([0, 50]),
+    head_dim=st.sampled_from([16, 64, 128]),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_paged_attention_gives_a_row_the_same_bits_alone_and_in_a_batch(
+    window: int, head_dim: int, seed: int
+) -> None:
+    """16 rows of one sequence at once, and each alone: identical bits (batch invariance)."""
+    rng = rng_for(seed)
+    n_kv, group, block_size, length = 3, 3, 4, 300
+    n_blocks = length // block_size
+    k_cache = f32(rng, n_blocks, n_kv, block_size, head_dim)
+    v_cache = f32(rng, n_blocks, n_kv, block_size, head_dim)
+    tables = rng.permutation(n_blocks).astype(np.int64).reshape(1, n_blocks)
+    positions = np.sort(rng.integers(200, length, 16)).astype(np.int64)
+    row_chunk = np.zeros(16, np.int64)
+    q = f32(rng, 16, n_kv * group, head_dim)
+    scale = np.float32(0.25)
+    batch = np.empty_like(q)
+    kernels.paged_attention(q, k_cache, v_cache, positions, row_chunk, tables, window, scale, batch)
+    for i in range(16):
+        alone = np.empty_like(q[i : i + 1])
+        kernels.paged_attention(
+            q[i : i + 1],
+            k_cache,
+            v_cache,
+            positions[i : i + 1],
+            row_chunk[i : i + 1],
+            tables,
+            window,
+            scale,
+            alone,
+        )
+        np.testing.assert_array_equal(alone[0], batch[i])
 
 
 @SETTINGS

@@ -78,19 +78,25 @@ def rope(x: np.ndarray, positions: np.ndarray, cos: np.ndarray, sin: np.ndarray)
 
 
 @njit(cache=True, nogil=True, fastmath=True, parallel=True)
-def silu_mul(gate: np.ndarray, up: np.ndarray, out: np.ndarray) -> None:
-    """SwiGLU's middle: ``out = gate * sigmoid(gate) * up``. All (n, f) float32.
+def silu_mul(gate_up: np.ndarray, out: np.ndarray) -> None:
+    """SwiGLU's middle: ``out = gate * sigmoid(gate) * up``.
 
-    ``gate`` and ``up`` may be column ranges of one array (the fused gate/up
-    product's output): numba compiles a strided version for them, which
-    ``warm_up`` compiles too. Rows run in parallel; each element is computed
-    alone, so the split cannot change a result.
+    gate_up: (n, 2 f) float32, C-contiguous, the fused gate/up product's
+    output, gate in its first f columns and up in the rest; out: (n, f).
+    Rows run in parallel; each element is computed alone, so the split cannot
+    change a result.
+
+    Hazard: the kernel takes the whole fused array, not two column ranges of
+    it. A column range is C-contiguous when it has one row and strided when it
+    has more, numba compiles one machine-code version per layout, and the two
+    vectorised ``exp`` differently: a row's bits changed with the batch size
+    (``test_silu_mul_gives_a_row_the_same_bits_serial_or_parallel``).
     """
-    n, f = gate.shape
+    n, f = out.shape
     for i in prange(n):
         for j in range(f):
-            g = gate[i, j]
-            out[i, j] = g / (np.float32(1.0) + np.exp(-g)) * up[i, j]
+            g = gate_up[i, j]
+            out[i, j] = g / (np.float32(1.0) + np.exp(-g)) * gate_up[i, f + j]
 
 
 @njit(cache=True, nogil=True)
@@ -225,9 +231,7 @@ def warm_up() -> float:
     rope(x, pos, tab, tab)
     x2 = x.reshape(2, 8)
     rms_norm(x2, np.ones(8, dtype=np.float32), np.float32(1e-6), x2)
-    silu_mul(x2, x2, x2)
-    fused = np.ones((2, 16), dtype=np.float32)  # the forward's call: column ranges of gate_up
-    silu_mul(fused[:, :8], fused[:, 8:], x2)
+    silu_mul(np.ones((2, 16), dtype=np.float32), x2)
     cache = np.zeros((1, 2, 4, 4), dtype=np.float32)
     write_kv(x, x, cache, cache, pos, pos)
     tables = np.zeros((1, 1), dtype=np.int64)

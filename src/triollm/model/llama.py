@@ -337,7 +337,7 @@ class LlamaModel:
         qkv = s.qkv[:n]  # (n, (n_heads + 2 n_kv_heads) * head_dim) float32
         gate_up = s.gate_up[:n]  # (n, 2 * intermediate) float32
         gate = s.gate[:n]  # (n, intermediate) float32
-        q_dim, kv_dim, f = n_h * hd, n_kv * hd, c.intermediate_size
+        q_dim, kv_dim = n_h * hd, n_kv * hd
         q3 = q.reshape(n, n_h, hd)  # (n, n_heads, head_dim) view
         k3 = k.reshape(n, n_kv, hd)  # (n, n_kv_heads, head_dim) view
         v3 = v.reshape(n, n_kv, hd)  # (n, n_kv_heads, head_dim) view
@@ -398,7 +398,7 @@ class LlamaModel:
             kernels.rms_norm(x, layer.post_attention_layernorm, self.eps, xn)
             # SwiGLU: down(silu(gate(x)) * up(x)) + residual
             linear(xn, layer.gate_up_proj, out=gate_up)
-            kernels.silu_mul(gate_up[:, :f], gate_up[:, f:], gate)
+            kernels.silu_mul(gate_up, gate)
             linear(gate, layer.down_proj, out=proj)
             x += proj
 
