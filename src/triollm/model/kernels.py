@@ -90,7 +90,7 @@ def silu_mul(gate_up: np.ndarray, out: np.ndarray) -> None:
     it. A column range is C-contiguous when it has one row and strided when it
     has more, numba compiles one machine-code version per layout, and the two
     vectorised ``exp`` differently: a row's bits changed with the batch size
-    (``test_silu_mul_gives_a_row_the_same_bits_serial_or_parallel``).
+    (``test_silu_mul_gives_a_row_the_same_bits_alone_and_in_a_batch``).
     """
     n, f = out.shape
     for i in prange(n):
