@@ -13,9 +13,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from fixture_models import loaded
 
 from triollm.batch import BadChunks, Batch
-from triollm.model.loader import LoadedModel, load_model
+from triollm.model.loader import LoadedModel
 from triollm.model.sampling import SamplingParams
 from triollm.plan import ChunkPlan, StepPlan
 
@@ -23,14 +24,6 @@ FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 BLOCK = 8
 NUM_BLOCKS = 96
 GREEDY = SamplingParams(temperature=0.0)
-
-_loaded: dict[str, LoadedModel] = {}
-
-
-def loaded(name: str) -> LoadedModel:
-    if name not in _loaded:
-        _loaded[name] = load_model(FIXTURES / "models" / name)
-    return _loaded[name]
 
 
 def prompt(seed: int, n: int) -> list[int]:

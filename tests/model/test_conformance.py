@@ -15,9 +15,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from fixture_models import loaded
 
 from triollm.batch import Batch
-from triollm.model.loader import LoadedModel, load_model
+from triollm.model.loader import LoadedModel
 from triollm.model.sampling import SamplingParams
 from triollm.plan import ChunkPlan, StepPlan
 
@@ -31,14 +32,6 @@ F32_RTOL = 1e-4
 # activations' rounding: measured 1.3e-2..1.7e-2 (bf16, 8 mantissa bits) and
 # 1.3e-3..1.5e-3 (f16, 11 bits) relative to max |logit|.
 NATIVE_RTOL = {"bfloat16": 3e-2, "float16": 3e-3}
-
-_loaded: dict[str, LoadedModel] = {}
-
-
-def loaded(name: str) -> LoadedModel:
-    if name not in _loaded:
-        _loaded[name] = load_model(FIXTURES / "models" / name)
-    return _loaded[name]
 
 
 def reference(name: str) -> tuple[dict, dict[str, np.ndarray]]:

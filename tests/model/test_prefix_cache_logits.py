@@ -13,9 +13,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from fixture_models import loaded as model
 
 from triollm.batch import Batch
-from triollm.model.loader import LoadedModel, load_model
+from triollm.model.loader import LoadedModel
 from triollm.plan import SampledToken, StepResult
 from triollm.scheduler import Scheduler, SchedulerConfig
 
@@ -23,14 +24,6 @@ MODELS = Path(__file__).resolve().parent.parent / "fixtures" / "models"
 CHECKPOINTS = sorted(p.name for p in MODELS.iterdir() if (p / "config.json").exists())
 BLOCK = 8
 OPENING = [int(t) for t in np.random.default_rng(7).integers(5, 400, 37)]  # 4 blocks + 5
-
-_loaded: dict[str, LoadedModel] = {}
-
-
-def model(name: str) -> LoadedModel:
-    if name not in _loaded:
-        _loaded[name] = load_model(MODELS / name)
-    return _loaded[name]
 
 
 class Run:

@@ -13,11 +13,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from fixture_models import loaded
 
 from triollm import batch as batch_module
 from triollm.batch import BadChunks, Batch
 from triollm.kv import blocks_for
-from triollm.model.loader import LoadedModel, load_model
+from triollm.model.loader import LoadedModel
 from triollm.model.sampling import SamplingParams, log_softmax
 from triollm.plan import ChunkPlan, PromptScores, SampledToken, StepPlan
 
@@ -28,14 +29,6 @@ BLOCK = 8
 # head, but a chunk's rows and one-row steps run attention in other orders: measured
 # differences ~1e-6 on these models (logits of magnitude ~1-10).
 TOL = 1e-4
-
-_loaded: dict[str, LoadedModel] = {}
-
-
-def loaded(name: str) -> LoadedModel:
-    if name not in _loaded:
-        _loaded[name] = load_model(FIXTURES / "models" / name)
-    return _loaded[name]
 
 
 def prompt(seed: int, n: int) -> list[int]:
