@@ -12,7 +12,7 @@ import trio.testing
 
 from triollm.admission import AdmissionQueue, QueueClosed, QueueFull, QueueTimeout, retry_after
 from triollm.outcomes import Refused
-from triollm.scheduler import Scheduler, SchedulerConfig, SeqState
+from triollm.scheduler import Infeasible, Scheduler, SchedulerConfig, SeqState
 
 
 def make(slots: int = 1, waiters: int = 4, wait_s: float = 30.0, k: int | None = None):
@@ -56,6 +56,16 @@ async def test_arriving_to_a_full_queue_is_refused_at_once_with_retry_after():
     assert info.value.reason is Refused.QUEUE_FULL
     # the refused request left no trace in the scheduler
     assert sched.statistics().waiting == 2
+
+
+async def test_a_request_that_can_never_run_is_infeasible_even_when_the_queue_is_full():
+    sched, queue, _ = make(slots=1, waiters=1)
+    hold_slot(sched, queue)
+    queue.enqueue([1, 2], 2)  # the one place is taken
+    with pytest.raises(Infeasible) as info:  # not QueueFull: a retry could never run it
+        queue.enqueue_group([1, 2], 2, n=2)
+    assert info.value.field == "n"
+    assert sched.statistics().waiting == 1
 
 
 async def test_a_wait_past_the_budget_is_429_and_its_sequence_is_cancelled(autojump_clock):

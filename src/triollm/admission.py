@@ -238,6 +238,8 @@ class AdmissionQueue:
         """
         if self._closed:
             raise QueueClosed(self._closed_reason)
+        # what can never run is refused as such, before the bound (a retry cannot cure it)
+        self._scheduler.check_group(len(prompt_ids), max_tokens, n, score_prompt=score_prompt)
         if len(self._waiters) + n > self.max_waiters:
             asked = "" if n == 1 else f"; this request's {n} choices take {n} places"
             raise QueueFull(

@@ -598,13 +598,7 @@ class Scheduler:
         when the slots or an empty pool could not hold the whole group (nothing
         queued), and whatever ``add`` raises for one member.
         """
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise Infeasible("n", f"n must be an integer >= 1, got {n!r}")
-        problem = self._infeasible(
-            len(prompt_ids), max_tokens, score_prompt
-        ) or self._group_infeasible(len(prompt_ids), max_tokens, n)
-        if problem is not None:
-            raise problem
+        self.check_group(len(prompt_ids), max_tokens, n, score_prompt=score_prompt)
         ids = tuple(
             self.add(
                 prompt_ids,
@@ -621,6 +615,22 @@ class Scheduler:
             for seq in group.members:
                 seq.group = group
         return ids
+
+    def check_group(
+        self, prompt_len: int, max_tokens: int | None, n: int = 1, *, score_prompt: bool = False
+    ) -> None:
+        """Raise :class:`Infeasible` if ``n`` choices of a prompt of ``prompt_len``
+        tokens could never be admitted, whatever else is queued or running; change
+        nothing. :meth:`add_group` checks this first; the admission queue asks it
+        before its own bound, so a request that can never run is refused as such
+        (a 400), never as a queue full that a retry would not cure."""
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise Infeasible("n", f"n must be an integer >= 1, got {n!r}")
+        problem = self._infeasible(prompt_len, max_tokens, score_prompt) or self._group_infeasible(
+            prompt_len, max_tokens, n
+        )
+        if problem is not None:
+            raise problem
 
     def _group_infeasible(
         self, prompt_len: int, max_tokens: int | None, n: int
