@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -197,20 +193,3 @@ def test_kernel_releases_the_gil() -> None:
     # The server runs the forward in a worker thread; a kernel holding the GIL
     # would freeze the event loop for a whole step.
     assert matmul._panel_matmul.targetoptions["nogil"] is True
-
-
-@pytest.mark.parametrize(("preset", "expected"), [(None, "PASSIVE"), ("ACTIVE", "ACTIVE")])
-def test_openmp_workers_wait_passively_unless_the_user_chose(
-    preset: str | None, expected: str
-) -> None:
-    # Spinning OpenMP workers made a shared-core step 10x slower
-    # (docs/performance.md); the setting must be in place before the runtime
-    # starts, i.e. at import, and a user's own choice must win.
-    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
-    if preset is not None:
-        env["OMP_WAIT_POLICY"] = preset
-    code = "import os, triollm.model.matmul; print(os.environ['OMP_WAIT_POLICY'])"
-    out = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
-    )
-    assert out.stdout.strip() == expected

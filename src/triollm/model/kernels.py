@@ -22,17 +22,12 @@ kernel against a plain-numpy reference on random shapes).
 
 from __future__ import annotations
 
-import os
-
-# Hazard: two kernels here are parallel, and numba's OpenMP workers must wait
-# passively between parallel regions on a shared machine, or every region pays
-# for it (matmul.py explains; it sets the same default). It must be set before
-# the OpenMP runtime starts, so here too: a program that imports this module
-# without matmul measured 8.0 ms per parallel call instead of 0.4.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
 import numpy as np
 from numba import njit, prange
+
+from triollm.model.threads import start_parallel_runtime
+
+start_parallel_runtime()  # passive OpenMP workers, before the first prange (threads.py)
 
 
 @njit(cache=True, nogil=True, fastmath=True)
@@ -159,8 +154,8 @@ def paged_attention(
     order, into its own buffer; threads only decide *when* a pair runs.
     Hazard: this kernel was serial once because a ``prange`` version measured
     15x slower when numba's OpenMP workers spin-waited on the shared 2-core
-    machine; ``matmul.py`` sets ``OMP_WAIT_POLICY=PASSIVE`` before the runtime
-    starts, and docs/performance.md has the re-measurement.
+    machine; ``threads.py`` starts the runtime with passive workers, and
+    docs/performance.md has the re-measurement.
     """
     n, n_heads, head_dim = q.shape
     n_kv = k_cache.shape[1]

@@ -58,20 +58,9 @@ Hazards
 
 from __future__ import annotations
 
-import os
 import typing
 from dataclasses import dataclass
 from typing import Any
-
-# Hazard: numba's OpenMP workers (and so every parallel kernel of the engine)
-# spin-wait between parallel regions by default. A forward pass launches ~120
-# regions per step; when more threads want the CPU than there are cores (other
-# processes, the event loop, BLAS's own threads), spinning workers steal the
-# cores the working ones need and a step ran 10x slower on the 2-core target
-# (docs/performance.md). Passive waiting costs a futex wake-up per region
-# instead. It must be set before the OpenMP runtime starts (the first parallel
-# kernel call); a value the user set wins.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import numpy as np
 from llvmlite import ir
@@ -81,6 +70,9 @@ from numba.extending import intrinsic
 
 from triollm.model import quant
 from triollm.model.quant import Quantized, QuantizedStack, QuantizedTensor
+from triollm.model.threads import start_parallel_runtime
+
+start_parallel_runtime()  # passive OpenMP workers, before the first prange (threads.py)
 
 # Row count from which linear() hands a product to BLAS; None: never.
 # The kernel is bit-for-bit batch invariant and BLAS is not; `bench_engine.py

@@ -77,12 +77,9 @@ Hazards
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any
-
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see matmul.py: before OpenMP starts
 
 import numba
 import numpy as np
@@ -90,6 +87,10 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
+
+from triollm.model.threads import start_parallel_runtime
+
+start_parallel_runtime()  # passive OpenMP workers, before the first prange (threads.py)
 
 
 class QuantType(IntEnum):
