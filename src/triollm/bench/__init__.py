@@ -16,4 +16,5 @@ The modules, pure first:
 - ``client.py``  one streamed request over httpx, validated (the edge)
 - ``load.py``    closed loop at a concurrency, open loop at a Poisson rate (trio)
 - ``command.py`` the CLI
+- ``realmodels.py`` the real GGUF models (Qwen2.5-Coder Q4_K_M) from PyPI split parts
 """
