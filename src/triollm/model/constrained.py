@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import enum
 import json
+import re
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
@@ -58,6 +59,12 @@ import llguidance.numpy as llnp
 import numpy as np
 
 from triollm.errors import FieldError
+from triollm.model.grammar_sandbox import (
+    GrammarSandbox,
+    SandboxLimits,
+    SandboxRefusal,
+    server_thread_stack_bytes,
+)
 
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions
@@ -74,9 +81,22 @@ JSON_OPTIONS: JsonCompileOptions = {
 
 
 class GrammarError(FieldError):
-    """A grammar the constraint library refuses: bad regex, unknown Lark rule, a JSON
-    Schema keyword it does not implement. ``field`` names the request field it came
-    from (the HTTP 400's ``param``); the message is the library's, prefixed by it."""
+    """A grammar refused: past a limit (:func:`check_limits`), or one the constraint
+    library refuses (bad regex, unknown Lark rule, a JSON Schema keyword it does not
+    implement), or one that failed in the sandbox. ``field`` names the request field it
+    came from (the HTTP 400's ``param``); the message is ``'<field>' <reason>``.
+    ``remember``: the same grammar would be refused again (not so for a time limit on
+    a busy machine, or a client that left), so :class:`GrammarCache` may remember it."""
+
+    def __init__(self, field: str, message: str, *, reason: str = "", remember: bool = True):
+        super().__init__(field, message)
+        self.reason = reason or message
+        self.remember = remember
+
+    @classmethod
+    def of(cls, spec: GrammarSpec, reason: str, *, remember: bool = True) -> GrammarError:
+        """The refusal of ``spec``: its field, then ``reason``."""
+        return cls(spec.field, f"'{spec.field}' {reason}", reason=reason, remember=remember)
 
 
 class MatcherFailed(RuntimeError):
@@ -109,6 +129,204 @@ class GrammarSpec:
     field: str
 
 
+# --------------------------------------------------------------------------- limits
+#
+# A grammar is a program the client sends us, compiled by native code that trusts it.
+# llguidance recurses once per rule and per schema level while it validates: measured
+# on this machine's 8 MiB worker-thread stack, a Lark chain of ~2,000 rules and a
+# $ref chain of ~300 objects were enough for SIGSEGV, taking every stream with it
+# (issue 28, N1). So the shapes below are refused before anything is compiled, each
+# limit named in the 400; whatever they miss, the sandbox (grammar_sandbox.py) meets
+# in a child process. The figures (tests/model/test_grammar_limits.py):
+# ~4 KiB of stack per Lark rule, ~32 KiB per object level of a $ref chain.
+
+# Lark/GBNF rules in one grammar. 500 rules need ~2 MiB of stack: 4x headroom on the
+# server's 8 MiB threads, 2x in the sandbox's half-size stack. llama.cpp's example
+# GBNF grammars have 5-60 rules.
+MAX_GRAMMAR_RULES = 500
+# Characters of a Lark/GBNF grammar (llguidance's own max_grammar_size counts symbols
+# after parsing; this bounds the text the parser recurses over first).
+MAX_GRAMMAR_CHARS = 64 * 1024
+# Characters of a regex (guided_regex, or one JSON Schema "pattern").
+MAX_REGEX_CHARS = 4096
+# Brackets nested inside one another in a regex or a grammar: the parsers recurse per
+# bracket. 64 is far past any hand-written expression.
+MAX_NESTING = 64
+# Levels of a JSON Schema along any path, counting each object/array of the schema
+# and following every $ref into its target (a ref chain is as deep as its unfolding).
+# A $ref back to a schema already on the path is recursion (a tree type), a rule
+# that refers to itself, and is not followed. 64 levels: ~20 nested objects of
+# properties; OpenAI's structured outputs allow 10 levels of nesting.
+MAX_SCHEMA_DEPTH = 64
+# The schema as JSON text: 128 KiB holds thousands of properties.
+MAX_SCHEMA_BYTES = 128 * 1024
+# Regexes that must hold at once on one string (an allOf of patterns, plus the
+# string's own): their intersection is what grew to 2.3 GB in 46 s at 20 patterns.
+MAX_PATTERNS_PER_ALLOF = 4
+# The sandbox (grammar_sandbox.py): time and memory one compile may take. A large
+# but reasonable schema compiles in well under a second on a 150k vocabulary.
+COMPILE_TIME_LIMIT_S = 10.0
+COMPILE_MEMORY_LIMIT_BYTES = 512 * 1024 * 1024
+# llguidance's own limits (LLParserLimits), applied in the sandbox and the server
+# alike. Its defaults, except max_lexer_states (250,000 at 1-2 KB each, up to ~500 MB:
+# lowered to fit the memory limit above) and verbose_errors (off: an error message
+# goes back to the client and into the log; the grammar's internals need not).
+PARSER_LIMITS: dict[str, Any] = {
+    "max_lexer_states": 100_000,
+    "verbose_errors": False,
+}
+
+
+def _refuse(spec: GrammarSpec, reason: str) -> GrammarError:
+    return GrammarError.of(spec, reason)
+
+
+def _nesting(text: str) -> int:
+    """The deepest nesting of (), [] and {} in ``text``, quoted strings skipped."""
+    depth = deepest = 0
+    quote = ""
+    escaped = False
+    for ch in text:
+        if escaped:
+            escaped = False
+        elif ch == "\\":
+            escaped = True
+        elif quote:
+            if ch == quote:
+                quote = ""
+        elif ch == '"':
+            quote = ch
+        elif ch in "([{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif ch in ")]}":
+            depth = max(0, depth - 1)
+    return deepest
+
+
+_RULE = re.compile(r"^\s*[?!]?[A-Za-z_][\w-]*(?:\.-?\d+)?\s*(?::|::=)", re.MULTILINE)
+
+
+def _check_regex(spec: GrammarSpec, regex: str, where: str) -> None:
+    if len(regex) > MAX_REGEX_CHARS:
+        raise _refuse(
+            spec, f"{where}is {len(regex)} characters, past the limit of {MAX_REGEX_CHARS}"
+        )
+    if _nesting(regex) > MAX_NESTING:
+        raise _refuse(spec, f"{where}is nested past the limit of {MAX_NESTING} brackets")
+
+
+def _check_schema(spec: GrammarSpec, schema: Any) -> None:
+    """The schema limits: depth through $refs, size, patterns per allOf."""
+    try:
+        size = len(json.dumps(schema))
+    except (RecursionError, ValueError, TypeError):
+        raise _refuse(spec, f"is nested past the limit of {MAX_SCHEMA_DEPTH} levels") from None
+    if size > MAX_SCHEMA_BYTES:
+        raise _refuse(spec, f"is {size} bytes of JSON, past the limit of {MAX_SCHEMA_BYTES} bytes")
+    heights: dict[str, int] = {}  # $ref target -> levels below it, once known
+
+    def resolve(ref: str) -> Any:
+        node = schema
+        for part in ref[2:].split("/") if ref.startswith("#/") else ():
+            part = part.replace("~1", "/").replace("~0", "~")
+            if isinstance(node, dict) and part in node:
+                node = node[part]
+            elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+                node = node[int(part)]
+            else:
+                return None
+        return node if ref.startswith("#") else None
+
+    def too_deep() -> GrammarError:
+        return _refuse(
+            spec,
+            f"is nested past the limit of {MAX_SCHEMA_DEPTH} levels (counting each "
+            "object and array of the schema, and the schemas its $refs point to)",
+        )
+
+    # Recursion here is bounded by the limit itself: it raises at MAX_SCHEMA_DEPTH.
+    def height(node: Any, depth: int, path: frozenset[str]) -> int:
+        if depth > MAX_SCHEMA_DEPTH:
+            raise too_deep()
+        if isinstance(node, list):
+            return 1 + max((height(v, depth + 1, path) for v in node), default=0)
+        if not isinstance(node, dict):
+            return 0
+        patterns = []
+        if isinstance(node.get("pattern"), str):
+            patterns.append(node["pattern"])
+        if isinstance(node.get("allOf"), list):
+            patterns += [
+                p["pattern"]
+                for p in node["allOf"]
+                if isinstance(p, dict) and isinstance(p.get("pattern"), str)
+            ]
+        if len(patterns) > MAX_PATTERNS_PER_ALLOF:
+            raise _refuse(
+                spec,
+                f"asks one string to match {len(patterns)} patterns at once (allOf), past "
+                f"the limit of {MAX_PATTERNS_PER_ALLOF} patterns",
+            )
+        for p in patterns:
+            _check_regex(spec, p, "holds a pattern that ")
+        below = 0
+        ref = node.get("$ref")
+        if isinstance(ref, str) and ref not in path:
+            if ref in heights:
+                if depth + heights[ref] > MAX_SCHEMA_DEPTH:
+                    raise too_deep()
+                below = heights[ref]
+            else:
+                target = resolve(ref)
+                if target is not None:
+                    heights[ref] = height(target, depth + 1, path | {ref}) + 1
+                    below = heights[ref]
+        for key, value in node.items():
+            if key != "$ref" and isinstance(value, dict | list):
+                below = max(below, height(value, depth + 1, path))
+        return 1 + below
+
+    height(schema, 1, frozenset())
+
+
+def check_limits(spec: GrammarSpec) -> None:
+    """Refuse ``spec`` (a :class:`GrammarError` naming its field and the limit) when it
+    is past a limit above. Cheap and pure Python; run before anything is compiled."""
+    source = spec.source
+    if spec.kind is GrammarKind.JSON_SCHEMA:
+        _check_schema(spec, source)
+    elif spec.kind is GrammarKind.REGEX and isinstance(source, str):
+        _check_regex(spec, source, "")
+    elif spec.kind is GrammarKind.LARK and isinstance(source, str):
+        # Schemas embedded in the grammar (%json {...}: forced tool calls are built so)
+        # are held to the schema limits; the rest of the text to the grammar's.
+        decoder = json.JSONDecoder()
+        rest: list[str] = []
+        pos = 0
+        for found in re.finditer(r"%json\s*", source):
+            if found.start() < pos:
+                continue  # inside a schema already checked
+            try:
+                embedded, end = decoder.raw_decode(source, found.end())
+            except (ValueError, RecursionError):
+                continue  # not JSON: the library's parser will say so
+            _check_schema(spec, embedded)
+            rest.append(source[pos : found.start()])
+            pos = end
+        rest.append(source[pos:])
+        grammar = "".join(rest)
+        if len(grammar) > MAX_GRAMMAR_CHARS:
+            raise _refuse(
+                spec, f"is {len(grammar)} characters, past the limit of {MAX_GRAMMAR_CHARS}"
+            )
+        rules = len(_RULE.findall(grammar))
+        if rules > MAX_GRAMMAR_RULES:
+            raise _refuse(spec, f"has {rules} rules, past the limit of {MAX_GRAMMAR_RULES} rules")
+        if _nesting(grammar) > MAX_NESTING:
+            raise _refuse(spec, f"is nested past the limit of {MAX_NESTING} brackets")
+
+
 def grammar_text(spec: GrammarSpec) -> str:
     """The llguidance grammar for ``spec`` (not yet checked: :func:`compile_grammar` does)."""
     try:
@@ -131,7 +349,7 @@ def grammar_text(spec: GrammarSpec) -> str:
         # Lark (llguidance's dialect), or llama.cpp's GBNF, which the library converts.
         return str(llguidance.grammar_from("grammar", spec.source))
     except (ValueError, TypeError) as exc:  # a schema that is not a JSON object
-        raise GrammarError(spec.field, f"'{spec.field}' is not a valid grammar: {exc}") from None
+        raise GrammarError.of(spec, f"is not a valid grammar: {exc}") from None
 
 
 class ConstraintTokenizer:
@@ -156,6 +374,8 @@ class ConstraintTokenizer:
         except ValueError:  # "vocab size too small": the tokenizer knows more ids
             ll = llguidance.LLTokenizer(tokenizer_json, eos_token=eos if eos else None)
         self.ll = ll
+        self.json = tokenizer_json  # the sandbox's children build their own from it
+        self.eos_token_ids = frozenset(eos)
         self.vocab_size = vocab_size
         self.mask_vocab: int = ll.vocab_size  # >= vocab_size
 
@@ -183,73 +403,160 @@ class Grammar:
         self.text = text
         self.mask_vocab = tokenizer.mask_vocab
         # Construction drops the GIL and may take 100+ ms for a large schema.
-        self._prototype = llguidance.LLMatcher(tokenizer.ll, text, log_level=0)
+        self._prototype = llguidance.LLMatcher(
+            tokenizer.ll, text, log_level=0, limits=parser_limits()
+        )
         if self._prototype.is_error():
-            raise GrammarError(spec.field, f"'{spec.field}': {self._prototype.get_error()}")
+            raise GrammarError.of(spec, f"is not supported: {self._prototype.get_error()}")
 
     def start(self) -> SequenceMatcher:
         """A fresh matcher at the grammar's start, for one sequence."""
         return SequenceMatcher(self._prototype.deep_copy(), self.mask_vocab)
 
 
+def parser_limits() -> llguidance.LLParserLimits:
+    """llguidance's resource limits as configured here (:data:`PARSER_LIMITS`)."""
+    return llguidance.LLParserLimits(**PARSER_LIMITS)
+
+
 def compile_grammar(spec: GrammarSpec, tokenizer: ConstraintTokenizer) -> Grammar:
     """Compile and validate ``spec`` against the model's vocabulary.
 
-    Raises :class:`GrammarError` naming ``spec.field`` for anything the library
-    refuses (it lists unsupported JSON Schema keywords by name). Blocking and
-    possibly slow: call it in a worker thread, never on the event loop.
+    Raises :class:`GrammarError` naming ``spec.field`` for anything past a limit
+    (:func:`check_limits`) or that the library refuses (it lists unsupported JSON
+    Schema keywords by name). Blocking and possibly slow: call it in a worker thread,
+    never on the event loop.
+
+    Trap: this compiles in the calling process, so a grammar the limits do not foresee
+    can still crash it. A server compiles a client's grammar through
+    :meth:`GrammarCache.get`, which runs it in the sandbox first.
     """
+    check_limits(spec)
     text = grammar_text(spec)
-    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(text, tokenizer.ll)
+    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
+        text, tokenizer.ll, limits=parser_limits()
+    )
     if is_error:
-        raise GrammarError(spec.field, f"'{spec.field}' is not supported: {messages[0].strip()}")
+        raise GrammarError.of(spec, f"is not supported: {messages[0].strip()}")
     return Grammar(spec, tokenizer, text)
 
 
 # Compiled grammars kept per server. A client library sends the same schema with
 # every request (the openai client's parse() does); compiling costs 2-10 ms for a
 # small schema on SmolLM2's vocabulary (bench/bench_constrained.py) and far more for
-# a large one. A compiled Grammar is immutable (each sequence gets a copy of its
-# matcher), so one may serve every request that asks for it.
+# a large one, plus the sandbox's own run. A compiled Grammar is immutable (each
+# sequence gets a copy of its matcher), so one may serve every request that asks.
 GRAMMAR_CACHE_SIZE = 64
+# Refusals remembered, so a client that resends a grammar past a limit costs nothing
+# either (only refusals that would come again: not a time limit, not a client that left).
+REFUSAL_CACHE_SIZE = 256
 
 
 class GrammarCache:
     """The last :data:`GRAMMAR_CACHE_SIZE` grammars compiled for one vocabulary.
 
-    :meth:`get` is :func:`compile_grammar` with memory: the same constraint (kind and
-    source, whatever field it came in) compiles once. Thread-safe: requests compile in
-    worker threads. A grammar the library refuses is never stored, so every request
-    that sends it gets its own 400.
+    :meth:`get` is :func:`compile_grammar` with memory and a sandbox: the same
+    constraint (kind and source, whatever field it came in) compiles once, and a
+    constraint that is new is first compiled in a child process
+    (:class:`~triollm.model.grammar_sandbox.GrammarSandbox`) that may crash, run
+    out of memory or be killed without harm. Thread-safe: requests compile in worker
+    threads. A refusal is a :class:`GrammarError` naming the field.
+
+    ``sandbox=False`` compiles in this process only (the limits still apply): for
+    tools that compile grammars they wrote themselves.
     """
 
-    def __init__(self, tokenizer: ConstraintTokenizer, size: int = GRAMMAR_CACHE_SIZE) -> None:
+    def __init__(
+        self,
+        tokenizer: ConstraintTokenizer,
+        size: int = GRAMMAR_CACHE_SIZE,
+        *,
+        sandbox: bool = True,
+        time_limit_s: float = COMPILE_TIME_LIMIT_S,
+        memory_limit_bytes: int = COMPILE_MEMORY_LIMIT_BYTES,
+        workers: int = 2,
+    ) -> None:
         self.tokenizer = tokenizer
         self.size = size
         self._grammars: OrderedDict[tuple[GrammarKind, str], Grammar] = OrderedDict()
+        self._refusals: OrderedDict[tuple[GrammarKind, str], str] = OrderedDict()
         self._lock = threading.Lock()
         self.hits = 0
         self.misses = 0
+        self._sandbox: GrammarSandbox | None = None
+        if sandbox:
+            self._sandbox = GrammarSandbox(
+                tokenizer.json,
+                vocab_size=tokenizer.vocab_size,
+                eos_token_ids=sorted(tokenizer.eos_token_ids),
+                limits=SandboxLimits(
+                    time_limit_s=time_limit_s,
+                    memory_limit_bytes=memory_limit_bytes,
+                    # Half the server's: what compiled there compiles here with room.
+                    stack_bytes=server_thread_stack_bytes() // 2,
+                ),
+                parser_limits=PARSER_LIMITS,
+                workers=workers,
+            )
 
-    def get(self, spec: GrammarSpec) -> Grammar:
-        """The compiled grammar of ``spec`` (blocking on a miss: call it off the loop)."""
-        key = (spec.kind, json.dumps(spec.source, sort_keys=True))
+    @property
+    def sandbox_runs(self) -> int:
+        """Grammars compiled in the sandbox so far (each new one, once)."""
+        return self._sandbox.runs if self._sandbox is not None else 0
+
+    def get(self, spec: GrammarSpec, *, cancel: threading.Event | None = None) -> Grammar:
+        """The compiled grammar of ``spec`` (blocking on a miss: call it off the loop).
+
+        ``cancel``: set it when the client leaves; a compile in the sandbox is then
+        killed within :data:`~triollm.model.grammar_sandbox.POLL_S`."""
+        try:
+            key = (spec.kind, json.dumps(spec.source, sort_keys=True))
+        except (RecursionError, ValueError, TypeError):
+            raise _refuse(spec, f"is nested past the limit of {MAX_SCHEMA_DEPTH} levels") from None
         with self._lock:
             grammar = self._grammars.get(key)
             if grammar is not None:
                 self._grammars.move_to_end(key)
                 self.hits += 1
                 return grammar
+            refusal = self._refusals.get(key)
+            if refusal is not None:
+                self.hits += 1
+                raise GrammarError.of(spec, refusal)
         # Compiled outside the lock: two requests missing at once both compile, and
         # the second result replaces the first (equal grammars; no one waits).
-        grammar = compile_grammar(spec, self.tokenizer)
+        try:
+            grammar = self._compile(spec, cancel)
+        except GrammarError as exc:
+            if exc.remember:
+                self._remember(self._refusals, key, exc.reason, REFUSAL_CACHE_SIZE)
+            raise
         with self._lock:
             self.misses += 1
-            self._grammars[key] = grammar
-            self._grammars.move_to_end(key)
-            while len(self._grammars) > self.size:
-                self._grammars.popitem(last=False)
+        self._remember(self._grammars, key, grammar, self.size)
         return grammar
+
+    def _compile(self, spec: GrammarSpec, cancel: threading.Event | None) -> Grammar:
+        check_limits(spec)
+        if self._sandbox is not None:
+            text = grammar_text(spec)
+            try:
+                self._sandbox.check(text, cancel=cancel)
+            except SandboxRefusal as exc:
+                raise GrammarError.of(spec, str(exc), remember=exc.deterministic) from None
+        return compile_grammar(spec, self.tokenizer)
+
+    def _remember(self, table: OrderedDict[Any, Any], key: Any, value: Any, size: int) -> None:
+        with self._lock:
+            table[key] = value
+            table.move_to_end(key)
+            while len(table) > size:
+                table.popitem(last=False)
+
+    def close(self) -> None:
+        """Stop the sandbox's idle children (they also exit with this process)."""
+        if self._sandbox is not None:
+            self._sandbox.close()
 
 
 class SequenceMatcher:
