@@ -37,7 +37,9 @@ Traps designed around (each has a test under tests/server/):
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import trio
@@ -250,8 +252,15 @@ def create_app(
         grammar = None
         if spec is not None:
             # Compiling may take many milliseconds for a large schema: off the loop.
-            # A grammar the library refuses is a GrammarError (a FieldError): 400.
-            grammar = await trio.to_thread.run_sync(model.grammars.get, spec)
+            # A grammar refused is a GrammarError (a FieldError): 400. A client that
+            # leaves meanwhile sets `cancel`: its compile's sandbox child is killed.
+            cancel = threading.Event()
+            try:
+                grammar = await trio.to_thread.run_sync(
+                    partial(model.grammars.get, spec, cancel=cancel), abandon_on_cancel=True
+                )
+            finally:
+                cancel.set()
         choices = [
             Choice(
                 _sampling_params(req, model, grammar, choice=i),
