@@ -405,12 +405,17 @@ async def serve_stack(
     Reports the bound addresses once the service is warm and ready."""
     from triollm.model.sampling import SamplingParams
 
-    async with trio.open_nursery() as nursery:
-        frontend = partial(serve_http, stack.service, stack.make_app, http, shutdown)
-        serving: Serving = await nursery.start(stack.service.run, frontend)
-        stack.app = serving.app
-        await stack.service.warm_up(stack.warm_prompt, SamplingParams(temperature=0.0))
-        task_status.started(serving.binds)
+    try:
+        async with trio.open_nursery() as nursery:
+            frontend = partial(serve_http, stack.service, stack.make_app, http, shutdown)
+            serving: Serving = await nursery.start(stack.service.run, frontend)
+            stack.app = serving.app
+            await stack.service.warm_up(stack.warm_prompt, SamplingParams(temperature=0.0))
+            task_status.started(serving.binds)
+    finally:
+        # The grammar sandbox's idle children (they would also exit with the process).
+        if stack.served.grammars is not None:
+            stack.served.grammars.close()
 
 
 async def _main(stack: Stack, http: HttpConfig) -> None:
