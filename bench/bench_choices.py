@@ -40,6 +40,7 @@ from triollm.model.config import ModelConfig
 from triollm.model.llama import LlamaModel
 from triollm.model.sampling import SamplingParams
 from triollm.scheduler import Scheduler, SchedulerConfig
+from triollm.spec import SequenceSpec
 
 
 def run(
@@ -58,9 +59,9 @@ def run(
     batch = Batch(model, num_blocks=cfg.num_blocks, block_size=BLOCK_SIZE)
     t0 = time.perf_counter()
     if grouped:
-        ids = s.add_group(prompt, answer, n=n)
+        ids = s.add_group(SequenceSpec(prompt, answer, n=n))
     else:
-        ids = tuple(s.add(prompt, answer) for _ in range(n))
+        ids = tuple(s.add(SequenceSpec(prompt, answer)) for _ in range(n))
     for i, seq in enumerate(ids):
         batch.add(seq, prompt, SamplingParams(temperature=1.0, seed=seed + i))
     first: dict[int, float] = {}

@@ -41,6 +41,7 @@ from triollm.model.config import ModelConfig
 from triollm.model.llama import LlamaModel
 from triollm.model.sampling import SamplingParams
 from triollm.scheduler import Scheduler, SchedulerConfig
+from triollm.spec import SequenceSpec
 
 GREEDY = SamplingParams(temperature=0.0)
 
@@ -65,7 +66,7 @@ class Loop:
     def run(self, prompts: list[list[int]], max_tokens: int) -> tuple[list[float], list[list[int]]]:
         """Run every prompt to the end; (time to first token of each, each answer)."""
         t0 = time.perf_counter()
-        ids = [self.s.add(p, max_tokens) for p in prompts]
+        ids = [self.s.add(SequenceSpec(p, max_tokens)) for p in prompts]
         for seq in ids:
             self.batch.add(seq, prompts[ids.index(seq)], GREEDY)
         first: dict[int, float] = {}

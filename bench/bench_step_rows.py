@@ -51,6 +51,7 @@ from triollm.model.config import ModelConfig
 from triollm.model.llama import LlamaModel
 from triollm.model.sampling import SamplingParams
 from triollm.scheduler import Scheduler, SchedulerConfig
+from triollm.spec import SequenceSpec
 
 
 @dataclass(frozen=True)
@@ -96,7 +97,7 @@ def run_scenario(
 
     def submit(n_tokens: int) -> int:
         prompt = [int(t) for t in rng.integers(3, vocab, size=n_tokens)]
-        seq_id = scheduler.add(prompt, 200, frozenset())
+        seq_id = scheduler.add(SequenceSpec(prompt, 200))
         batch.add(seq_id, prompt, greedy)
         return seq_id
 

@@ -25,6 +25,7 @@ from hypothesis.stateful import invariant, rule
 from triollm.check.machine import OPENINGS, SALTS, STOP, SchedulerMachine
 from triollm.policies import Claim, Policy
 from triollm.scheduler import RUNNING_STATES, Infeasible, SeqState
+from triollm.spec import SequenceSpec
 
 
 class GroupMachine(SchedulerMachine):
@@ -49,7 +50,9 @@ class GroupMachine(SchedulerMachine):
         prompt, max_tokens = self.draw_lengths(data, most)
         ids = [*opening, *(1 + i % 7 for i in range(max(0, prompt - len(opening))))][:prompt]
         try:
-            seqs = self.s.add_group(ids, max_tokens, frozenset({STOP}), n, cache_salt=salt)
+            seqs = self.s.add_group(
+                SequenceSpec(ids, max_tokens, frozenset({STOP}), n=n, cache_salt=salt)
+            )
         except Infeasible as exc:
             assert exc.field == "n", exc  # one member fits (drawn so), so only n can be
             self.say(f"a group of {n} arrives: prompt {prompt}, refused ({exc})")

@@ -21,6 +21,7 @@ from hypothesis.stateful import rule
 
 from triollm.check.machine import OPENINGS, STOP, SchedulerMachine
 from triollm.policies import Policy
+from triollm.spec import SequenceSpec
 
 
 class ScoringMachine(SchedulerMachine):
@@ -34,7 +35,9 @@ class ScoringMachine(SchedulerMachine):
         prompt = data.draw(st.integers(1, most - 1), label="prompt")
         max_tokens = data.draw(st.integers(0, most - prompt), label="max_tokens")
         ids = [*opening, *(1 + i % 7 for i in range(max(0, prompt - len(opening))))]
-        seq = self.s.add(ids[:prompt], max_tokens, frozenset({STOP}), score_prompt=True)
+        seq = self.s.add(
+            SequenceSpec(ids[:prompt], max_tokens, frozenset({STOP}), score_prompt=True)
+        )
         self.scoring[seq] = (0, 0)
         if max_tokens == 0:
             event("a prompt was scored with max_tokens 0")

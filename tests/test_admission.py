@@ -13,6 +13,7 @@ import trio.testing
 from triollm.admission import AdmissionQueue, QueueClosed, QueueFull, QueueTimeout, retry_after
 from triollm.outcomes import Refused
 from triollm.scheduler import Infeasible, Scheduler, SchedulerConfig, SeqState
+from triollm.spec import SequenceSpec
 
 
 def make(slots: int = 1, waiters: int = 4, wait_s: float = 30.0, k: int | None = None):
@@ -33,7 +34,7 @@ def make(slots: int = 1, waiters: int = 4, wait_s: float = 30.0, k: int | None =
 
 
 def hold_slot(sched: Scheduler, queue: AdmissionQueue, n_prompt: int = 2, max_tokens: int = 2):
-    seq = queue.enqueue(list(range(1, n_prompt + 1)), max_tokens)
+    seq = queue.enqueue(SequenceSpec(list(range(1, n_prompt + 1)), max_tokens))[0]
     assert seq in queue.drive()
     return seq
 
@@ -48,10 +49,10 @@ def test_retry_after_is_whole_seconds_and_at_least_one():
 async def test_arriving_to_a_full_queue_is_refused_at_once_with_retry_after():
     sched, queue, _ = make(slots=1, waiters=2, wait_s=12.5)
     hold_slot(sched, queue)
-    queue.enqueue([1, 2], 2)
-    queue.enqueue([1, 2], 2)
+    queue.enqueue(SequenceSpec([1, 2], 2))[0]
+    queue.enqueue(SequenceSpec([1, 2], 2))[0]
     with pytest.raises(QueueFull) as info:
-        queue.enqueue([1, 2], 2)
+        queue.enqueue(SequenceSpec([1, 2], 2))[0]
     assert info.value.retry_after_s == 13
     assert info.value.reason is Refused.QUEUE_FULL
     # the refused request left no trace in the scheduler
@@ -61,9 +62,9 @@ async def test_arriving_to_a_full_queue_is_refused_at_once_with_retry_after():
 async def test_a_request_that_can_never_run_is_infeasible_even_when_the_queue_is_full():
     sched, queue, _ = make(slots=1, waiters=1)
     hold_slot(sched, queue)
-    queue.enqueue([1, 2], 2)  # the one place is taken
+    queue.enqueue(SequenceSpec([1, 2], 2))[0]  # the one place is taken
     with pytest.raises(Infeasible) as info:  # not QueueFull: a retry could never run it
-        queue.enqueue_group([1, 2], 2, n=2)
+        queue.enqueue(SequenceSpec([1, 2], 2, n=2))
     assert info.value.field == "n"
     assert sched.statistics().waiting == 1
 
@@ -71,7 +72,7 @@ async def test_a_request_that_can_never_run_is_infeasible_even_when_the_queue_is
 async def test_a_wait_past_the_budget_is_429_and_its_sequence_is_cancelled(autojump_clock):
     sched, queue, _ = make(slots=1, wait_s=5.0)
     hold_slot(sched, queue)
-    seq = queue.enqueue([1, 2], 2)
+    seq = queue.enqueue(SequenceSpec([1, 2], 2))[0]
     start = trio.current_time()
     with pytest.raises(QueueTimeout) as info:
         await queue.wait_admitted(seq)
@@ -84,7 +85,7 @@ async def test_a_wait_past_the_budget_is_429_and_its_sequence_is_cancelled(autoj
 async def test_a_client_leaving_while_queued_is_cancelled_not_timed_out(autojump_clock):
     sched, queue, released = make(slots=1, wait_s=5.0)
     hold_slot(sched, queue)
-    seq = queue.enqueue([1, 2], 2)
+    seq = queue.enqueue(SequenceSpec([1, 2], 2))[0]
     with trio.move_on_after(1.0) as client:  # the client's scope, not the budget
         await queue.wait_admitted(seq)
     assert client.cancelled_caught  # Cancelled passed through the budget scope
@@ -96,7 +97,7 @@ async def test_a_client_leaving_while_queued_is_cancelled_not_timed_out(autojump
 async def test_waiters_are_admitted_when_capacity_frees(autojump_clock):
     sched, queue, _ = make(slots=1)
     holder = hold_slot(sched, queue)
-    seq = queue.enqueue([1, 2], 2)
+    seq = queue.enqueue(SequenceSpec([1, 2], 2))[0]
     got: list[float] = []
     async with trio.open_nursery() as nursery:
         await nursery.start(queue.run)
@@ -121,7 +122,7 @@ async def test_coalesced_signals_lose_nothing(autojump_clock):
     """Many signals while the driver is busy collapse into one pass, which still
     admits everyone who fits, because it recomputes from state."""
     sched, queue, _ = make(slots=3, waiters=8)
-    seqs = [queue.enqueue([1, 2], 2) for _ in range(3)]
+    seqs = [queue.enqueue(SequenceSpec([1, 2], 2))[0] for _ in range(3)]
     async with trio.open_nursery() as nursery:
         for _ in range(50):
             queue.signal()  # 1 token pending, 49 absorbed
@@ -144,11 +145,13 @@ async def test_the_head_is_overtaken_at_most_k_times(autojump_clock):
     # 8 blocks of 4. A holder takes 4 blocks; the head needs 8 (cannot fit);
     # small followers need 1 block each.
     sched, queue, _ = make(slots=4, waiters=8, k=1)
-    holder = queue.enqueue([1] * 8, 8)  # 16 positions = 4 blocks
+    holder = queue.enqueue(SequenceSpec([1] * 8, 8))[0]  # 16 positions = 4 blocks
     assert queue.drive() == (holder,)
-    head = queue.enqueue([1] * 16, 16)  # 32 positions = 8 blocks: waits for the holder
-    small1 = queue.enqueue([1], 1)
-    small2 = queue.enqueue([1], 1)
+    head = queue.enqueue(SequenceSpec([1] * 16, 16))[
+        0
+    ]  # 32 positions = 8 blocks: waits for the holder
+    small1 = queue.enqueue(SequenceSpec([1], 1))[0]
+    small2 = queue.enqueue(SequenceSpec([1], 1))[0]
     assert queue.drive() == (small1,)  # one overtake allowed (K = 1)
     assert queue.drive() == ()  # small2 fits, but may not pass the head again
     assert sched.state(small2) is SeqState.WAITING
@@ -173,7 +176,7 @@ async def test_race_the_driver_admits_a_waiter_whose_client_just_left():
     finds itself ADMITTED, and gives the slot straight back."""
     sched, queue, released = make(slots=1)
     holder = hold_slot(sched, queue)
-    seq = queue.enqueue([1, 2], 2)
+    seq = queue.enqueue(SequenceSpec([1, 2], 2))[0]
     seen: dict[str, bool] = {}
 
     async with trio.open_nursery() as nursery:
@@ -197,7 +200,7 @@ async def test_race_the_waiter_leaves_before_the_driver_runs():
     sequence, so the driver's pass never sees it."""
     sched, queue, released = make(slots=1)
     holder = hold_slot(sched, queue)
-    seq = queue.enqueue([1, 2], 2)
+    seq = queue.enqueue(SequenceSpec([1, 2], 2))[0]
     seen: dict[str, bool] = {}
 
     async with trio.open_nursery() as nursery:
@@ -217,7 +220,7 @@ async def test_race_the_waiter_leaves_before_the_driver_runs():
 async def test_close_wakes_every_waiter_with_queue_closed(autojump_clock):
     sched, queue, _ = make(slots=1)
     hold_slot(sched, queue)
-    seqs = [queue.enqueue([1, 2], 2) for _ in range(2)]
+    seqs = [queue.enqueue(SequenceSpec([1, 2], 2))[0] for _ in range(2)]
     errors: list[type] = []
 
     async def waiter(seq: int) -> None:
@@ -234,7 +237,7 @@ async def test_close_wakes_every_waiter_with_queue_closed(autojump_clock):
     assert errors == [QueueClosed, QueueClosed]
     assert all(sched.state(s) is SeqState.CANCELLED for s in seqs)
     with pytest.raises(QueueClosed):
-        queue.enqueue([1, 2], 2)
+        queue.enqueue(SequenceSpec([1, 2], 2))[0]
 
 
 async def test_one_driver_keeps_fcfs_with_at_most_k_overtakes_on_the_live_path(autojump_clock):
@@ -251,7 +254,7 @@ async def test_one_driver_keeps_fcfs_with_at_most_k_overtakes_on_the_live_path(a
     )
 
     async def client(name: str, prompt_len: int, max_tokens: int) -> None:
-        seq = queue.enqueue([1] * prompt_len, max_tokens)
+        seq = queue.enqueue(SequenceSpec([1] * prompt_len, max_tokens))[0]
         names[seq] = name
         await queue.wait_admitted(seq)
 

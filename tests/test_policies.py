@@ -20,6 +20,7 @@ from triollm.policies import (
 from triollm.scheduler import Scheduler, SchedulerConfig
 from triollm.sim.runner import simulate
 from triollm.sim.scenario import seed_scenario
+from triollm.spec import SequenceSpec
 
 
 def make(policy: object, **kw: object) -> Scheduler:
@@ -98,7 +99,7 @@ def test_load_policy_reads_a_file_and_instantiates_a_class(tmp_path: object) -> 
     policy = load_policy(f"{f}:Lifo")
     assert policy.name == "lifo"
     s = make(policy, slots=1)
-    first, second = s.add([1, 2], 2), s.add([1, 2], 2)
+    first, second = s.add(SequenceSpec([1, 2], 2)), s.add(SequenceSpec([1, 2], 2))
     assert s.admit_waiting() == (second,)
     assert s.waiting_ids() == (first,)
 
@@ -109,7 +110,7 @@ def test_a_waiting_order_that_drops_a_waiter_is_a_policy_error() -> None:
             return [s.seq_id for s in waiting][1:]
 
     s = make(Forgetful())
-    s.add([1, 2], 2)
+    s.add(SequenceSpec([1, 2], 2))
     with pytest.raises(PolicyError, match="not an order of the waiters"):
         s.admit_waiting()
 
@@ -122,7 +123,7 @@ def test_admission_that_does_not_cover_the_prefill_is_a_policy_error() -> None:
             return 1, 0
 
     s = make(Stingy())
-    s.add([1] * 9, 2)  # 9 positions need 3 blocks of 4
+    s.add(SequenceSpec([1] * 9, 2))  # 9 positions need 3 blocks of 4
     with pytest.raises(PolicyError, match="must take at least 3 block"):
         s.admit_waiting()
     assert s.pool.statistics().free == 16  # nothing was taken
@@ -139,7 +140,7 @@ def test_a_victim_that_is_not_running_is_a_policy_error() -> None:
             return 99
 
     s = make(WildShot(), num_blocks=2, slots=2)
-    a, b = s.add([1, 2, 3, 4], 4), s.add([1, 2, 3, 4], 4)
+    a, b = s.add(SequenceSpec([1, 2, 3, 4], 4)), s.add(SequenceSpec([1, 2, 3, 4], 4))
     assert s.admit_waiting() == (a, b)  # one block each: the pool is dry
     plan = s.plan_step()
     s.commit(StepResult(plan.step, (SampledToken(a, 5), SampledToken(b, 5))))

@@ -15,6 +15,7 @@ from triollm.scheduler import (
     SchedulerConfig,
     SeqState,
 )
+from triollm.spec import SequenceSpec
 
 
 def make(**kw: object) -> Scheduler:
@@ -48,7 +49,7 @@ def rows_of(plan: StepPlan) -> dict[int, int]:
 def test_a_prompt_plus_max_tokens_past_the_context_is_refused_with_the_numbers() -> None:
     s = make(context_tokens=2048, num_blocks=100, block_size=32)
     with pytest.raises(Infeasible) as err:
-        s.add([1] * 2000, 100)
+        s.add(SequenceSpec([1] * 2000, 100))
     assert err.value.field == "max_tokens"
     assert str(err.value) == (
         "prompt (2000 tokens) + max_tokens (100) = 2100 exceeds the context of 2048 positions"
@@ -59,7 +60,7 @@ def test_a_prompt_plus_max_tokens_past_the_context_is_refused_with_the_numbers()
 def test_a_prompt_that_fills_the_context_blames_the_prompt() -> None:
     s = make(context_tokens=64)
     with pytest.raises(Infeasible) as err:
-        s.add([1] * 64, None)
+        s.add(SequenceSpec([1] * 64, None))
     assert err.value.field == "prompt"
     assert "64 positions" in str(err.value)
 
@@ -70,17 +71,19 @@ def test_a_request_bigger_than_the_whole_pool_is_refused_at_the_door() -> None:
     reason = s.feasible(10, 7)
     assert reason is not None and "need 5 blocks of 4" in reason and "has 4" in reason
     with pytest.raises(Infeasible) as err:
-        s.add([1] * 10, 7)
+        s.add(SequenceSpec([1] * 10, 7))
     assert err.value.field == "max_tokens"
     with pytest.raises(Infeasible) as err:
-        s.add([1] * 17, 1)
+        s.add(SequenceSpec([1] * 17, 1))
     assert err.value.field == "prompt"
 
 
 def test_an_unset_max_tokens_the_pool_cannot_hold_blames_max_tokens() -> None:
     s = make(num_blocks=4, block_size=4, context_tokens=64)
     with pytest.raises(Infeasible) as err:
-        s.add([1] * 5, None)  # reserves the rest of the context: 64 positions, 16 blocks
+        s.add(
+            SequenceSpec([1] * 5, None)
+        )  # reserves the rest of the context: 64 positions, 16 blocks
     assert err.value.field == "max_tokens"
     assert "max_tokens (59 (unset: the rest of the context))" in str(err.value)
 
@@ -88,10 +91,10 @@ def test_an_unset_max_tokens_the_pool_cannot_hold_blames_max_tokens() -> None:
 def test_an_empty_prompt_and_a_zero_max_tokens_are_refused() -> None:
     s = make()
     with pytest.raises(Infeasible) as err:
-        s.add([], 4)
+        s.add(SequenceSpec([], 4))
     assert err.value.field == "prompt"
     with pytest.raises(Infeasible) as err:
-        s.add([1], 0)
+        s.add(SequenceSpec([1], 0))
     assert err.value.field == "max_tokens"
 
 
@@ -99,17 +102,17 @@ def test_a_priority_outside_32_bits_or_not_an_integer_is_refused_and_nothing_que
     s = make()
     for bad in (PRIORITY_MAX + 1, PRIORITY_MIN - 1, True, 1.5):
         with pytest.raises(FieldError) as err:
-            s.add([1], 1, priority=bad)  # type: ignore[arg-type]
+            s.add(SequenceSpec([1], 1, priority=bad))  # type: ignore[arg-type]
         assert err.value.field == "priority"
         assert f"between {PRIORITY_MIN} and {PRIORITY_MAX}" in str(err.value)
     assert s.statistics().waiting == 0
-    edge = s.add([1], 1, priority=PRIORITY_MIN)
+    edge = s.add(SequenceSpec([1], 1, priority=PRIORITY_MIN))
     assert s.sequence(edge).priority == PRIORITY_MIN
 
 
 def test_no_max_tokens_means_the_rest_of_the_context() -> None:
     s = make(num_blocks=16, block_size=4, context_tokens=20)
-    seq = s.add([1] * 6, None)
+    seq = s.add(SequenceSpec([1] * 6, None))
     assert s.sequence(seq).max_tokens == 14
     assert s.admit_waiting() == (seq,)
     assert len(s.sequence(seq).blocks) == 5  # ceil((6 + 14) / 4)
@@ -120,9 +123,9 @@ def test_no_max_tokens_means_the_rest_of_the_context() -> None:
 
 def test_reserve_takes_prompt_and_answer_blocks_together() -> None:
     s = make(num_blocks=5, block_size=4)
-    a = s.add([1] * 6, 6)  # ceil(12 / 4) = 3 blocks
-    b = s.add([1] * 5, 3)  # 2 blocks
-    c = s.add([1], 1)  # 1 block: does not fit after a and b
+    a = s.add(SequenceSpec([1] * 6, 6))  # ceil(12 / 4) = 3 blocks
+    b = s.add(SequenceSpec([1] * 5, 3))  # 2 blocks
+    c = s.add(SequenceSpec([1], 1))  # 1 block: does not fit after a and b
     assert s.admit_waiting() == (a, b)
     assert s.sequence(a).blocks == (0, 1, 2)
     assert s.state(c) is SeqState.WAITING
@@ -131,7 +134,7 @@ def test_reserve_takes_prompt_and_answer_blocks_together() -> None:
 
 def test_admission_needs_a_free_slot() -> None:
     s = make(slots=2)
-    ids = [s.add([1, 2], 2) for _ in range(3)]
+    ids = [s.add(SequenceSpec([1, 2], 2)) for _ in range(3)]
     assert s.admit_waiting() == tuple(ids[:2])
     assert s.admit_waiting() == ()
     s.cancel(ids[0])
@@ -140,7 +143,7 @@ def test_admission_needs_a_free_slot() -> None:
 
 def test_growth_within_the_reservation_never_allocates() -> None:
     s = make(num_blocks=3, block_size=4)
-    seq = s.add([1] * 3, 9)  # 12 positions: all 3 blocks up front
+    seq = s.add(SequenceSpec([1] * 3, 9))  # 12 positions: all 3 blocks up front
     s.admit_waiting()
     held = s.statistics().blocks_held
     finished: tuple[Finished, ...] = ()
@@ -157,9 +160,9 @@ def test_growth_within_the_reservation_never_allocates() -> None:
 
 def test_the_head_is_overtaken_at_most_k_times() -> None:
     s = make(num_blocks=8, block_size=4, slots=8, overtake_limit=2)
-    big0 = s.add([1] * 4, 12)  # 4 blocks
-    head = s.add([1] * 4, 16)  # 5 blocks: does not fit beside big0
-    small = [s.add([1], 3) for _ in range(3)]  # 1 block each
+    big0 = s.add(SequenceSpec([1] * 4, 12))  # 4 blocks
+    head = s.add(SequenceSpec([1] * 4, 16))  # 5 blocks: does not fit beside big0
+    small = [s.add(SequenceSpec([1], 3)) for _ in range(3)]  # 1 block each
     assert s.admit_waiting() == (big0, small[0], small[1])
     # A slot and a block are free, yet the third small one waits behind the head.
     assert s.statistics().blocks_free == 2
@@ -170,9 +173,9 @@ def test_the_head_is_overtaken_at_most_k_times() -> None:
 
 def test_strict_fifo_admits_nobody_before_the_head() -> None:
     s = make(num_blocks=8, block_size=4, overtake_limit=0)
-    s.add([1] * 4, 12)
-    s.add([1] * 4, 16)
-    s.add([1], 3)
+    s.add(SequenceSpec([1] * 4, 12))
+    s.add(SequenceSpec([1] * 4, 16))
+    s.add(SequenceSpec([1], 3))
     assert len(s.admit_waiting()) == 1
 
 
@@ -181,7 +184,7 @@ def test_strict_fifo_admits_nobody_before_the_head() -> None:
 
 def test_the_prompt_is_chunked_and_only_the_final_chunk_samples() -> None:
     s = make(chunk_tokens=8, step_rows=12)
-    seq = s.add(list(range(20)), 2)
+    seq = s.add(SequenceSpec(list(range(20)), 2))
     s.admit_waiting()
     spans = []
     for _ in range(3):
@@ -198,10 +201,10 @@ def test_the_prompt_is_chunked_and_only_the_final_chunk_samples() -> None:
 def test_prefill_goes_before_decode_when_rows_are_scarce() -> None:
     for step_rows, expected in [(4, (4, 0)), (6, (4, 2))]:
         s = make(chunk_tokens=8, step_rows=step_rows, slots=4)
-        old = [s.add([1], 8) for _ in range(3)]
+        old = [s.add(SequenceSpec([1], 8)) for _ in range(3)]
         s.admit_waiting()
         run_step(s)  # the three one-token prompts get their first tokens
-        new = s.add([1] * 4, 2)
+        new = s.add(SequenceSpec([1] * 4, 2))
         s.admit_waiting()
         plan, _ = run_step(s)
         rows = rows_of(plan)
@@ -213,10 +216,10 @@ def test_prefill_goes_before_decode_when_rows_are_scarce() -> None:
 
 def test_a_chunk_rides_with_decodes_in_one_step() -> None:
     s = make(chunk_tokens=8, step_rows=12)
-    decoders = [s.add([1, 2], 5) for _ in range(3)]
+    decoders = [s.add(SequenceSpec([1, 2], 5)) for _ in range(3)]
     s.admit_waiting()
     run_step(s)
-    prompt = s.add(list(range(8)), 2)
+    prompt = s.add(SequenceSpec(list(range(8)), 2))
     s.admit_waiting()
     plan, _ = run_step(s)
     assert [(c.seq_id, c.n_rows) for c in plan.chunks] == [(prompt, 8)] + [(d, 1) for d in decoders]
@@ -225,11 +228,11 @@ def test_a_chunk_rides_with_decodes_in_one_step() -> None:
 
 def test_a_left_out_sequence_is_not_evicted() -> None:
     s = make(chunk_tokens=8, step_rows=4, slots=4)
-    old = s.add([1], 8)
+    old = s.add(SequenceSpec([1], 8))
     s.admit_waiting()
     run_step(s)
     blocks = s.sequence(old).blocks
-    new = [s.add([1] * 8, 2) for _ in range(2)]
+    new = [s.add(SequenceSpec([1] * 8, 2)) for _ in range(2)]
     s.admit_waiting()
     plan, _ = run_step(s)
     assert old not in rows_of(plan)
@@ -246,7 +249,7 @@ def test_a_left_out_sequence_is_not_evicted() -> None:
 @pytest.mark.parametrize("where", ["waiting", "prefilling", "decoding"])
 def test_cancelled_sequence_returns_its_blocks_before_next_plan(where: str) -> None:
     s = make(num_blocks=4, block_size=4, slots=1)
-    seq = s.add([1] * 10, 6)  # 4 blocks: the whole pool
+    seq = s.add(SequenceSpec([1] * 10, 6))  # 4 blocks: the whole pool
     if where != "waiting":
         s.admit_waiting()
         run_step(s)  # 8 of 10 prompt positions
@@ -262,8 +265,8 @@ def test_cancelled_sequence_returns_its_blocks_before_next_plan(where: str) -> N
 
 def test_a_result_for_a_sequence_cancelled_mid_step_is_ignored() -> None:
     s = make()
-    a = s.add([1, 2], 4)
-    b = s.add([1, 2], 4)
+    a = s.add(SequenceSpec([1, 2], 4))
+    b = s.add(SequenceSpec([1, 2], 4))
     s.admit_waiting()
     plan = s.plan_step()
     s.cancel(a)  # the client left while the Batch ran
@@ -276,8 +279,8 @@ def test_a_result_for_a_sequence_cancelled_mid_step_is_ignored() -> None:
 
 def test_a_stop_token_finishes_with_stop_and_max_tokens_with_length() -> None:
     s = make()
-    a = s.add([1, 2], 5, stop_token_ids=frozenset({99}))
-    b = s.add([1, 2], 1)
+    a = s.add(SequenceSpec([1, 2], 5, stop_token_ids=frozenset({99})))
+    b = s.add(SequenceSpec([1, 2], 1))
     s.admit_waiting()
     _, fin = run_step(s, {a: 3})
     assert fin == (Finished(b, FinishReason.LENGTH, 1),)
@@ -288,7 +291,7 @@ def test_a_stop_token_finishes_with_stop_and_max_tokens_with_length() -> None:
 
 def test_finish_ends_a_sequence_early_and_frees_its_blocks() -> None:
     s = make()
-    a = s.add([1, 2], 5)
+    a = s.add(SequenceSpec([1, 2], 5))
     s.admit_waiting()
     run_step(s)
     s.finish(a)
@@ -301,11 +304,11 @@ def test_finish_ends_a_sequence_early_and_frees_its_blocks() -> None:
 
 def test_static_starts_a_new_batch_only_when_the_whole_last_one_ended() -> None:
     s = make(policy=Policy.STATIC)
-    a = s.add([1], 1)
-    b = s.add([1], 3)
+    a = s.add(SequenceSpec([1], 1))
+    b = s.add(SequenceSpec([1], 3))
     s.admit_waiting()
     run_step(s)  # a ends, b goes on
-    c = s.add([1], 1)
+    c = s.add(SequenceSpec([1], 1))
     assert s.admit_waiting() == ()  # a slot is free, but the batch is closed
     run_step(s)
     run_step(s)
@@ -316,8 +319,8 @@ def test_static_starts_a_new_batch_only_when_the_whole_last_one_ended() -> None:
 
 def test_free_slot_deadlock_is_detected_and_reported() -> None:
     s = make(policy=Policy.FREE_SLOT, num_blocks=4, block_size=4, slots=2, step_rows=16)
-    a = s.add([1] * 7, 8)  # prompt: 2 blocks; the whole answer would need 4
-    b = s.add([1] * 7, 8)
+    a = s.add(SequenceSpec([1] * 7, 8))  # prompt: 2 blocks; the whole answer would need 4
+    b = s.add(SequenceSpec([1] * 7, 8))
     assert s.admit_waiting() == (a, b)  # the pool is full of prompts
     run_step(s)  # both prefill; both now need a third block to decode at position 8
     run_step(s)  # position 7 still fits
@@ -352,8 +355,8 @@ def tight_preempt() -> Scheduler:
 
 def test_preempt_evicts_the_latest_arrival_and_recomputes_its_tokens() -> None:
     s = tight_preempt()
-    a = s.add([1] * 7, 8)
-    b = s.add([2] * 7, 8)
+    a = s.add(SequenceSpec([1] * 7, 8))
+    b = s.add(SequenceSpec([2] * 7, 8))
     assert s.admit_waiting() == (a, b)
     run_step(s, {a: 10, b: 20})
     run_step(s, {a: 11, b: 21})
@@ -379,21 +382,21 @@ def test_preempt_evicts_the_latest_arrival_and_recomputes_its_tokens() -> None:
 
 def test_a_preempted_sequence_keeps_its_place_ahead_of_newer_arrivals() -> None:
     s = tight_preempt()
-    a = s.add([1] * 7, 8)
-    b = s.add([2] * 7, 8)
+    a = s.add(SequenceSpec([1] * 7, 8))
+    b = s.add(SequenceSpec([2] * 7, 8))
     s.admit_waiting()
     for _ in range(3):
         run_step(s)
     assert s.state(b) is SeqState.WAITING
-    late = s.add([3], 1)
+    late = s.add(SequenceSpec([3], 1))
     assert s.waiting_ids() == (b, late)  # b kept its earlier ticket: it is the head
     del a
 
 
 def test_an_idle_scheduler_admits_even_right_after_a_preemption() -> None:
     s = tight_preempt()
-    a = s.add([1] * 7, 3)
-    b = s.add([2] * 7, 8)
+    a = s.add(SequenceSpec([1] * 7, 3))
+    b = s.add(SequenceSpec([2] * 7, 8))
     s.admit_waiting()
     run_step(s)
     run_step(s)
@@ -409,7 +412,7 @@ def test_an_idle_scheduler_admits_even_right_after_a_preemption() -> None:
 
 def test_a_second_plan_is_refused_while_one_is_in_flight() -> None:
     s = make()
-    s.add([1], 2)
+    s.add(SequenceSpec([1], 2))
     s.admit_waiting()
     s.plan_step()
     with pytest.raises(RuntimeError, match="in flight"):
@@ -424,12 +427,12 @@ def test_a_block_freed_mid_step_is_rewritten_by_its_new_owner_before_it_is_read(
     not be planned until A's step is over, and B's first chunk must write every
     position it will read."""
     s = make(num_blocks=2, block_size=4, slots=2)
-    a = s.add([1] * 4, 4)  # 8 positions: both blocks
+    a = s.add(SequenceSpec([1] * 4, 4))  # 8 positions: both blocks
     s.admit_waiting()
     plan = s.plan_step()
     a_blocks = set(s.sequence(a).blocks)
     s.cancel(a)  # mid-step: the blocks are back at once
-    b = s.add([2] * 3, 1)
+    b = s.add(SequenceSpec([2] * 3, 1))
     assert s.admit_waiting() == (b,)
     assert set(s.sequence(b).blocks) <= a_blocks  # reused while A's write may still land
     with pytest.raises(RuntimeError, match="in flight"):
@@ -441,7 +444,7 @@ def test_a_block_freed_mid_step_is_rewritten_by_its_new_owner_before_it_is_read(
 
 def test_a_result_missing_a_sampled_token_is_refused_and_changes_nothing() -> None:
     s = make()
-    a = s.add([1], 2)
+    a = s.add(SequenceSpec([1], 2))
     s.admit_waiting()
     plan = s.plan_step()
     with pytest.raises(ValueError, match="sampled no token"):
@@ -457,7 +460,7 @@ def test_statistics_are_a_frozen_snapshot() -> None:
 
     s = make(slots=2, num_blocks=16)
     for _ in range(3):
-        s.add([1] * 5, 3)  # 2 blocks each
+        s.add(SequenceSpec([1] * 5, 3))  # 2 blocks each
     s.admit_waiting()
     st = s.statistics()
     assert (st.waiting, st.running, st.free_slots, st.prefilling) == (1, 2, 0, 2)

@@ -9,6 +9,7 @@ import pytest
 
 from triollm.plan import SampledToken, StepResult
 from triollm.scheduler import Infeasible, Policy, Scheduler, SchedulerConfig
+from triollm.spec import SequenceSpec
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "scheduling.md"
 
@@ -27,7 +28,7 @@ def test_every_python_block_in_the_scheduling_page_runs() -> None:
 def test_the_quoted_door_message_is_the_schedulers() -> None:
     s = Scheduler(SchedulerConfig(num_blocks=100, context_tokens=2048))
     with pytest.raises(Infeasible) as err:
-        s.add([1] * 2000, 100)
+        s.add(SequenceSpec([1] * 2000, 100))
     assert f"    {err.value}\n" in DOC.read_text()
 
 
@@ -36,8 +37,8 @@ def test_the_quoted_deadlock_report_is_the_schedulers() -> None:
         num_blocks=4, block_size=4, slots=2, step_rows=16, policy=Policy.FREE_SLOT
     )
     s = Scheduler(cfg)
-    s.add([1] * 7, 8)
-    s.add([1] * 7, 8)
+    s.add(SequenceSpec([1] * 7, 8))
+    s.add(SequenceSpec([1] * 7, 8))
     s.admit_waiting()
     while not (plan := s.plan_step()).is_empty:
         s.commit(StepResult(plan.step, tuple(SampledToken(c.seq_id, 1) for c in plan.chunks)))

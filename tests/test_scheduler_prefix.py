@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from triollm.plan import Finished, SampledToken, StepPlan, StepResult
 from triollm.scheduler import Policy, Scheduler, SchedulerConfig, SeqState
+from triollm.spec import SequenceSpec
 
 PROMPT = list(range(10, 30))  # 20 tokens: five full blocks of 4
 
@@ -37,7 +38,7 @@ def run_to_end(s: Scheduler) -> None:
 
 def serve(s: Scheduler, prompt: list[int], max_tokens: int = 2, salt: str = "") -> int:
     """Admit ``prompt`` alone and plan its first step; return its seq_id (still prefilling)."""
-    seq = s.add(prompt, max_tokens, cache_salt=salt)
+    seq = s.add(SequenceSpec(prompt, max_tokens, cache_salt=salt))
     assert s.admit_waiting() == (seq,)
     return seq
 
@@ -124,8 +125,8 @@ def test_reservation_counts_cached_blocks_and_the_hits_once() -> None:
 
 def test_a_preempted_sequence_finds_its_own_blocks_again() -> None:
     s = cached(num_blocks=6, policy=Policy.PREEMPT, preempt_watermark_blocks=0)
-    old = s.add(list(range(1, 9)), 10)  # 2 blocks now, grows to 5
-    young = s.add(list(range(40, 48)), 10)
+    old = s.add(SequenceSpec(list(range(1, 9)), 10))  # 2 blocks now, grows to 5
+    young = s.add(SequenceSpec(list(range(40, 48)), 10))
     s.admit_waiting()
     for _ in range(12):
         run_step(s)

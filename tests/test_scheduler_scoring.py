@@ -6,6 +6,7 @@ import pytest
 
 from triollm.plan import ChunkPlan, FinishReason, SampledToken, StepPlan, StepResult
 from triollm.scheduler import Infeasible, Policy, Scheduler, SchedulerConfig, SeqState
+from triollm.spec import SequenceSpec
 
 PROMPT = list(range(10, 30))  # 20 tokens: five full blocks of 4
 
@@ -44,7 +45,7 @@ def chunks_of(s: Scheduler, seq: int) -> list[ChunkPlan]:
 
 def warm(s: Scheduler, prompt: list[int]) -> None:
     """Serve ``prompt`` once, unscored, so its full blocks are in the cache."""
-    seq = s.add(prompt, 2)
+    seq = s.add(SequenceSpec(prompt, 2))
     while s.state(seq) not in (SeqState.FINISHED, SeqState.CANCELLED):
         s.admit_waiting()
         run_step(s)
@@ -53,7 +54,7 @@ def warm(s: Scheduler, prompt: list[int]) -> None:
 def test_a_scored_prompt_takes_no_cache_hit_and_every_row_names_its_next_prompt_token() -> None:
     s = make()
     warm(s, PROMPT)
-    seq = s.add(PROMPT, 3, score_prompt=True)
+    seq = s.add(SequenceSpec(PROMPT, 3, score_prompt=True))
     chunks = chunks_of(s, seq)
     assert s.sequence(seq).cached_tokens == 0
     assert [c.start for c in chunks] == [0, 8, 16]
@@ -63,14 +64,14 @@ def test_a_scored_prompt_takes_no_cache_hit_and_every_row_names_its_next_prompt_
         assert c.score_ids == tuple(PROMPT[c.start + 1 : c.start + c.n_rows + 1])
     assert [c.sample for c in chunks] == [False, False, True]
     # The same prompt unscored still hits: only the scored request gives up the cache.
-    other = s.add(PROMPT, 3)
+    other = s.add(SequenceSpec(PROMPT, 3))
     first = chunks_of(s, other)[0]
     assert (first.start, first.score_ids) == (16, ())
 
 
 def test_a_scored_prompt_scores_nothing_once_it_decodes() -> None:
     s = make()
-    seq = s.add(PROMPT[:6], 4, score_prompt=True)
+    seq = s.add(SequenceSpec(PROMPT[:6], 4, score_prompt=True))
     chunks_of(s, seq)
     while s.state(seq) is SeqState.DECODING:
         plan = run_step(s)
@@ -80,15 +81,15 @@ def test_a_scored_prompt_scores_nothing_once_it_decodes() -> None:
 def test_max_tokens_zero_is_refused_unless_the_prompt_is_scored() -> None:
     s = make()
     with pytest.raises(Infeasible) as refused:
-        s.add(PROMPT, 0)
+        s.add(SequenceSpec(PROMPT, 0))
     assert refused.value.field == "max_tokens"
     assert s.feasible(len(PROMPT), 0) is not None
-    s.add(PROMPT, 0, score_prompt=True)  # accepted
+    s.add(SequenceSpec(PROMPT, 0, score_prompt=True))  # accepted
 
 
 def test_a_scored_prompt_with_max_tokens_zero_ends_with_its_last_chunk_and_no_token() -> None:
     s = make()
-    seq = s.add(PROMPT, 0, score_prompt=True)
+    seq = s.add(SequenceSpec(PROMPT, 0, score_prompt=True))
     s.admit_waiting()
     assert len(s.sequence(seq).blocks) == 5  # the prompt's blocks: no answer reserved
     for _ in range(2):
@@ -107,8 +108,8 @@ def test_a_scored_prompt_preempted_before_its_first_token_is_scored_again() -> N
     # old's first decode row needs a block, so young is evicted after one chunk. Its
     # first block is published by then, and the cache would give it back: it may not.
     s = make(num_blocks=4, chunk_tokens=4, policy=Policy.PREEMPT, preempt_watermark_blocks=0)
-    old = s.add(PROMPT[:4], 8)
-    young = s.add(PROMPT[4:16], 4, score_prompt=True)
+    old = s.add(SequenceSpec(PROMPT[:4], 8))
+    young = s.add(SequenceSpec(PROMPT[4:16], 4, score_prompt=True))
     assert s.admit_waiting() == (old, young)
     starts = [c.start for c in chunks_of(s, young)]
     assert s.sequence(young).preemptions == 1

@@ -15,6 +15,7 @@ from triollm.outcomes import EndCode
 from triollm.plan import FinishReason
 from triollm.scheduler import Infeasible, SeqState
 from triollm.service import Choice, RequestStream
+from triollm.spec import SequenceSpec
 
 
 def choices(n: int) -> list[Choice]:
@@ -171,7 +172,7 @@ async def test_unset_max_tokens_is_the_room_every_choice_can_have_at_once(autoju
     service, _ex, _ = make_service(slots=3, num_blocks=12)
     async with trio.open_nursery() as nursery:
         await nursery.start(service.run)
-        assert service.scheduler.room(9, 3) == 11
+        assert service.scheduler.room(SequenceSpec([1] * 9, n=3)) == 11
         stream = await service.submit_choices([5] * 9, choices(3), ignore_eos=True)
         await read_choices(stream)
         assert [o.completion_tokens for o in stream.outcomes] == [11, 11, 11]  # type: ignore[union-attr]

@@ -39,6 +39,7 @@ from triollm.plan import SampledToken, StepResult
 from triollm.scheduler import Policy, Scheduler
 from triollm.sim.runner import Run, simulate
 from triollm.sim.scenario import seed_scenario
+from triollm.spec import SequenceSpec
 
 OUT = Path(__file__).resolve().parents[1] / "docs" / "img"
 COLOURS = plt.get_cmap("tab10").colors
@@ -179,7 +180,7 @@ def block_table(at_step: int = 24) -> Path:
     for t in range(at_step + 1):
         while pending and pending[0].arrival == t:
             r = pending.pop(0)
-            name_of[s.add([1] * r.prompt, r.answer)] = r.name
+            name_of[s.add(SequenceSpec([1] * r.prompt, r.answer))] = r.name
         s.admit_waiting()
         plan = s.plan_step()
         if t == at_step:

@@ -4,7 +4,7 @@ Theory of operation.
 
 1. A request *enqueues* (sync, :meth:`AdmissionQueue.enqueue`): if the queue already
    holds ``max_waiters`` it is refused at once with :class:`QueueFull` (429); if
-   it can never run, the scheduler's ``add`` raises ``Infeasible`` (400). Otherwise
+   it can never run, the scheduler's ``check_group`` raises ``Infeasible`` (400). Otherwise
    it becomes a WAITING sequence in the scheduler, which stamps it with an arrival
    ticket, and a :class:`_Waiter` here.
 2. It then *waits* (:meth:`AdmissionQueue.wait_admitted`) on its own event, under
@@ -43,13 +43,14 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar, Protocol
 
 import trio
 
 from triollm.outcomes import Refused
+from triollm.spec import SequenceSpec
 
 
 class Refusal(Exception):
@@ -77,29 +78,8 @@ class QueueClosed(Exception):
 class AdmissionScheduler(Protocol):
     """The part of :class:`triollm.scheduler.Scheduler` the queue uses."""
 
-    def add(
-        self,
-        prompt_ids: Sequence[int],
-        max_tokens: int | None,
-        stop_token_ids: frozenset[int] = ...,
-        *,
-        priority: int = ...,
-        cache_salt: str = ...,
-    ) -> int: ...
-    def add_group(
-        self,
-        prompt_ids: Sequence[int],
-        max_tokens: int | None,
-        stop_token_ids: frozenset[int] = ...,
-        n: int = ...,
-        priority: int = ...,
-        *,
-        cache_salt: str = ...,
-        score_prompt: bool = ...,
-    ) -> tuple[int, ...]: ...
-    def check_group(
-        self, prompt_len: int, max_tokens: int | None, n: int = ..., *, score_prompt: bool = ...
-    ) -> None: ...
+    def add_group(self, spec: SequenceSpec) -> tuple[int, ...]: ...
+    def check_group(self, spec: SequenceSpec) -> None: ...
     def admit_waiting(self) -> tuple[int, ...]: ...
     def cancel(self, seq_id: int) -> None: ...
 
@@ -199,50 +179,25 @@ class AdmissionQueue:
         except trio.ClosedResourceError:
             pass  # the driver has stopped (shutdown)
 
-    def enqueue(
-        self,
-        prompt_ids: Sequence[int],
-        max_tokens: int | None,
-        stop_token_ids: frozenset[int] = frozenset(),
-        *,
-        priority: int = 0,
-        cache_salt: str = "",
-    ) -> int:
-        """Take a place in the queue, or be refused now. Returns the sequence id.
+    def enqueue(self, spec: SequenceSpec) -> tuple[int, ...]:
+        """Take a place in the queue for the ``spec.n`` sequences of one request, or be
+        refused now. Returns their ids; one wait (:meth:`wait_admitted` with the first
+        id) admits them together (a group: the scheduler's rule 10).
 
-        ``priority`` goes to the scheduler as it is: the policy decides what it means
-        (the queue's driver only runs the scheduler's pass, in the policy's order).
-        Raises :class:`QueueFull`, :class:`QueueClosed`, or the scheduler's
-        ``Infeasible`` (a request that could never run is refused before it queues)
-        or its ``FieldError`` for a priority out of range.
-        """
-        return self.enqueue_group(
-            prompt_ids, max_tokens, stop_token_ids, n=1, priority=priority, cache_salt=cache_salt
-        )[0]
-
-    def enqueue_group(
-        self,
-        prompt_ids: Sequence[int],
-        max_tokens: int | None,
-        stop_token_ids: frozenset[int] = frozenset(),
-        *,
-        n: int,
-        priority: int = 0,
-        cache_salt: str = "",
-        score_prompt: bool = False,
-    ) -> tuple[int, ...]:
-        """:meth:`enqueue` for the ``n`` choices of one prompt: ``n`` sequences, one
-        wait (:meth:`wait_admitted` with the first id), admitted together.
-
-        The group takes ``n`` places of ``max_waiters``: the bound is on the work
+        The request takes ``spec.n`` places of ``max_waiters``: the bound is on the work
         queued in front of a newcomer, and a group is ``n`` sequences of it (it will
-        hold ``n`` slots). Also raises the scheduler's ``Infeasible`` naming ``n``.
-        ``score_prompt``: the prompt's log-probabilities are wanted (Scheduler rule 11).
+        hold ``n`` slots). ``spec.priority`` goes to the scheduler as it is: the policy
+        decides what it means (the driver only runs the scheduler's pass, in the
+        policy's order). Raises :class:`QueueFull`, :class:`QueueClosed`, or the
+        scheduler's ``Infeasible`` (a request that could never run is refused before it
+        queues, naming ``n`` for a group too large) or its ``FieldError`` for a
+        priority out of range.
         """
+        n = spec.n
         if self._closed:
             raise QueueClosed(self._closed_reason)
         # what can never run is refused as such, before the bound (a retry cannot cure it)
-        self._scheduler.check_group(len(prompt_ids), max_tokens, n, score_prompt=score_prompt)
+        self._scheduler.check_group(spec)
         if len(self._waiters) + n > self.max_waiters:
             asked = "" if n == 1 else f"; this request's {n} choices take {n} places"
             raise QueueFull(
@@ -250,15 +205,7 @@ class AdmissionQueue:
                 f"places taken{asked}); retry later",
                 retry_after(self.wait_s),
             )
-        seq_ids = self._scheduler.add_group(
-            prompt_ids,
-            max_tokens,
-            stop_token_ids,
-            n,
-            priority,
-            cache_salt=cache_salt,
-            score_prompt=score_prompt,
-        )
+        seq_ids = self._scheduler.add_group(spec)
         waiter = _Waiter(seq_ids, trio.current_time(), trio.Event())
         for seq_id in seq_ids:
             self._waiters[seq_id] = waiter

@@ -36,6 +36,7 @@ from triollm.model.sampling import SamplingParams
 from triollm.plan import Finished, FinishReason, SampledToken
 from triollm.scheduler import Scheduler, SchedulerConfig
 from triollm.sizing import OFFLINE_CHUNK_TOKENS, Capacity
+from triollm.spec import SequenceSpec
 
 
 def engine_config(
@@ -144,7 +145,9 @@ class Engine:
         Raises :class:`~triollm.scheduler.Infeasible` (nothing queued) when the
         prompt and ``max_tokens`` can never fit the context or the pool.
         """
-        seq_id = self.scheduler.add(request.prompt_ids, request.max_tokens, request.stop_token_ids)
+        seq_id = self.scheduler.add(
+            SequenceSpec(request.prompt_ids, request.max_tokens, request.stop_token_ids)
+        )
         self.batch.add(seq_id, request.prompt_ids, request.params)
         return seq_id
 

@@ -83,7 +83,7 @@ Rules (docs/scheduling.md teaches each one, with the test that proves it):
     hands the writing to the next member, which continues from the writer's last
     committed position. Once admitted, each member is a sequence like any other
     (a preempted one comes back alone, through the prefix cache when it is on).
-11. **A scored prompt computes every position** (``add(..., score_prompt=True)``:
+11. **A scored prompt computes every position** (``SequenceSpec.score_prompt``:
     ``echo`` with ``logprobs``, what evaluation harnesses send). Until its first token
     (or, with ``max_tokens=0``, until it ends), such a sequence takes no prefix-cache
     hit, since a cached position has no logits, and each of its chunks carries
@@ -132,6 +132,7 @@ from triollm.policies import (
     missing_members,
     policy_name,
 )
+from triollm.spec import SequenceSpec
 
 __all__ = [
     "PRIORITY_MAX",
@@ -534,29 +535,27 @@ class Scheduler:
             )
         return None
 
-    def add(
-        self,
-        prompt_ids: Sequence[int],
-        max_tokens: int | None,
-        stop_token_ids: frozenset[int] = frozenset(),
-        priority: int = 0,
-        *,
-        cache_salt: str = "",
-        score_prompt: bool = False,
-    ) -> int:
-        """Queue a request as a WAITING sequence with the next arrival ticket.
+    def add(self, spec: SequenceSpec) -> int:
+        """Queue one request (``spec.n`` must be 1) as a WAITING sequence with the next
+        arrival ticket; returns its id.
 
-        ``max_tokens=None`` means the rest of the context. ``priority`` (an integer in
-        ``PRIORITY_MIN..PRIORITY_MAX``, else ``FieldError``) is only read by a policy
-        that orders by it (smaller first); any other policy ignores it, and refusing
-        it is the server's business (``Service.submit``), not the simulator's.
-        ``cache_salt`` is the prefix cache's domain: only sequences with equal salts
-        share blocks (rule 9). ``score_prompt``: the Batch returns the log-probability
-        of every prompt token after the first, and ``max_tokens`` may be 0 (rule 11).
-        Raises :class:`Infeasible` (nothing queued) when it could never run.
-        Trap: ``add`` never admits; call ``admit_waiting``.
+        ``spec.max_tokens=None`` means the rest of the context. ``spec.priority`` (an
+        integer in ``PRIORITY_MIN..PRIORITY_MAX``, else ``FieldError``) is only read by
+        a policy that orders by it (smaller first); any other policy ignores it, and
+        refusing it is the server's business (``Service.submit``), not the simulator's.
+        ``spec.cache_salt`` is the prefix cache's domain: only sequences with equal
+        salts share blocks (rule 9). ``spec.score_prompt``: the Batch returns the
+        log-probability of every prompt token after the first, and ``max_tokens`` may
+        be 0 (rule 11). Raises :class:`Infeasible` (nothing queued) when it could never
+        run. Trap: ``add`` never admits; call ``admit_waiting``.
         """
-        problem = self._infeasible(len(prompt_ids), max_tokens, score_prompt)
+        if spec.n != 1:
+            raise ValueError(f"add queues one sequence; add_group queues n={spec.n}")
+        return self._add(spec)
+
+    def _add(self, spec: SequenceSpec) -> int:
+        prompt_ids, max_tokens, priority = spec.prompt_ids, spec.max_tokens, spec.priority
+        problem = self._infeasible(len(prompt_ids), max_tokens, spec.score_prompt)
         if problem is not None:
             raise problem
         if (
@@ -573,62 +572,47 @@ class Scheduler:
         seq_id = self._next_id
         self._next_id += 1
         seq = _Seq(
-            seq_id, seq_id, prompt_ids, answer, frozenset(stop_token_ids), priority, cache_salt
+            seq_id,
+            seq_id,
+            prompt_ids,
+            answer,
+            spec.stop_token_ids,
+            priority,
+            spec.cache_salt,
         )
-        seq.score = bool(score_prompt)
+        seq.score = spec.score_prompt
         self._seqs[seq_id] = seq
         bisect.insort(self._waiting, (seq.ticket, seq_id))
         return seq_id
 
-    def add_group(
-        self,
-        prompt_ids: Sequence[int],
-        max_tokens: int | None,
-        stop_token_ids: frozenset[int] = frozenset(),
-        n: int = 1,
-        priority: int = 0,
-        *,
-        cache_salt: str = "",
-        score_prompt: bool = False,
-    ) -> tuple[int, ...]:
-        """Queue ``n`` sequences of one prompt (OpenAI's ``n`` choices), admitted
-        together or not at all, the prompt's full blocks computed once (rule 10).
+    def add_group(self, spec: SequenceSpec) -> tuple[int, ...]:
+        """Queue the ``spec.n`` sequences of one prompt (OpenAI's ``n`` choices),
+        admitted together or not at all, the prompt's full blocks computed once (rule 10).
 
         Consecutive tickets, one per member. Raises :class:`Infeasible` naming ``n``
         when the slots or an empty pool could not hold the whole group (nothing
         queued), and whatever ``add`` raises for one member.
         """
-        self.check_group(len(prompt_ids), max_tokens, n, score_prompt=score_prompt)
-        ids = tuple(
-            self.add(
-                prompt_ids,
-                max_tokens,
-                stop_token_ids,
-                priority,
-                cache_salt=cache_salt,
-                score_prompt=score_prompt,
-            )
-            for _ in range(n)
-        )
-        if n > 1:
+        self.check_group(spec)
+        ids = tuple(self._add(spec) for _ in range(spec.n))
+        if spec.n > 1:
             group = _Group([self._seqs[i] for i in ids])
             for seq in group.members:
                 seq.group = group
         return ids
 
-    def check_group(
-        self, prompt_len: int, max_tokens: int | None, n: int = 1, *, score_prompt: bool = False
-    ) -> None:
-        """Raise :class:`Infeasible` if ``n`` choices of a prompt of ``prompt_len``
-        tokens could never be admitted, whatever else is queued or running; change
-        nothing. :meth:`add_group` checks this first; the admission queue asks it
-        before its own bound, so a request that can never run is refused as such
-        (a 400), never as a queue full that a retry would not cure."""
+    def check_group(self, spec: SequenceSpec) -> None:
+        """Raise :class:`Infeasible` if the ``spec.n`` choices of this request could
+        never be admitted, whatever else is queued or running; change nothing.
+        :meth:`add_group` checks this first; the admission queue asks it before its own
+        bound, so a request that can never run is refused as such (a 400), never as a
+        queue full that a retry would not cure."""
+        n, prompt_len, max_tokens = spec.n, spec.prompt_len, spec.max_tokens
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise Infeasible("n", f"n must be an integer >= 1, got {n!r}")
-        problem = self._infeasible(prompt_len, max_tokens, score_prompt) or self._group_infeasible(
-            prompt_len, max_tokens, n
-        )
+        problem = self._infeasible(
+            prompt_len, max_tokens, spec.score_prompt
+        ) or self._group_infeasible(prompt_len, max_tokens, n)
         if problem is not None:
             raise problem
 
@@ -652,16 +636,17 @@ class Scheduler:
             )
         return None
 
-    def room(self, prompt_len: int, n: int = 1) -> int:
-        """The largest ``max_tokens`` each of ``n`` choices of this prompt may have and
-        still pass the door (rule 1, and rule 10 for a group): what "the rest of the
-        context" means for a request that leaves ``max_tokens`` out. Below 1 when not
-        even one token fits (the door then names the limit the prompt breaks).
+    def room(self, spec: SequenceSpec) -> int:
+        """The largest ``max_tokens`` each of the ``spec.n`` choices of ``spec``'s prompt
+        may have and still pass the door (rule 1, and rule 10 for a group): the largest
+        answer the request could be given (``spec.max_tokens`` is not read). Below 1
+        when not even one token fits (the door then names the limit the prompt breaks).
 
         The group's blocks are ``n`` tables less the shared ones counted ``n - 1``
         times too many, so each member may have ``(num_blocks + (n - 1) * shared) // n``.
         """
         cfg = self.config
+        n, prompt_len = max(spec.n, 1), spec.prompt_len
         per_member = (cfg.num_blocks + (n - 1) * self._shared_blocks(prompt_len)) // n
         return min(cfg.context_tokens, per_member * cfg.block_size) - prompt_len
 

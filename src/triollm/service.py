@@ -83,6 +83,7 @@ from triollm.plan import (
     StepResult,
 )
 from triollm.scheduler import Scheduler
+from triollm.spec import SequenceSpec
 from triollm.textstream import Detokenizer, TextStream
 from triollm.toolcalls import ToolCallParser
 
@@ -481,7 +482,7 @@ class Service:
             # default) would be refused. Room is counted against what the pool can
             # hold for all the choices at once.
             max_tokens = self.config.max_tokens_default
-            room = self.scheduler.room(len(prompt_ids), max(n, 1))
+            room = self.scheduler.room(SequenceSpec(prompt_ids, n=max(n, 1)))
             if room >= 1:  # else: let the scheduler name the limit the prompt breaks
                 max_tokens = room if max_tokens is None else min(max_tokens, room)
         stop_ids = (frozenset() if ignore_eos else self.eos_token_ids) | frozenset(stop_token_ids)
@@ -500,14 +501,16 @@ class Service:
                 min_tokens=min_tokens,
             )
             members.append((params, text))
-        seq_ids = self.queue.enqueue_group(
-            prompt_ids,
-            max_tokens,
-            stop_ids,
-            n=n,
-            priority=priority,
-            cache_salt=cache_salt,
-            score_prompt=score_prompt,
+        seq_ids = self.queue.enqueue(
+            SequenceSpec(
+                prompt_ids,
+                max_tokens,
+                stop_ids,
+                n=n,
+                priority=priority,
+                cache_salt=cache_salt,
+                score_prompt=score_prompt,
+            )
         )
         delta_room = n * self.config.stream_buffer_steps
         send, recv = trio.open_memory_channel[Event](delta_room + n)  # and one end each

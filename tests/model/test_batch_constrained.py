@@ -33,6 +33,7 @@ from triollm.model.tokenizer import Tokenizer
 from triollm.plan import ChunkPlan, FinishReason, StepPlan
 from triollm.policies import Policy
 from triollm.scheduler import SchedulerConfig
+from triollm.spec import SequenceSpec
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "models"
 DEMO = Path(__file__).resolve().parents[2] / "src" / "triollm" / "demo" / "model"
@@ -142,7 +143,7 @@ def test_a_sequence_re_added_with_its_tokens_continues_where_it_was() -> None:
     # as its prompt, its matcher replayed over them, must go on to the same answer.
     head = whole[:6]
     engine = Engine(loaded, engine_config(loaded, slots=1, context_tokens=256))
-    seq = engine.scheduler.add(prompt(name) + tuple(head), 200 - 6, frozenset())
+    seq = engine.scheduler.add(SequenceSpec(prompt(name) + tuple(head), 200 - 6))
     engine.batch.add(seq, prompt(name), params, generated=head)
     rest = [t.token_id for t in engine._steps({seq}) if hasattr(t, "token_id")]
     assert head + rest == whole

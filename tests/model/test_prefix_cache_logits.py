@@ -19,6 +19,7 @@ from triollm.batch import Batch
 from triollm.model.loader import LoadedModel
 from triollm.plan import SampledToken, StepResult
 from triollm.scheduler import Scheduler, SchedulerConfig
+from triollm.spec import SequenceSpec
 
 MODELS = Path(__file__).resolve().parent.parent / "fixtures" / "models"
 CHECKPOINTS = sorted(p.name for p in MODELS.iterdir() if (p / "config.json").exists())
@@ -44,7 +45,7 @@ class Run:
 
     def generate(self, prompt: list[int], n: int = 4, salt: str = "") -> tuple[int, np.ndarray]:
         """Greedy ``n`` tokens; returns (first prefill position, every sampled logits row)."""
-        seq = self.s.add(prompt, n, cache_salt=salt)
+        seq = self.s.add(SequenceSpec(prompt, n, cache_salt=salt))
         assert self.s.admit_waiting() == (seq,)
         start = self.s.sequence(seq).n_computed
         rows = []

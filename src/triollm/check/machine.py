@@ -39,6 +39,7 @@ from triollm.scheduler import (
     SchedulerConfig,
     SeqState,
 )
+from triollm.spec import SequenceSpec
 
 STOP = 0  # the stop token id every request is given; other tokens are 1..9
 
@@ -198,7 +199,9 @@ class SchedulerMachine(RuleBasedStateMachine):
     def arrive(self, prompt: int, max_tokens: int | None) -> None:
         reason = self.s.feasible(prompt, max_tokens)
         try:
-            seq = self.s.add([1 + i % 9 for i in range(prompt)], max_tokens, frozenset({STOP}))
+            seq = self.s.add(
+                SequenceSpec([1 + i % 9 for i in range(prompt)], max_tokens, frozenset({STOP}))
+            )
         except Infeasible as exc:
             self.say(f"arrive prompt={prompt} max_tokens={max_tokens}: refused ({exc.field})")
             assert reason == str(exc)
@@ -231,7 +234,12 @@ class SchedulerMachine(RuleBasedStateMachine):
             prompt, max_tokens = self.draw_lengths(data, most)
             priority = data.draw(st.integers(0, 2), label="priority")
             seq = self.s.add(
-                [1 + i % 9 for i in range(prompt)], max_tokens, frozenset({STOP}), priority
+                SequenceSpec(
+                    [1 + i % 9 for i in range(prompt)],
+                    max_tokens,
+                    frozenset({STOP}),
+                    priority=priority,
+                )
             )
             self.say(
                 f"seq {seq} arrives: prompt {prompt}, max_tokens {max_tokens}"
@@ -259,7 +267,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         for _ in range(n):
             prompt, max_tokens = self.draw_lengths(data, most)
             ids = [*opening, *(1 + i % 7 for i in range(max(0, prompt - len(opening))))]
-            seq = self.s.add(ids[:prompt], max_tokens, frozenset({STOP}), cache_salt=salt)
+            seq = self.s.add(
+                SequenceSpec(ids[:prompt], max_tokens, frozenset({STOP}), cache_salt=salt)
+            )
             self.salt[seq] = salt
             # The replay's simulator feeds [1] * prompt: the same plans, with the cache off.
             self.log.append(("arrive", self.turns, seq, prompt, max_tokens, 0))

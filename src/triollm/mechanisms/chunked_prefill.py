@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from triollm.plan import SampledToken, StepResult
 from triollm.scheduler import Scheduler, SchedulerConfig
+from triollm.spec import SequenceSpec
 
 STEP_MS = 30.0  # one decode step of a 135M model: the weights read once
 ROW_MS = 3.5  # each further row of a step (prefill is compute bound)
@@ -47,7 +48,7 @@ def replay(chunk_tokens: int) -> Outcome:
         context_tokens=4096,
     )
     s = Scheduler(config)
-    streams = [s.add([1] * 32, 400) for _ in range(STREAMS)]
+    streams = [s.add(SequenceSpec([1] * 32, 400)) for _ in range(STREAMS)]
     long_seq: int | None = None
     now_ms = 0.0
     arrived_ms = 0.0
@@ -57,7 +58,7 @@ def replay(chunk_tokens: int) -> Outcome:
     step = 0
     while long_seq is None or ttft == 0.0:
         if step == ARRIVES_AT_STEP:
-            long_seq = s.add([1] * LONG_PROMPT, 16)
+            long_seq = s.add(SequenceSpec([1] * LONG_PROMPT, 16))
             arrived_ms = now_ms
         s.admit_waiting()
         plan = s.plan_step()

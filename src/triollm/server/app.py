@@ -69,6 +69,7 @@ from triollm.server.openai import (
 from triollm.server.responses import ResponseWriter, ServedModel, error_response, json_text
 from triollm.server.structured import ToolChoice
 from triollm.service import Choice, Service
+from triollm.spec import SequenceSpec
 from triollm.toolcalls import ToolCallFormat, ToolCallParser, tool_grammar
 
 __all__ = ["DEFAULT_MAX_BODY_BYTES", "ServedModel", "create_app", "http_error"]
@@ -277,7 +278,7 @@ def create_app(
             # OpenAI's default for /v1/completions (vLLM follows it); chat keeps "the
             # rest of the context". Capped by the room left, so it never refuses; a
             # min_tokens above it raises it (the client asked for that many).
-            room = service.scheduler.room(len(prompt_ids), req.n)
+            room = service.scheduler.room(SequenceSpec(prompt_ids, n=req.n))
             wanted = max(COMPLETIONS_DEFAULT_MAX_TOKENS, req.min_tokens)
             max_tokens = min(wanted, room) if room >= 1 else None
         echo = ""

@@ -19,6 +19,7 @@ from triollm.plan import SampledToken, StepPlan, StepResult
 from triollm.policies import SchedulingPolicy, policy_name
 from triollm.scheduler import DeadlockError, Infeasible, Policy, Scheduler
 from triollm.sim.scenario import Scenario
+from triollm.spec import SequenceSpec
 
 STOP = 0  # the simulated model's EOS token; every other sampled token is 1
 
@@ -147,7 +148,12 @@ def simulate(scenario: Scenario, policy: Policy | SchedulingPolicy) -> Run:
             r = arrivals.pop(0)
             try:
                 seq = s.add(
-                    scenario.prompt_ids(index[r.name]), r.budget, frozenset({STOP}), r.priority
+                    SequenceSpec(
+                        scenario.prompt_ids(index[r.name]),
+                        r.budget,
+                        frozenset({STOP}),
+                        priority=r.priority,
+                    )
                 )
             except Infeasible as exc:
                 outcomes[r.name] = _with(outcomes[r.name], refused=str(exc))
