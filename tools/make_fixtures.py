@@ -47,8 +47,10 @@ from transformers import (
     AutoModelForCausalLM,
     LlamaConfig,
     MistralConfig,
+    MixtralConfig,
     Qwen2Config,
     Qwen3Config,
+    Qwen3MoeConfig,
 )
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -194,6 +196,34 @@ SPECS: dict[str, tuple[Any, torch.dtype, str, bool, bool]] = {
                       tie_word_embeddings=False, bos_token_id=BOS, eos_token_id=EOS),
         torch.float32, "llama", False, False,
     ),
+    # mixtures of experts (model/moe.py): qwen3_moe with a dense layer between two
+    # sparse ones (mlp_only_layers) and renormalised top-4 of 12; mixtral top-2 of 8
+    "qwen3-moe-f32": (
+        Qwen3MoeConfig(**(COMMON | {"num_hidden_layers": 3}), num_key_value_heads=2, head_dim=16,
+                       num_experts=12, num_experts_per_tok=4, moe_intermediate_size=32,
+                       norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[1],
+                       tie_word_embeddings=False, bos_token_id=None, eos_token_id=IM_END),
+        torch.float32, "qwen", False, False,
+    ),
+    "qwen3-moe-bf16": (
+        Qwen3MoeConfig(**COMMON, num_key_value_heads=2, head_dim=16,
+                       num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48,
+                       norm_topk_prob=False, tie_word_embeddings=True,
+                       bos_token_id=None, eos_token_id=IM_END),
+        torch.bfloat16, "qwen", False, False,
+    ),
+    "mixtral-f32": (
+        MixtralConfig(**COMMON, num_key_value_heads=2, num_local_experts=8,
+                      num_experts_per_tok=2, tie_word_embeddings=False,
+                      bos_token_id=BOS, eos_token_id=EOS),
+        torch.float32, "llama", False, False,
+    ),
+    "mixtral-f16": (
+        MixtralConfig(**COMMON, num_key_value_heads=1, num_local_experts=4,
+                      num_experts_per_tok=2, tie_word_embeddings=False,
+                      bos_token_id=BOS, eos_token_id=EOS),
+        torch.float16, "llama", False, False,
+    ),
 }  # fmt: skip
 
 
@@ -211,7 +241,7 @@ def randomise(model: torch.nn.Module, seed: int) -> None:
             elif name == "lm_head.weight":
                 p.copy_(0.5 * torch.randn(p.shape, generator=gen))
             else:
-                fan_in = p.shape[1]
+                fan_in = p.shape[-1]  # experts are 3-D in memory: (experts, out, in)
                 p.copy_(torch.randn(p.shape, generator=gen) * (1.5 / fan_in**0.5))
 
 
@@ -296,9 +326,18 @@ def make(name: str, tok: Tokenizer, seed: int) -> dict[str, Any]:
 
 
 def main() -> None:
+    import sys
+
+    # `make_fixtures.py NAME ...` remakes only those (the others stay byte for byte)
+    only = set(sys.argv[1:])
+    unknown = only - set(SPECS)
+    if unknown:
+        raise SystemExit(f"unknown fixture(s): {', '.join(sorted(unknown))}")
     torch.set_num_threads(2)
     tok = train_tokenizer()
     for seed, name in enumerate(SPECS):
+        if only and name not in only:
+            continue
         s = make(name, tok, seed=1000 + seed)
         lens = [len(p["prompt_ids"]) for p in s["prompts"]]
         print(f"{name:26s} prompts {lens}  smallest top-1/top-2 gap {s['min_gap']:.4f}")

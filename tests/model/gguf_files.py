@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -26,7 +27,27 @@ ARCH = {
     "llama": gguf.MODEL_ARCH.LLAMA,
     "qwen2": gguf.MODEL_ARCH.QWEN2,
     "qwen3": gguf.MODEL_ARCH.QWEN3,
+    "qwen3_moe": gguf.MODEL_ARCH.QWEN3MOE,
+    "mixtral": gguf.MODEL_ARCH.LLAMA,  # llama.cpp writes Mixtral as llama + experts
 }
+# one expert's projection, by HF key -> (the key of the layer's 3-D tensor, expert index)
+EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(\w+)\.weight$")
+
+
+def stack_experts(tensors: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The converter's merge: each layer's per-expert 2-D weights as one 3-D tensor
+    ``(experts, rows, cols)`` per projection, under the HF key without the index."""
+    out: dict[str, np.ndarray] = {}
+    groups: dict[str, dict[int, np.ndarray]] = {}
+    for key, w in tensors.items():
+        m = EXPERT.match(key)
+        if m:
+            groups.setdefault(f"{m[1]}.{m[3]}.weight", {})[int(m[2])] = w
+        else:
+            out[key] = w
+    for key, parts in groups.items():
+        out[key] = np.stack([parts[e] for e in range(len(parts))])
+    return out
 
 
 def permute(w: np.ndarray, heads: int) -> np.ndarray:
@@ -166,11 +187,14 @@ def write_gguf(
     tensor's type; 1-D tensors are written F32 as llama.cpp does.
     """
     rng = np.random.default_rng(seed)
-    arch = config["model_type"]
+    model_type = config["model_type"]
+    arch = gguf.MODEL_ARCH_NAMES[ARCH[model_type]]
+    permuted = arch == "llama"
+    tensors = stack_experts(tensors)
     n_layers = config["num_hidden_layers"]
     heads = config["num_attention_heads"]
     kv_heads = config.get("num_key_value_heads", heads)
-    names = gguf.get_tensor_name_map(ARCH[arch], n_layers)
+    names = gguf.get_tensor_name_map(ARCH[model_type], n_layers)
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(n_layers)
     writer.add_context_length(config["max_position_embeddings"])
@@ -185,6 +209,13 @@ def write_gguf(
     rope = config.get("rope_parameters") or config
     writer.add_rope_freq_base(float(rope.get("rope_theta", 10000.0)))
     writer.add_vocab_size(config["vocab_size"])
+    n_experts = config.get("num_experts") or config.get("num_local_experts")
+    if n_experts:
+        writer.add_expert_count(n_experts)
+        writer.add_expert_used_count(config["num_experts_per_tok"])
+        if model_type == "qwen3_moe":
+            writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+            writer.add_expert_weights_norm(bool(config.get("norm_topk_prob", False)))
     _tokenizer_metadata(writer, tok_dir, pre)
     held: dict[str, np.ndarray] = {}
     for key, w in tensors.items():
@@ -196,11 +227,19 @@ def write_gguf(
         if w.ndim == 1:
             data, values = w, w
             raw_dtype = gguf.GGMLQuantizationType.F32
+        elif w.ndim == 3:  # experts: each encoded as a 2-D weight, then stacked
+            raw_dtype = weight_type(key, w[0]) if callable(weight_type) else weight_type
+            pairs = [encode_tensor(e, raw_dtype, rng) for e in w]
+            data = np.stack([p[0] for p in pairs])
+            for e, (_, v) in enumerate(pairs):
+                head, _, proj = key.removesuffix(".weight").rpartition(".")
+                held[f"{head}.{e}.{proj}.weight"] = v
         else:
             raw_dtype = weight_type(key, w) if callable(weight_type) else weight_type
             data, values = encode_tensor(w, raw_dtype, rng)
-        held[key] = values
-        if arch == "llama" and (".q_proj." in key or ".k_proj." in key):
+        if w.ndim != 3:
+            held[key] = values
+        if permuted and (".q_proj." in key or ".k_proj." in key):
             n = heads if ".q_proj." in key else kv_heads
             data = permute(data, n)  # rows are whole blocks: permuting bytes = permuting rows
         writer.add_tensor(name, np.ascontiguousarray(data), raw_dtype=raw_dtype)

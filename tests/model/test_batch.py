@@ -114,7 +114,10 @@ def crowd(target: Seq) -> list[Seq]:
     ]
 
 
-@pytest.mark.parametrize("name", ["llama-gqa-f32", "qwen3-headdim-f16", "mistral-window-f32"])
+@pytest.mark.parametrize(
+    "name",
+    ["llama-gqa-f32", "qwen3-headdim-f16", "mistral-window-f32", "qwen3-moe-f32", "mixtral-f16"],
+)
 def test_greedy_tokens_are_the_same_alone_and_in_a_ragged_batch(name: str) -> None:
     model = loaded(name)
     target = Seq(1, prompt(1, 70), chunk=16, want=32, starts_at=2)

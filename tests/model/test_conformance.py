@@ -1,8 +1,9 @@
 """The engine against transformers, on the committed fixture checkpoints.
 
-``tools/make_fixtures.py`` recorded, for five tiny random checkpoints (llama GQA
+``tools/make_fixtures.py`` recorded, for tiny random checkpoints (llama GQA
 f32 sharded, llama tied + llama3 RoPE bf16, qwen2 biases f32, qwen3 head_dim
-f16, mistral sliding window f32), transformers' greedy continuation of three
+f16, mistral sliding window f32, qwen3_moe f32/bf16 and mixtral f32/f16
+mixtures of experts), transformers' greedy continuation of three
 prompts (one of ~290 tokens) and its logits. These tests need no torch: they
 load the directories with ``load_model`` and run them through a ``Batch``, the
 same path the server takes.
@@ -30,8 +31,9 @@ BLOCK = 32
 F32_RTOL = 1e-4
 # transformers computing *in* bf16 / f16 (not widened) drifts from float32 by the
 # activations' rounding: measured 1.3e-2..1.7e-2 (bf16, 8 mantissa bits) and
-# 1.3e-3..1.5e-3 (f16, 11 bits) relative to max |logit|.
-NATIVE_RTOL = {"bfloat16": 3e-2, "float16": 3e-3}
+# 1.3e-3..1.5e-3 (f16, 11 bits) relative to max |logit|; the f16 Mixtral fixture
+# 1.6e-3..3.2e-3 (a mixture of experts sums several experts' half-precision outputs).
+NATIVE_RTOL = {"bfloat16": 3e-2, "float16": 4e-3}
 
 
 def reference(name: str) -> tuple[dict, dict[str, np.ndarray]]:

@@ -9,7 +9,11 @@ in a handful of switches, each a field here:
 - ``mistral``: llama plus ``sliding_window`` (attention sees only the last W
   positions);
 - ``qwen2``: q/k/v biases always on, o_proj without bias;
-- ``qwen3``: per-head RMSNorm on q and k before RoPE, explicit ``head_dim``.
+- ``qwen3``: per-head RMSNorm on q and k before RoPE, explicit ``head_dim``;
+- ``qwen3_moe``: qwen3 attention, and a mixture of experts in place of the MLP
+  in the layers ``decoder_sparse_step`` / ``mlp_only_layers`` pick
+  (:class:`MoeConfig`, ``model/moe.py``);
+- ``mixtral``: mistral attention, a mixture of experts in every layer.
 
 Two spellings of RoPE coexist in the wild: checkpoints saved before transformers
 5 carry ``rope_theta`` and ``rope_scaling`` at the top level; transformers 5
@@ -31,7 +35,7 @@ from typing import Any
 
 from triollm.errors import ModelLoadError
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -55,6 +59,25 @@ class RopeScaling:
     # file's ``rope_freqs.weight`` tensor gives them (llama.cpp's converter writes
     # llama3 scaling this way, computed from the four numbers above)
     frequency_factors: tuple[float, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class MoeConfig:
+    """A mixture of experts in place of the dense MLP (qwen3_moe, mixtral).
+
+    Each row's router picks ``top_k`` of ``num_experts`` SwiGLU experts (each
+    ``intermediate_size`` wide); their outputs are summed, weighted by the
+    router's softmax probabilities, renormalised over the chosen ``top_k`` when
+    ``norm_topk_prob`` (always for Mixtral; a config field for Qwen3-MoE).
+    ``sparse_layers`` are the layers that carry experts; the others keep a dense
+    MLP of the model's ``intermediate_size``.
+    """
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    norm_topk_prob: bool
+    sparse_layers: frozenset[int]
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +108,7 @@ class ModelConfig:
     bos_token_id: int | None
     eos_token_ids: frozenset[int]
     torch_dtype: str  # the checkpoint's stated dtype ("float32", "bfloat16", ...)
+    moe: MoeConfig | None = None  # qwen3_moe, mixtral: experts in place of the MLP
 
     @property
     def kv_group_size(self) -> int:
@@ -146,13 +170,13 @@ class ModelConfig:
 
         if model_type == "qwen2":
             attention_bias, o_proj_bias = True, False
-        elif model_type == "mistral":
+        elif model_type in ("mistral", "mixtral"):
             attention_bias = o_proj_bias = False
         else:
             attention_bias = o_proj_bias = r.boolean("attention_bias", default=False)
 
         sliding_window: int | None = None
-        if model_type == "mistral":
+        if model_type in ("mistral", "mixtral"):
             sliding_window = r.positive_int("sliding_window", default=None)
         elif r.boolean("use_sliding_window", default=False):
             raise ModelLoadError(
@@ -173,11 +197,13 @@ class ModelConfig:
                 f"{source}: eos_token_id must be an integer or a list of integers, got {eos!r}"
             )
         dtype = d.get("torch_dtype", d.get("dtype", "float32"))
+        n_layers = r.positive_int("num_hidden_layers")
+        moe = _read_moe(r, model_type, n_layers) if model_type in ("qwen3_moe", "mixtral") else None
         return cls(
             model_type=model_type,
             hidden_size=hidden_size,
             intermediate_size=r.positive_int("intermediate_size"),
-            num_hidden_layers=r.positive_int("num_hidden_layers"),
+            num_hidden_layers=n_layers,
             num_attention_heads=n_heads,
             num_key_value_heads=n_kv,
             head_dim=head_dim,
@@ -189,12 +215,46 @@ class ModelConfig:
             tie_word_embeddings=r.boolean("tie_word_embeddings", default=False),
             attention_bias=attention_bias,
             o_proj_bias=o_proj_bias,
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
             sliding_window=sliding_window,
             bos_token_id=r.nonnegative_int("bos_token_id", default=None),
             eos_token_ids=eos_ids,
             torch_dtype=str(dtype) if dtype is not None else "float32",
+            moe=moe,
         )
+
+
+def _read_moe(r: _Reader, model_type: str, n_layers: int) -> MoeConfig:
+    """The experts of a qwen3_moe or mixtral config (see :class:`MoeConfig`).
+
+    Qwen3-MoE checkpoints on the hub spell the expert count ``num_experts``;
+    transformers 5 saves it as ``num_local_experts`` (Mixtral's name): both read.
+    """
+    src = r.source
+    if model_type == "mixtral":
+        n_experts = r.positive_int("num_local_experts")
+        width = r.positive_int("intermediate_size")
+        norm = True  # Mixtral always renormalises its top-k weights
+        sparse = frozenset(range(n_layers))
+    else:
+        key = "num_experts" if r.d.get("num_experts") is not None else "num_local_experts"
+        n_experts = r.positive_int(key)
+        width = r.positive_int("moe_intermediate_size")
+        norm = r.boolean("norm_topk_prob", default=False)
+        step = r.positive_int("decoder_sparse_step", default=1)
+        dense = r.d.get("mlp_only_layers") or []
+        if not isinstance(dense, list) or not all(_is_int(i) and 0 <= i < n_layers for i in dense):
+            raise ModelLoadError(
+                f"{src}: field 'mlp_only_layers' must be a list of layer indices "
+                f"0..{n_layers - 1}, got {dense!r}"
+            )
+        sparse = frozenset(i for i in range(n_layers) if i not in dense and (i + 1) % step == 0)
+    top_k = r.positive_int("num_experts_per_tok")
+    if top_k > n_experts:
+        raise ModelLoadError(
+            f"{src}: num_experts_per_tok ({top_k}) exceeds the number of experts ({n_experts})"
+        )
+    return MoeConfig(n_experts, top_k, width, norm, sparse)
 
 
 def _is_int(v: object) -> bool:

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -43,8 +44,14 @@ from triollm.errors import ModelLoadError
 from triollm.model.config import ModelConfig, RopeScaling
 from triollm.model.quant import QuantizedTensor, QuantType
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe")  # llama + experts: Mixtral
 _PERMUTED_ARCHITECTURES = ("llama",)  # q/k rows interleaved by the converter
+# general.architecture -> our model_type; a "llama" file with experts is Mixtral
+_MODEL_TYPE = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe"}
+# an expert's projection, by HF key: the group of experts and the projection name
+_EXPERT_KEY = re.compile(
+    r"^(model\.layers\.\d+\.(?:mlp|block_sparse_moe)\.experts)\.(\d+)\.(\w+)\.weight$"
+)
 
 
 def is_gguf(path: str | os.PathLike[str]) -> bool:
@@ -191,7 +198,7 @@ class GGUFFile:
         g = self.get
         heads = g(f"{arch}.attention.head_count", "int")
         d: dict[str, Any] = {
-            "model_type": arch,
+            "model_type": _MODEL_TYPE[arch],
             "hidden_size": g(f"{arch}.embedding_length", "int"),
             "intermediate_size": g(f"{arch}.feed_forward_length", "int"),
             "num_hidden_layers": g(f"{arch}.block_count", "int"),
@@ -207,6 +214,9 @@ class GGUFFile:
             "eos_token_id": g("tokenizer.ggml.eos_token_id", "int", None),
             "torch_dtype": self.weight_type(),
         }
+        experts = g(f"{arch}.expert_count", "int", 0)
+        if experts:
+            d |= self._moe(arch, experts, d["num_hidden_layers"])
         scaling = g(f"{arch}.rope.scaling.type", "str", "none")
         if scaling == "linear":
             d["rope_scaling"] = {
@@ -227,6 +237,31 @@ class GGUFFile:
         if "rope_freqs.weight" in self.tensors:
             config = self._with_frequency_factors(config)
         return config
+
+    def _moe(self, arch: str, experts: int, n_layers: int) -> dict[str, Any]:
+        """The config fields of a mixture of experts (``{arch}.expert_*`` keys).
+
+        A "llama" file with experts is Mixtral (llama.cpp writes Mixtral so). GGUF
+        has no ``mlp_only_layers``: a layer is sparse when it has a router tensor
+        (``blk.N.ffn_gate_inp``). llama.cpp renormalises qwen3moe's top-k weights
+        unless ``expert_weights_norm`` says otherwise, and always Mixtral's.
+        """
+        g = self.get
+        sparse = [i for i in range(n_layers) if f"blk.{i}.ffn_gate_inp.weight" in self.tensors]
+        used = g(f"{arch}.expert_used_count", "int")
+        if arch == "llama":
+            return {
+                "model_type": "mixtral",
+                "num_local_experts": experts,
+                "num_experts_per_tok": used,
+            }
+        return {
+            "num_experts": experts,
+            "num_experts_per_tok": used,
+            "moe_intermediate_size": g(f"{arch}.expert_feed_forward_length", "int"),
+            "norm_topk_prob": g(f"{arch}.expert_weights_norm", "bool", True),
+            "mlp_only_layers": [i for i in range(n_layers) if i not in sparse],
+        }
 
     def _with_frequency_factors(self, config: ModelConfig) -> ModelConfig:
         """Llama 3.1+ files: RoPE frequency ``i`` divided by ``rope_freqs.weight[i]``
@@ -287,6 +322,39 @@ class GGUFFile:
             )
         return QuantizedTensor(qtype, (shape[0], shape[1]), data.reshape(shape[0], -1))
 
+    def expert(self, name: str, index: int) -> np.ndarray | QuantizedTensor:
+        """Expert ``index`` of the 3-D tensor ``name`` (``blk.N.ffn_gate_exps`` ...).
+
+        llama.cpp stores a layer's experts as one ``(experts, rows, cols)`` tensor
+        per projection; expert ``e`` is the ``e``-th run of whole rows, so a
+        quantized expert is a view of its blocks, like any 2-D weight (no copy).
+        """
+        t = self.tensors.get(name)
+        if t is None:
+            raise ModelLoadError(f"{self.path}: tensor {name!r} is missing")
+        shape = tuple(int(s) for s in reversed(t.shape.tolist()))
+        if len(shape) != 3 or not 0 <= index < shape[0]:
+            raise ModelLoadError(
+                f"{self.path}: tensor {name!r} has shape {shape}; expected 3-D "
+                f"(experts, rows, cols) with an expert {index}"
+            )
+        n, rows, cols = shape
+        data = np.asarray(t.data)
+        from gguf import GGMLQuantizationType as G
+
+        if t.tensor_type in (G.F32, G.F16):
+            return data.reshape(shape)[index]
+        if t.tensor_type == G.BF16:
+            return data.view(np.uint16).reshape(shape)[index]
+        try:
+            qtype = QuantType(int(t.tensor_type))
+        except ValueError:
+            raise ModelLoadError(
+                f"{self.path}: tensor {name!r} has type {t.tensor_type.name}, "
+                "which is not supported"
+            ) from None
+        return QuantizedTensor(qtype, (rows, cols), data.reshape(n, rows, -1)[index])
+
 
 class GGUFSource:
     """A :class:`~triollm.model.weights.TensorSource` over a GGUF file, by HF tensor names."""
@@ -300,11 +368,15 @@ class GGUFSource:
             "llama": gguf.MODEL_ARCH.LLAMA,
             "qwen2": gguf.MODEL_ARCH.QWEN2,
             "qwen3": gguf.MODEL_ARCH.QWEN3,
-        }[config.model_type]
+            "qwen3moe": gguf.MODEL_ARCH.QWEN3MOE,
+        }[file.architecture]
         self._names = gguf.get_tensor_name_map(arch, config.num_hidden_layers)
-        self._permuted = config.model_type in _PERMUTED_ARCHITECTURES
+        self._permuted = file.architecture in _PERMUTED_ARCHITECTURES
 
     def gguf_name(self, key: str) -> str:
+        expert = _EXPERT_KEY.match(key)
+        if expert:  # one expert of a layer's 3-D tensor: named without the index
+            key = f"{expert[1]}.{expert[3]}.weight"
         name = self._names.get_name(key, try_suffixes=(".weight", ".bias"))
         if name is None:
             raise ModelLoadError(f"{self.file.path}: no GGUF tensor corresponds to {key!r}")
@@ -318,6 +390,9 @@ class GGUFSource:
         name = self.gguf_name(key)
         if name not in self.file.tensors:
             raise ModelLoadError(f"{self.file.path}: tensor {name!r} (for {key!r}) is missing")
+        expert = _EXPERT_KEY.match(key)
+        if expert:
+            return self.file.expert(name, int(expert[2]))
         t = self.file.tensor(name)
         if self._permuted and (".attn_q." in name or ".attn_k." in name):
             c = self.config

@@ -39,6 +39,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -46,6 +47,7 @@ from triollm.errors import ModelLoadError
 from triollm.model import kernels
 from triollm.model.config import ModelConfig
 from triollm.model.matmul import PreparedWeight, linear, prepare
+from triollm.model.moe import Expert, MoeBlock, expert_keys, router_key
 from triollm.model.quant import QuantizedTensor, stack_rows
 from triollm.model.weights import (
     TensorSource,
@@ -121,8 +123,10 @@ class LlamaLayer:
     q_norm: np.ndarray | None  # (head_dim,) float32, qwen3
     k_norm: np.ndarray | None  # (head_dim,) float32, qwen3
     post_attention_layernorm: np.ndarray  # (hidden,) float32
-    gate_up_proj: PreparedWeight  # [gate_proj; up_proj]: [2 * intermediate, hidden]
-    down_proj: PreparedWeight  # [hidden, intermediate]
+    # the MLP: dense SwiGLU, or (qwen3_moe / mixtral sparse layers) experts, never both
+    gate_up_proj: PreparedWeight | None  # [gate_proj; up_proj]: [2 * intermediate, hidden]
+    down_proj: PreparedWeight | None  # [hidden, intermediate]
+    moe: MoeBlock | None = None  # router + experts (moe.py)
 
 
 class _Scratch:
@@ -148,7 +152,7 @@ class _Scratch:
 
 
 class LlamaModel:
-    """Llama / Mistral / Qwen2 / Qwen3 decoder weights plus a ragged forward pass.
+    """Llama / Mistral / Qwen2 / Qwen3 (+ MoE) decoder weights plus a ragged forward pass.
 
     ``weights`` is an in-memory ``{checkpoint key: array}`` mapping, a getter
     ``key -> array``, or a :class:`~triollm.model.weights.TensorSource` (a
@@ -196,8 +200,7 @@ class LlamaModel:
                     q_norm=self._vector(p + "self_attn.q_norm.weight") if c.qk_norm else None,
                     k_norm=self._vector(p + "self_attn.k_norm.weight") if c.qk_norm else None,
                     post_attention_layernorm=self._vector(p + "post_attention_layernorm.weight"),
-                    gate_up_proj=self._fused(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
-                    down_proj=self._linear(p + "mlp.down_proj.weight"),
+                    **self._mlp(i),  # gate_up_proj, down_proj, moe
                 )
             )
         self.norm = self._vector("model.norm.weight")  # (hidden,) float32
@@ -238,6 +241,24 @@ class LlamaModel:
             )
         return arr
 
+    def _mlp(self, i: int) -> dict[str, Any]:
+        """Layer ``i``'s MLP fields: dense SwiGLU, or a sparse layer's experts."""
+        c = self.config
+        if c.moe is not None and i in c.moe.sparse_layers:
+            experts = []
+            for e in range(c.moe.num_experts):
+                gate, up, down = expert_keys(c, i, e)
+                experts.append(Expert(self._fused(gate, up), self._linear(down)))
+            block = MoeBlock(
+                self._linear(router_key(c, i)), experts, c.moe.top_k, c.moe.norm_topk_prob
+            )
+            return {"gate_up_proj": None, "down_proj": None, "moe": block}
+        p = f"model.layers.{i}.mlp."
+        return {
+            "gate_up_proj": self._fused(p + "gate_proj.weight", p + "up_proj.weight"),
+            "down_proj": self._linear(p + "down_proj.weight"),
+        }
+
     def _vector(self, key: str) -> np.ndarray:
         return to_f32(self._take(key))
 
@@ -277,7 +298,7 @@ class LlamaModel:
         ):
             total += self.lm_head.nbytes  # untied, or a tied head prepared into its own buffer
         for layer in self.layers:
-            for value in vars(layer).values():
+            for value in vars(layer).values():  # a MoeBlock counts every expert
                 if value is not None:
                     total += value.nbytes
         return int(total)
@@ -396,11 +417,15 @@ class LlamaModel:
             x += proj
             # mlp rmsnorm
             kernels.rms_norm(x, layer.post_attention_layernorm, self.eps, xn)
-            # SwiGLU: down(silu(gate(x)) * up(x)) + residual
-            linear(xn, layer.gate_up_proj, out=gate_up)
-            kernels.silu_mul(gate_up, gate)
-            linear(gate, layer.down_proj, out=proj)
-            x += proj
+            if layer.moe is not None:
+                # a sparse layer: each row's top-k experts, batched by expert (moe.py)
+                layer.moe.forward(xn, proj)
+            elif layer.gate_up_proj is not None and layer.down_proj is not None:
+                # SwiGLU: down(silu(gate(x)) * up(x))
+                linear(xn, layer.gate_up_proj, out=gate_up)
+                kernels.silu_mul(gate_up, gate)
+                linear(gate, layer.down_proj, out=proj)
+            x += proj  # residual
 
         # final norm + output head, only on the rows that are sampled
         h = x[rows.sampled]  # (n_sampled, hidden) float32, a copy

@@ -78,7 +78,8 @@ def decode_weight_bytes(model: Any) -> int:
     for layer in model.layers:
         # q/k/v and gate/up are fused into one prepared weight each (llama.py)
         for w in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj):
-            total += int(w.nbytes)
+            if w is not None:  # None: the dense MLP of a sparse (MoE) layer
+                total += int(w.nbytes)
     return total
 
 

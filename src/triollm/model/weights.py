@@ -266,6 +266,11 @@ def expected_shapes(config: Any) -> dict[str, tuple[int, ...]]:
             shapes[p + "self_attn.q_norm.weight"] = (c.head_dim,)
             shapes[p + "self_attn.k_norm.weight"] = (c.head_dim,)
         shapes[p + "post_attention_layernorm.weight"] = (h,)
+        if c.moe is not None and i in c.moe.sparse_layers:
+            from triollm.model.moe import moe_shapes  # model/moe.py imports this module
+
+            shapes.update(moe_shapes(c, i))
+            continue
         shapes[p + "mlp.gate_proj.weight"] = (c.intermediate_size, h)
         shapes[p + "mlp.up_proj.weight"] = (c.intermediate_size, h)
         shapes[p + "mlp.down_proj.weight"] = (h, c.intermediate_size)
