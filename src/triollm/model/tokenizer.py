@@ -32,6 +32,7 @@ import json
 import os
 import re
 import time
+import unicodedata
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
@@ -126,6 +127,21 @@ class ChatTemplateError(Exception):
     """The model's chat template failed (it crashed, tried an unsafe operation, or ran
     past its time or size bound). A server configuration problem, not the client's:
     the HTTP edge answers 500 ``chat_template_error``, and the start-up probe reports it."""
+
+
+class TooManyTokens(UserError):
+    """A text holds more tokens than ``limit`` for certain, found before tokenizing it
+    (:meth:`Tokenizer.at_least_tokens`). ``at_least`` is the bound, ``size_bytes`` the
+    text's UTF-8 size: the HTTP edge answers 400 ``context_length_exceeded``."""
+
+    def __init__(self, at_least: int, limit: int, size_bytes: int, per_token: int) -> None:
+        super().__init__(
+            f"the prompt as rendered is {size_bytes} bytes, at least {at_least} tokens (one "
+            f"token of this model stands for at most {per_token} bytes), past the limit of "
+            f"{limit} tokens"
+        )
+        self.at_least = at_least
+        self.limit = limit
 
 
 def _raise_exception(message: str) -> None:
@@ -314,6 +330,8 @@ class Tokenizer:
         )
         self._plain: _HFTokenizer | None = None
         self._max_chars: int | None = None
+        self._max_bytes: int | None = None
+        self._normal: tuple[str | None, int] | None = None
         # Ids that decode(skip_special_tokens=True) drops: the detokenizer skips them too.
         self.special_token_ids: frozenset[int] = frozenset(
             tid for tid, added in hf.get_added_tokens_decoder().items() if added.special
@@ -423,14 +441,19 @@ class Tokenizer:
 
     # -- encode / decode -------------------------------------------------------------------
 
-    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+    def encode(
+        self, text: str, *, add_special_tokens: bool = True, limit: int | None = None
+    ) -> list[int]:
         """Token ids for ``text``; BOS first when the model wants it and it is not there yet.
 
         Special tokens written in the text (``<|im_start|>``) become their ids, as in
         transformers. We run the tokenizers pipeline without its post-processor and add
         BOS ourselves, so ``add_bos_token`` from the config is the single source of truth.
+        ``limit``: a text that certainly holds more tokens is refused before it is
+        tokenized (:class:`TooManyTokens`).
         """
-        ids: list[int] = self._hf.encode(text, add_special_tokens=False).ids
+        self._check_limit(text, limit)
+        ids: list[int] = _encode(self._hf, text).ids
         if (
             add_special_tokens
             and self.add_bos
@@ -447,7 +470,10 @@ class Tokenizer:
         drops the leading space of the first token, and a byte-level model prints U+FFFD
         for a character whose bytes are cut. Stream with :class:`IncrementalDetokenizer`.
         """
-        return str(self._hf.decode(list(ids), skip_special_tokens=skip_special_tokens))
+        # decode_batch drops the GIL while it works; decode holds it (a 1M-token decode
+        # would freeze the event loop).
+        out = self._hf.decode_batch([list(ids)], skip_special_tokens=skip_special_tokens)
+        return str(out[0])
 
     def to_json(self) -> str:
         """The whole tokenizer as ``tokenizer.json`` text (what llguidance builds its
@@ -463,6 +489,49 @@ class Tokenizer:
             vocab = self._hf.get_vocab(with_added_tokens=True)
             self._max_chars = max((len(t) for t in vocab), default=1) or 1
         return self._max_chars
+
+    @property
+    def max_token_bytes(self) -> int:
+        """The most bytes of (normalized) text one token stands for: the longest vocabulary
+        entry, added tokens included, counted in the bytes it covers (a byte-level
+        vocabulary spells each byte as one character; ``▁`` stands for a space)."""
+        if self._max_bytes is None:
+            vocab = self._hf.get_vocab(with_added_tokens=True)
+            added = {a.content for a in self._hf.get_added_tokens_decoder().values()}
+            longest = 1
+            for piece in vocab:
+                if piece not in added and all(c in _BYTE_LEVEL for c in piece):
+                    size = len(piece)  # byte-level: one character per byte
+                else:
+                    size = len(piece.replace("\u2581", " ").encode("utf-8"))
+                longest = max(longest, size)
+            self._max_bytes = longest
+        return self._max_bytes
+
+    def at_least_tokens(self, text: str) -> int:
+        """A lower bound on the tokens of ``text``, cheap enough to refuse a text before
+        tokenizing it: its bytes (after the normalizer's Unicode form, which may
+        shrink it) over :attr:`max_token_bytes`. Tight for ordinary text only in the
+        sense that no token is longer; a normalizer we cannot follow (lowercasing,
+        stripping) gets a margin of 2."""
+        form, margin = self._normal_form()
+        if form is not None:
+            text = unicodedata.normalize(form, text)
+        return len(text.encode("utf-8", "surrogatepass")) // (self.max_token_bytes * margin)
+
+    def _normal_form(self) -> tuple[str | None, int]:
+        if self._normal is None:
+            spec = json.loads(self._hf.to_str()).get("normalizer")
+            self._normal = _normalizer_bound(spec)
+        return self._normal
+
+    def _check_limit(self, text: str, limit: int | None) -> None:
+        if limit is None:
+            return
+        at_least = self.at_least_tokens(text)
+        if at_least > limit:
+            size = len(text.encode("utf-8", "surrogatepass"))
+            raise TooManyTokens(at_least, limit, size, self.max_token_bytes)
 
     def token_text(self, token_id: int) -> str | None:
         """The vocabulary string of one id (``"Ġthe"``, ``"▁the"``, ``"<0xF0>"``), or None."""
@@ -593,8 +662,13 @@ class Tokenizer:
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
         template_kwargs: Mapping[str, Any] | None = None,
+        limit: int | None = None,
     ) -> list[int]:
         """Token ids of the rendered conversation, with exactly one BOS when the model has one.
+
+        ``limit``: a rendering that certainly holds more tokens (everything the template
+        wrote: every message, name, tool and variable) is refused before it is
+        tokenized (:class:`TooManyTokens`).
 
         Control tokens come from the template only. A message whose text spells one
         (``<|im_end|>`` typed by a user, to forge a system turn) gets it as plain text:
@@ -609,6 +683,7 @@ class Tokenizer:
             tools=tools,
             template_kwargs=template_kwargs,
         )
+        self._check_limit(text, limit)
         forged = [
             i
             for i, m in enumerate(messages)
@@ -617,7 +692,7 @@ class Tokenizer:
             and self._control_re.search(m["content"])
         ]
         if not forged:
-            return self.encode(text, add_special_tokens=True)
+            return self.encode(text, add_special_tokens=True)  # limit checked above
         spans = self._content_spans(messages, text, add_generation_prompt, tools, template_kwargs)
         if spans is None:
             i = forged[0]
@@ -628,13 +703,11 @@ class Tokenizer:
                 "changes the text it is given, so it cannot be kept as plain text: "
                 "remove it from the message"
             )
-        enc = self._hf.encode(text, add_special_tokens=False)
+        enc = _encode(self._hf, text)
         ids: list[int] = []
         for tid, (start, end) in zip(enc.ids, enc.offsets, strict=True):
             if tid in self.special_token_ids and any(a <= start and end <= b for a, b in spans):
-                ids.extend(
-                    self._plain_pipeline().encode(text[start:end], add_special_tokens=False).ids
-                )
+                ids.extend(_encode(self._plain_pipeline(), text[start:end]).ids)
             else:
                 ids.append(tid)
         if (
@@ -701,6 +774,46 @@ class Tokenizer:
             pos = m.end()
         out.append(skeleton[pos:])
         return spans if "".join(out) == text else None
+
+
+def _encode(hf: _HFTokenizer, text: str) -> Any:
+    """``hf.encode(text)`` without the post-processor, with the GIL released.
+
+    ``encode`` holds the GIL for the whole call: a 1.3M-character text held every
+    other thread (the event loop) for 3-10 s on this machine. ``encode_batch`` does
+    the same work with the GIL dropped (the neighbour's gap fell to 0.1-0.3 s at the
+    same size, busy machine; docs/reliability.md has the figures)."""
+    return hf.encode_batch([text], add_special_tokens=False)[0]
+
+
+# Normalizers whose effect on the byte count is known: none (the text as it is), a
+# space spelled as "▁" (longer), a prefix (longer), Unicode composition (may shrink:
+# followed by normalizing the same way before counting).
+_GROWING = {"Prepend"}
+_FORMS = {"NFC": "NFC", "NFKC": "NFKC", "NFD": "NFD", "NFKD": "NFKD"}
+
+
+def _normalizer_bound(spec: Any) -> tuple[str | None, int]:
+    """(Unicode form to apply before counting, margin) for a tokenizer.json normalizer."""
+    if spec is None:
+        return None, 1
+    kind = spec.get("type")
+    if kind == "Sequence":
+        forms = [_normalizer_bound(n) for n in spec.get("normalizers") or ()]
+        named = [f for f, _ in forms if f is not None]
+        margin = max((m for _, m in forms), default=1)
+        if len(named) > 1:
+            return None, 2
+        return (named[0] if named else None), margin
+    if kind in _GROWING:
+        return None, 1
+    if kind == "Replace":
+        pattern = spec.get("pattern") or {}
+        grows = pattern.get("String") == " " and len(str(spec.get("content", "")).encode()) >= 1
+        return None, 1 if grows else 2
+    if kind in _FORMS:
+        return _FORMS[kind], 1
+    return None, 2
 
 
 def _cut(text: str, limit: int = 300) -> str:
