@@ -50,7 +50,7 @@ from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 from triollm.admission import QueueClosed, Refusal
 from triollm.errors import FieldError, UserError
 from triollm.model.constrained import JSON_OPTIONS, GrammarKind, GrammarSpec
-from triollm.model.tokenizer import ChatTemplateError
+from triollm.model.tokenizer import ChatTemplateError, TooManyTokens
 from triollm.outcomes import Refused
 from triollm.scheduler import Infeasible
 from triollm.server import sse
@@ -408,7 +408,10 @@ def _prompt_ids(req: GenerationRequest, model: ServedModel) -> list[int]:
         ids = list(req.prompt_ids)
         what = "holds token id"
     elif req.prompt_text is not None:
-        ids = list(tokenizer.encode(req.prompt_text))
+        try:
+            ids = list(tokenizer.encode(req.prompt_text, limit=model.context_tokens))
+        except TooManyTokens as exc:
+            raise _too_long(exc, "prompt") from None
         what = "encodes to token id"
     else:
         assert req.messages is not None
@@ -423,9 +426,14 @@ def _prompt_ids(req: GenerationRequest, model: ServedModel) -> list[int]:
         try:
             ids = list(
                 tokenizer.encode_chat(
-                    messages, tools=tools, template_kwargs=dict(req.template_kwargs)
+                    messages,
+                    tools=tools,
+                    template_kwargs=dict(req.template_kwargs),
+                    limit=model.context_tokens,
                 )
             )
+        except TooManyTokens as exc:
+            raise _too_long(exc, "messages") from None
         except FieldError as exc:  # a template variable the server sets itself
             raise ApiError(400, str(exc), param=exc.field) from None
         except UserError as exc:
@@ -450,6 +458,16 @@ def _prompt_ids(req: GenerationRequest, model: ServedModel) -> list[int]:
             param=param,
         )
     return ids
+
+
+def _too_long(exc: TooManyTokens, param: str) -> ApiError:
+    """A text refused before tokenizing (Tokenizer.at_least_tokens): the context's 400."""
+    return ApiError(
+        400,
+        f"'{param}': {exc} (this server's maximum context length)",
+        param=param,
+        code="context_length_exceeded",
+    )
 
 
 def _tool_format(req: GenerationRequest, model: ServedModel) -> ToolCallFormat | None:
