@@ -516,7 +516,7 @@ class Tokenizer:
         stripping) gets a margin of 2."""
         form, margin = self._normal_form()
         if form is not None:
-            text = unicodedata.normalize(form, text)
+            text = unicodedata.normalize(form, text)  # type: ignore[arg-type]
         return len(text.encode("utf-8", "surrogatepass")) // (self.max_token_bytes * margin)
 
     def _normal_form(self) -> tuple[str | None, int]:
