@@ -32,8 +32,10 @@ bench-engine *ARGS:
 bench-serve *ARGS:
     triollm bench serve {{ARGS}}
 
-# triollm vs llama.cpp, alternating (not in CI): build llama.cpp (cached), convert, measure,
-# write docs/performance.md's peer tables and plots; steps: build models ready run tables all
+# triollm vs llama.cpp (not in CI; ~35 min): build llama.cpp (cached), fetch the models, 3
+# guarded alternating rounds, write docs/performance.md's results section and plots.
+# Steps: build models ready guard run tables all; a subset: `just bench-peers run --models
+# qwen1.5b --parts decode,serve` then `just bench-peers tables`
 bench-peers *ARGS:
     python tools/bench_peers.py {{ARGS}}
 

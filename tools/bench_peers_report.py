@@ -1,12 +1,14 @@
-"""docs/performance.md's side-by-side section and its plots, from `bench_peers.py run`'s JSON.
+"""docs/performance.md's results section and its plots, from one `bench_peers.py run`.
 
-    python tools/bench_peers.py tables [--results DIR]
+    python tools/bench_peers.py tables [--results DIR] [--no-doc]
 
-reads ``DIR/engine.jsonl``, ``DIR/serve.jsonl`` and ``DIR/meta.json`` (default: the
-latest run under ~/.cache/triollm/peers/results), prints the ratio tables, replaces
-the text between the ``bench-peers`` markers in docs/performance.md and draws
-docs/img/peers-serve.png and docs/img/peers-decode.png (matplotlib: the ``plots``
-extra). Every figure in the tables is a median over the alternating rounds.
+reads ``DIR/records.jsonl``, ``DIR/rounds.jsonl`` and ``DIR/meta.json`` (default: the
+latest run under ~/.cache/triollm/peers/results), writes ``DIR/summary.json``, prints
+the tables, replaces the text between the ``bench-peers`` markers in
+docs/performance.md and draws docs/img/peers-decode.png and docs/img/peers-serve.png
+(matplotlib: the ``plots`` extra). The section holds nothing but what this run
+measured: every ratio with its per-round values, busy rounds marked, the verdict
+"not established" where the quiet rounds disagree (``triollm.bench.rounds``).
 """
 
 from __future__ import annotations
@@ -16,22 +18,28 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from triollm.bench.compare import ENGINE_METRICS, SERVE_METRICS, ratio_table
+from triollm.bench.compare import Metric
+from triollm.bench.rounds import TABLE_HEAD, Summary, pair_rounds, table_row
 
 REPO = Path(__file__).resolve().parents[1]
 DOC = REPO / "docs" / "performance.md"
 IMG = REPO / "docs" / "img"
 BEGIN = "<!-- bench-peers:begin (written by tools/bench_peers.py tables; edit the tool) -->"
 END = "<!-- bench-peers:end -->"
-BUSY_BEGIN = "<!-- bench-peers-busy:begin (written by tools/bench_peers.py tables) -->"
-BUSY_END = "<!-- bench-peers-busy:end -->"
 
-# SmolLM2-135M's shape (docs/performance.md, "The floor"): the weights a decode step
-# reads, and the K/V bytes one sequence reads per position of context (float32 K/V).
-HIDDEN, INTER, LAYERS, KV_DIM, VOCAB = 576, 1536, 30, 192, 49152
-WEIGHTS = LAYERS * (2 * HIDDEN * HIDDEN + 2 * KV_DIM * HIDDEN + 3 * INTER * HIDDEN) + VOCAB * HIDDEN
-KV_BYTES_PER_POSITION = LAYERS * KV_DIM * 4 * 2
-COLORS = {"32-bit": "tab:blue", "16-bit": "tab:orange"}
+ENGINE = (Metric("tok_s", "tok/s", True),)
+SERVE = (
+    Metric("aggregate_tok_s", "aggregate tok/s", True),
+    Metric("ttft_ms.p50", "TTFT p50 ms", False),
+    Metric("itl_ms.p50", "ITL p50 ms", False),
+    Metric("itl_ms.p99", "ITL p99 ms", False),
+)
+PART_TITLES = {
+    "decode": "Decode (`llama-batched-bench` vs `bench_gguf.py --workload decode`)",
+    "prefill": "Prefill (`llama-bench -p` vs `bench_gguf.py --workload prefill`)",
+    "depth": "Decode after a long context (`llama-bench -d` vs `bench_gguf.py --workload depth`)",
+    "serve": "Server (`llama-server` vs `triollm serve`, loaded by `triollm bench serve`)",
+}
 
 
 def read(path: Path) -> list[dict[str, Any]]:
@@ -40,316 +48,257 @@ def read(path: Path) -> list[dict[str, Any]]:
     return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
 
 
-def _med(xs: list[float]) -> float | None:
-    return statistics.median(xs) if xs else None
+def _row_order(row: str) -> tuple:
+    """decode b=1 < b=4 < b=16; c=1 < c=8; prefill 512 < 2048."""
+    num = "".join(ch if ch.isdigit() else " " for ch in row).split()
+    return (row.split(" ")[0].split("=")[0], [int(n) for n in num])
 
 
-def _loads(records: list[dict[str, Any]]) -> str:
-    vals = [r["load_avg"][0] for r in records if r.get("load_avg")]
-    vals += [r["machine"]["load_avg"][0] for r in records if r.get("machine")]
-    vals += [r["load_avg_end"][0] for r in records if r.get("load_avg_end")]
-    return f"{min(vals):.1f}-{max(vals):.1f}" if vals else "n/a"
-
-
-def engine_section(engine: list[dict[str, Any]], meta: dict[str, Any]) -> list[str]:
-    if not engine:
-        return []
-    new = meta.get("new_tokens", 128)
-    out = [
-        "### Engine: `bench_engine.py` vs `llama-batched-bench` / `llama-bench`",
-        "",
-        f"Decode: a 32-token prompt then {new} tokens per sequence (llama.cpp's S_TG; "
-        f"bench-engine's ragged steps at the same mean context, {32 + new // 2}, on random "
-        "weights of "
-        "the same shape: the speed of a step does not depend on the values)."
-        + (
-            " Prefill: one 512-token prompt (`llama-bench -p 512 -n 0`)."
-            if any(r.get("step") == "prefill" for r in engine)
-            else ""
-        ),
-        "",
-    ]
-    for width in ("32-bit", "16-bit"):
-        ours = [r for r in engine if r["system"] == "triollm" and r["row"].endswith(width)]
-        peer = [r for r in engine if r["system"] == "llama.cpp" and r["row"].endswith(width)]
-        if not ours or not peer:
-            continue
-        names = f"triollm {ours[0]['dtype']} vs llama.cpp {peer[0]['dtype']}"
-        out += [f"**{width} weights ({names}), tok/s, load average {_loads(ours + peer)}**", ""]
-        out += [ratio_table(ours, peer, ENGINE_METRICS, ours_name="triollm", peer_name="llama.cpp")]
-        out += [""]
-    return out
-
-
-def serve_section(serve: list[dict[str, Any]]) -> list[str]:
-    if not serve:
-        return []
-    out = [
-        "### Server: `triollm serve --slots 16` vs `llama-server -np 16 -cb`",
-        "",
-        "`triollm bench serve --concurrency 1,4,8,16 --requests-per-stream 2 "
-        "--prompt-tokens 32 --max-tokens 128` against each (token-id prompts, streaming, "
-        "ignore_eos), SmolLM2-135M-Instruct, 512 positions per slot on both.",
-        "",
-    ]
-    for width in ("32-bit", "16-bit"):
-        ours = [r for r in serve if r["system"] == "triollm" and r.get("weights") == width]
-        peer = [r for r in serve if r["system"] == "llama.cpp" and r.get("weights") == width]
-        if not ours or not peer:
-            continue
-        names = f"`triollm serve` {ours[0]['dtype']} vs `llama-server` {peer[0]['dtype']}"
-        out += [f"**{width} weights ({names}), load average {_loads(ours + peer)}**", ""]
-        out += [ratio_table(ours, peer, SERVE_METRICS, ours_name="triollm", peer_name="llama")]
-        bad = [
-            f"{r['system']} {r['row']} round {r['round']}: {r['by_outcome']} {r['problems']}"
-            for r in ours + peer
-            if r["ok"] != r["requests"] or r["problems"]
-        ]
-        out += ["", "Requests not completed cleanly: " + ("; ".join(bad) if bad else "none."), ""]
-    return out
-
-
-def busy_section(busy: list[dict[str, Any]]) -> list[str]:
-    """Decode tok/s quiet and with one core taken, and how far each system falls."""
-    if not busy:
-        return []
-    out = [
-        "### A busy machine: one core taken by a competing process",
-        "",
-        "The decode runs of the side-by-side section (`--parts busy`), each round quiet "
-        f"and then with `python -c '{busy[0]['competitor']}'` spinning beside it for the "
-        "whole run. The fall is "
-        "quiet / busy tok/s (1.00x: no loss; 2.00x: half the speed); the last column is "
-        "triollm's fall / llama.cpp's (at or below 1.00x: triollm falls no further).",
-        "",
-        "| weights | batch | triollm quiet | triollm busy | triollm fall "
-        "| llama.cpp quiet | llama.cpp busy | llama.cpp fall | fall ratio |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
-    ]
-    for width in ("32-bit", "16-bit"):
-        for batch in sorted({r["batch"] for r in busy}):
-
-            def tok_s(system: str, b: int, width: str = width, batch: int = batch) -> float | None:
-                return _med(
-                    [
-                        r["tok_s"]
-                        for r in busy
-                        if r["system"] == system
-                        and r["busy"] == b
-                        and r["batch"] == batch
-                        and r["row"].endswith(width)
-                        and r.get("step", "decode") == "decode"
-                    ]
-                )
-
-            ours = (tok_s("triollm", 0), tok_s("triollm", 1))
-            peer = (tok_s("llama.cpp", 0), tok_s("llama.cpp", 1))
-            if None in ours or None in peer:
-                continue
-            fall_ours, fall_peer = ours[0] / ours[1], peer[0] / peer[1]
-            out.append(
-                f"| {width} | {batch} | {ours[0]:.1f} | {ours[1]:.1f} | {fall_ours:.2f}x "
-                f"| {peer[0]:.1f} | {peer[1]:.1f} | {fall_peer:.2f}x "
-                f"| {fall_ours / fall_peer:.2f}x |"
+def summaries(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One entry per model, part, row and metric: the rounds paired (``rounds.Summary``)."""
+    ok = [r for r in records if "error" not in r]
+    busy = {(r["model"], r["part"], r["round"]) for r in ok if r.get("busy")}
+    out = []
+    keys = sorted({(r["model"], r["part"], r["row"]) for r in ok}, key=lambda k: k[:2])
+    for model, part, row in keys:
+        for metric in SERVE if part == "serve" else ENGINE:
+            side: dict[str, dict[int, float]] = {"triollm": {}, "llama.cpp": {}}
+            for r in ok:
+                if (r["model"], r["part"], r["row"]) == (model, part, row):
+                    v = metric.of(r)
+                    if v is not None and r["system"] in side:
+                        side[r["system"]][r["round"]] = v
+            rounds = pair_rounds(
+                side["triollm"],
+                side["llama.cpp"],
+                {rnd for (m, p, rnd) in busy if (m, p) == (model, part)},
             )
-    out += ["", f"Load average over these runs: {_loads(busy)}.", ""]
+            if rounds:
+                s = Summary(rounds, metric.higher_is_better)
+                out.append(
+                    {"model": model, "part": part, "row": row, "metric": metric.label, "s": s}
+                )
     return out
 
 
-def _header(
-    meta: dict[str, Any], records: list[dict[str, Any]], results: Path, bw: float | None
-) -> str:
-    rounds = sorted({r["round"] for r in records if "round" in r})
-    end = meta.get("date_end") or max((r.get("date", "") for r in records), default="?")
-    return (
-        f"Command: `{meta.get('command') or 'python tools/bench_peers.py run'}` then "
-        f"`python tools/bench_peers.py tables`, "
-        f"{meta['date']} to {end}; {len(rounds)} of {meta['rounds']} round(s) completed. Machine: "
-        f"{meta['cpu']}, {meta['cores']} cores"
-        + (
-            f", measured bandwidth {bw:.1f} GB/s (bench-engine's streaming read, median of "
-            "the rounds' best)"
-            if bw
-            else ""
-        )
-        + (
-            f", sgemm {meta['sgemm_gflops']:.0f} GFLOP/s at the start"
-            if meta.get("sgemm_gflops")
-            else ""
-        )
-        + f"; load average {meta['load_avg_start'][0]:.1f} at the start, "
-        f"{_loads(records)} over the measurements (1-minute figures at each one's start and "
-        "end: the machine was shared). Every system gets 2 threads; ratios are "
-        "triollm / llama.cpp, medians over the rounds (for latencies, below "
-        "1.00x is triollm faster). Results: `~/.cache/triollm/peers/results/"
-        f"{results.name}/`."
-    )
+def _part_table(entries: list[dict[str, Any]]) -> list[str]:
+    lines = [TABLE_HEAD]
+    for e in sorted(entries, key=lambda e: _row_order(e["row"])):
+        label = e["row"] if e["metric"] == "tok/s" else f"{e['row']} {e['metric']}"
+        if e["metric"] == "tok/s":
+            label += " tok/s"
+        lines.append(table_row(label, e["s"]))
+    return lines
 
 
-def _replace(text: str, begin: str, end: str, section: str, heading: str) -> str:
-    """``text`` with the part between the markers replaced (appended under ``heading``)."""
-    if begin in text:
-        head, _, rest = text.partition(begin)
-        _, _, tail = rest.partition(end)
-        return head + section + tail
-    return text.rstrip("\n") + f"\n\n{heading}\n\n" + section + "\n"
+def _errors(records: list[dict[str, Any]], model: str) -> list[str]:
+    bad = [r for r in records if r["model"] == model and "error" in r]
+    failed = [r for r in records if r["model"] == model and r.get("part") == "serve" and "ok" in r]
+    lines = [f"- round {r['round'] + 1}, {r['system']}: failed: `{r['error'][:300]}`" for r in bad]
+    lines += [
+        f"- round {r['round'] + 1}, {r['system']} {r['row']}: {r['ok']} of {r['requests']} "
+        f"requests completed ({r['by_outcome']}, problems {r['problems']})"
+        for r in failed
+        if r["ok"] != r["requests"] or r.get("problems")
+    ]
+    return lines
 
 
-def write_report(results: Path) -> None:
-    """Rewrite the section of each part the run measured; a run of one part leaves the
-    other section alone (the busy-machine comparison is a run of its own)."""
-    engine, serve = read(results / "engine.jsonl"), read(results / "serve.jsonl")
-    busy = read(results / "busy.jsonl")
-    meta = json.loads((results / "meta.json").read_text())
-    text = DOC.read_text()
-    if engine or serve:
-        bw = _med([r["bandwidth_gbs"] for r in engine if r.get("bandwidth_gbs")])
-        drawn = plots(engine, serve, meta, bw)
-        lines = [
-            BEGIN,
-            "",
-            _header(meta, engine + serve, results, bw),
-            "",
-            *engine_section(engine, meta),
-            *serve_section(serve),
-            *[f"![{alt}](img/{name})\n" for name, alt in drawn],
-            END,
-        ]
-        print("\n".join(lines))
-        text = _replace(text, BEGIN, END, "\n".join(lines), "## Side by side with llama.cpp")
-    if busy:
-        bw = _med([r["bandwidth_gbs"] for r in busy if r.get("bandwidth_gbs")])
-        lines = [
-            BUSY_BEGIN,
-            "",
-            _header(meta, busy, results, bw),
-            "",
-            *busy_section(busy),
-            BUSY_END,
-        ]
-        print("\n".join(lines))
-        text = _replace(text, BUSY_BEGIN, BUSY_END, "\n".join(lines), "## On a busy machine")
-    DOC.write_text(text)
-
-
-def _series(records: list[dict[str, Any]], x: str, y: str) -> tuple[list[float], list[float]]:
-    pts: dict[float, list[float]] = {}
+def _commands(records: list[dict[str, Any]], model: str) -> list[str]:
+    seen: dict[str, str] = {}
     for r in records:
-        v: Any = r
-        for part in y.split("."):
-            v = v.get(part) if isinstance(v, dict) else None
-        if v is not None and r.get(x) is not None:
-            pts.setdefault(r[x], []).append(v)
-    xs = sorted(pts)
-    return xs, [statistics.median(pts[k]) for k in xs]
+        if r["model"] != model or "error" in r:
+            continue
+        cmd = r.get("command") or r.get("server_command")
+        if cmd:
+            seen.setdefault(f"{r['system']} {r['part']}", cmd)
+    return [f"- {k}: `{v}`" for k, v in sorted(seen.items())]
 
 
-def plots(
-    engine: list[dict], serve: list[dict], meta: dict, bw: float | None
-) -> list[tuple[str, str]]:
-    """Draw what the results hold; (file name, alt text) of each picture drawn."""
-    drawn: list[tuple[str, str]] = []
+def _header(meta: dict[str, Any], rounds: list[dict[str, Any]], results: Path) -> list[str]:
+    n_busy = sum(1 for r in rounds if r["busy"])
+    g = meta["guard"]
+    others = [r["others_cores_during"] for r in rounds]
+    w = meta["workload"]
+    return [
+        f"Command: `{meta['command']}`, then `python tools/bench_peers.py tables`; "
+        f"{meta['date']} to {meta.get('date_end', '(unfinished)')}. Machine: {meta['cpu']}, "
+        f"{meta['cores']} cores"
+        + (f", sgemm {meta['sgemm_gflops']:.0f} GFLOP/s" if meta.get("sgemm_gflops") else "")
+        + f"; every system gets {w['threads']} threads. Results: "
+        f"`~/.cache/triollm/peers/results/{results.name}/`.",
+        "",
+        f"Rounds: {meta['rounds']} per comparison, llama.cpp (A) then triollm (B) each "
+        f"round; {len(rounds)} rounds run, {n_busy} marked busy. The guard waited before each "
+        f"round until other processes used under {g['threshold_cores']} cores (at most "
+        f"{g['max_wait_s']:.0f} s) and measured them again over the round"
+        + (
+            f" (they used {min(others):.2f}-{max(others):.2f} cores during the rounds)"
+            if others
+            else ""
+        )
+        + ". Children started without "
+        + (", ".join(f"`{v}`" for v in meta["scrubbed_from_children"]) or "any threading variable")
+        + (" (scrubbed from the harness's environment)" if meta["scrubbed_from_children"] else "")
+        + f"; load average {meta['load_avg_start'][0]:.1f} at the start"
+        + (f", {meta['load_avg_end'][0]:.1f} at the end." if meta.get("load_avg_end") else "."),
+        "",
+        f"Workload: decode {w['prompt']}-token prompts then {w['new']} tokens per sequence "
+        f"at batch {', '.join(map(str, w['batches']))}; prefill of "
+        f"{' and '.join(map(str, w['prefill']))} tokens; {w['depth_new']} tokens at batch 1 "
+        f"after a {w['depth']}-token context; the servers at "
+        f"{', '.join(map(str, w['concurrency']))} concurrent streams, {w['serve_requests']} "
+        f"requests per level, {w['serve_prompt']}-token prompts, {w['serve_new']} tokens each "
+        f"(ignore_eos), {max(w['concurrency'])} slots of {w['slot_context']} positions on both.",
+        "",
+        "Ratios are triollm / llama.cpp within one round; the ratio column is the median "
+        "of the quiet rounds' ratios (for latencies, below 1.00x is triollm faster). A "
+        "verdict names the faster system only when every quiet round agrees and there are "
+        "at least 3 of them.",
+    ]
+
+
+def section(results: Path) -> tuple[list[str], list[dict[str, Any]]]:
+    """The markdown lines of the results section, and summary.json's content."""
+    meta = json.loads((results / "meta.json").read_text())
+    records = read(results / "records.jsonl")
+    rounds = read(results / "rounds.jsonl")
+    entries = summaries(records)
+    lines = [*_header(meta, rounds, results), ""]
+    for model, info in meta["models"].items():
+        mine = [e for e in entries if e["model"] == model]
+        if not mine and not any(r["model"] == model for r in records):
+            continue
+        headline = " (the headline)" if model == "qwen1.5b" else ""
+        lines += [f"### {info['title']}{headline}", "", f"Files: {info['pairing']}.", ""]
+        for part in ("decode", "prefill", "depth", "serve"):
+            es = [e for e in mine if e["part"] == part]
+            if es:
+                lines += [f"**{PART_TITLES[part]}**", "", *_part_table(es), ""]
+        errors = _errors(records, model)
+        if errors:
+            lines += ["Failures in this run:", "", *errors, ""]
+        lines += ["Commands (round 1):", "", *_commands(records, model), ""]
+    summary = [{k: v for k, v in e.items() if k != "s"} | e["s"].as_json() for e in entries]
+    return lines, summary
+
+
+def write_report(results: Path, *, doc: bool = True) -> None:
+    lines, summary = section(results)
+    (results / "summary.json").write_text(json.dumps(summary, indent=1))
+    drawn = plots(results) if doc else []
+    body = [BEGIN, "", *lines, *[f"![{alt}](img/{name})\n" for name, alt in drawn], END]
+    print("\n".join(body))
+    if doc:
+        # a picture this run did not draw would show an older run's figures
+        for stale in set(IMG.glob("peers-*.png")) - {IMG / name for name, _ in drawn}:
+            stale.unlink()
+        text = DOC.read_text()
+        if BEGIN not in text:
+            raise SystemExit(f"{DOC} has no {BEGIN!r} marker: put it where the results go")
+        head, _, rest = text.partition(BEGIN)
+        _, _, tail = rest.partition(END)
+        DOC.write_text(head + "\n".join(body) + tail)
+
+
+def plots(results: Path) -> list[tuple[str, str]]:
+    """Decode tok/s against batch per model and the headline's server; every round a
+    dot, the median a line. (file name, alt text) of each picture drawn."""
     try:
         import matplotlib
     except ImportError:
         print("(no plots: matplotlib is in the `plots` extra)")
-        return drawn
+        return []
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    meta = json.loads((results / "meta.json").read_text())
+    records = [r for r in read(results / "records.jsonl") if "error" not in r]
     IMG.mkdir(parents=True, exist_ok=True)
-    styles = {"triollm": "-o", "llama.cpp": "--s"}  # colour = weight width, line = system
-    if serve:
-        fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.2))
-        for system in ("triollm", "llama.cpp"):
-            for width in ("32-bit", "16-bit"):
-                rs = [r for r in serve if r["system"] == system and r.get("weights") == width]
+    drawn = []
+    styles = {"triollm": ("-o", "tab:blue"), "llama.cpp": ("--s", "tab:red")}
+    decode_models = [
+        m for m in meta["models"] if any(r["model"] == m and r["part"] == "decode" for r in records)
+    ]
+    if decode_models:
+        fig, axes = plt.subplots(
+            1, len(decode_models), figsize=(3.6 * len(decode_models), 3.8), squeeze=False
+        )
+        for ax, model in zip(axes[0], decode_models, strict=True):
+            for system, (style, color) in styles.items():
+                rs = [
+                    r
+                    for r in records
+                    if r["model"] == model and r["part"] == "decode" and r["system"] == system
+                ]
                 if not rs:
                     continue
-                label = f"{system} {rs[0]['dtype']}"
-                kw = {"color": COLORS[width], "label": label}
-                a.plot(*_series(rs, "concurrency", "aggregate_tok_s"), styles[system], **kw)
-                b.plot(*_series(rs, "concurrency", "ttft_ms.p50"), styles[system], **kw)
-        a.set(
-            xlabel="concurrent streams",
-            ylabel="aggregate output tok/s",
-            xscale="log",
-            title="throughput",
-        )
+                xs = sorted({r["batch"] for r in rs})
+                for r in rs:
+                    ax.plot(
+                        r["batch"],
+                        r["tok_s"],
+                        "x" if r.get("busy") else ".",
+                        color=color,
+                        alpha=0.5,
+                    )
+                meds = [statistics.median(r["tok_s"] for r in rs if r["batch"] == x) for x in xs]
+                ax.plot(xs, meds, style, color=color, label=system)
+            ax.set(title=meta["models"][model]["title"], xlabel="batch", xscale="log")
+            ax.set_xticks(
+                meta["workload"]["batches"], [str(b) for b in meta["workload"]["batches"]]
+            )
+            ax.grid(alpha=0.3)
+        axes[0][0].set_ylabel("decode tok/s (dots: rounds, x: busy)")
+        axes[0][0].legend(fontsize=8)
+        fig.suptitle(f"decode, 2 threads, {meta['date'][:10]}", fontsize=10)
+        fig.tight_layout()
+        fig.savefig(IMG / "peers-decode.png", dpi=100)
+        plt.close(fig)
+        drawn.append(("peers-decode.png", "decode tok/s against batch, every round a dot"))
+    serve_models = [
+        m for m in meta["models"] if any(r["model"] == m and r["part"] == "serve" for r in records)
+    ]
+    if serve_models:
+        model = "qwen1.5b" if "qwen1.5b" in serve_models else serve_models[0]
+        fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.8))
+        for system, (style, color) in styles.items():
+            rs = [
+                r
+                for r in records
+                if r["model"] == model and r["part"] == "serve" and r["system"] == system
+            ]
+            if not rs:
+                continue
+            xs = sorted({r["concurrency"] for r in rs})
+            for ax, key in ((a, "aggregate_tok_s"), (b, "ttft_ms")):
+                vals = {x: [] for x in xs}
+                for r in rs:
+                    v = r[key]["p50"] if key == "ttft_ms" else r[key]
+                    if v is not None:
+                        vals[r["concurrency"]].append(v)
+                        ax.plot(
+                            r["concurrency"],
+                            v,
+                            "x" if r.get("busy") else ".",
+                            color=color,
+                            alpha=0.5,
+                        )
+                pts = [(x, statistics.median(v)) for x, v in vals.items() if v]
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], style, color=color, label=system)
+        a.set(xlabel="concurrent streams", ylabel="aggregate output tok/s", title="throughput")
         b.set(
             xlabel="concurrent streams",
             ylabel="TTFT p50 (ms)",
-            xscale="log",
             yscale="log",
             title="time to first token",
         )
         for ax in (a, b):
-            ax.set_xticks([1, 4, 8, 16], ["1", "4", "8", "16"])
             ax.grid(alpha=0.3)
             ax.legend(fontsize=8)
-        fig.suptitle(f"SmolLM2-135M, 32-token prompts, 128 tokens, 2 threads, {meta['date'][:10]}")
+        fig.suptitle(f"{meta['models'][model]['title']}, server, {meta['date'][:10]}", fontsize=10)
         fig.tight_layout()
-        fig.savefig(IMG / "peers-serve.png", dpi=110)
+        fig.savefig(IMG / "peers-serve.png", dpi=100)
         plt.close(fig)
-        drawn.append(("peers-serve.png", "aggregate tok/s and TTFT p50 against concurrency"))
-    if engine:
-        fig, ax = plt.subplots(figsize=(7.5, 4.8))
-        for system in ("triollm", "llama.cpp"):
-            for width in ("32-bit", "16-bit"):
-                rs = [
-                    r
-                    for r in engine
-                    if r["system"] == system
-                    and r.get("step") == "decode"
-                    and r["row"].endswith(width)
-                ]
-                if rs:
-                    ax.plot(
-                        *_series(rs, "batch", "tok_s"),
-                        styles[system],
-                        color=COLORS[width],
-                        label=f"{system} {rs[0]['dtype']}",
-                    )
-        batches = [1, 2, 4, 8, 12, 16]
-        context = 32 + meta.get("new_tokens", 128) // 2
-        if bw:
-            present = {r["row"].rsplit(" ", 1)[-1] for r in engine}
-            for width, bytes_per in (("32-bit", 4), ("16-bit", 2)):
-                if width not in present:
-                    continue
-                w = WEIGHTS * bytes_per
-                floor = [
-                    b / ((w + b * KV_BYTES_PER_POSITION * context) / (bw * 1e9)) for b in batches
-                ]
-                ax.plot(
-                    batches,
-                    floor,
-                    ":",
-                    color=COLORS[width],
-                    label=f"bandwidth bound {width}, (W + B·A)/β, β={bw:.0f} GB/s",
-                )
-        sgemm = meta.get("sgemm_gflops")
-        if sgemm:
-            ax.axhline(
-                sgemm * 1e9 / (2 * WEIGHTS),
-                color="gray",
-                ls="-.",
-                lw=1,
-                label=f"arithmetic ceiling: the run's measured sgemm, {sgemm:.0f} GFLOP/s, "
-                "/ 2 FLOP per weight",
-            )
-        ax.set(
-            xlabel="batch (sequences decoding together)",
-            ylabel="decode tok/s",
-            xscale="log",
-            yscale="log",
-            title="decode throughput against the bounds",
-        )
-        ax.set_xticks([1, 4, 8, 16], ["1", "4", "8", "16"])
-        ax.grid(alpha=0.3, which="both")
-        ax.legend(fontsize=7, loc="upper left")
-        fig.tight_layout()
-        fig.savefig(IMG / "peers-decode.png", dpi=110)
-        plt.close(fig)
-        drawn.append(("peers-decode.png", "decode tok/s against batch, with the two bounds"))
+        drawn.append(("peers-serve.png", "server aggregate tok/s and TTFT p50 against streams"))
     return drawn

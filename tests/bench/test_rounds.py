@@ -1,0 +1,129 @@
+"""The arithmetic of an alternating run (triollm.bench.rounds) and of its tables
+(tools/bench_peers_report.py), on plain numbers."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from triollm.bench.rounds import Summary, pair_rounds, summarize, table_row
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _report():
+    spec = importlib.util.spec_from_file_location(
+        "bench_peers_report", ROOT / "tools" / "bench_peers_report.py"
+    )
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["bench_peers_report"] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_the_ratio_is_the_median_of_per_round_ratios_not_the_ratio_of_medians() -> None:
+    s = summarize({0: 10.0, 1: 30.0, 2: 20.0}, {0: 20.0, 1: 20.0, 2: 10.0})
+    assert [r.ratio for r in s.rounds] == [0.5, 1.5, 2.0]
+    assert s.ratio == 1.5  # median of 0.5, 1.5, 2.0
+    assert (s.ours, s.peer) == (20.0, 20.0)  # medians of each side
+    assert s.spread == (0.5, 2.0)
+
+
+def test_rounds_on_both_sides_of_one_are_not_established() -> None:
+    s = summarize({0: 9.0, 1: 11.0, 2: 9.5}, {0: 10.0, 1: 10.0, 2: 10.0})
+    assert s.verdict == "not established: the rounds disagree"
+
+
+def test_three_agreeing_quiet_rounds_name_the_faster_system() -> None:
+    slower = summarize({0: 6.0, 1: 7.0, 2: 6.5}, {0: 10.0, 1: 10.0, 2: 10.0})
+    assert slower.verdict == "llama.cpp faster"
+    faster = summarize({0: 12.0, 1: 11.0, 2: 13.0}, {0: 10.0, 1: 10.0, 2: 10.0})
+    assert faster.verdict == "triollm faster"
+
+
+def test_for_a_latency_a_ratio_above_one_means_triollm_is_slower() -> None:
+    ttft = summarize({0: 900.0, 1: 1000.0, 2: 950.0}, {0: 70.0, 1: 75.0, 2: 74.0},
+                     higher_is_better=False)  # fmt: skip
+    assert ttft.verdict == "llama.cpp faster"
+
+
+def test_busy_rounds_are_shown_marked_and_count_for_nothing() -> None:
+    s = summarize({0: 6.0, 1: 30.0, 2: 7.0, 3: 6.5}, {0: 10.0, 1: 10.0, 2: 10.0, 3: 10.0}, busy={1})
+    assert s.per_round() == "0.60, 3.00 (busy), 0.70, 0.65"
+    assert s.ratio == 0.65 and s.spread == (0.6, 0.7)
+    assert s.ours == 6.5  # the busy round's 30.0 is not in the median
+    assert s.verdict == "llama.cpp faster"
+    assert s.as_json()["quiet_rounds"] == 3
+    assert [r["busy"] for r in s.as_json()["per_round"]] == [False, True, False, False]
+
+
+def test_fewer_than_three_quiet_rounds_establish_nothing() -> None:
+    s = summarize({0: 6.0, 1: 7.0, 2: 6.0}, {0: 10.0, 1: 10.0, 2: 10.0}, busy={2})
+    assert s.verdict == "not established: 2 quiet round(s) of the 3 needed"
+
+
+def test_all_rounds_busy_gives_medians_of_all_but_no_verdict() -> None:
+    s = summarize({0: 6.0, 1: 8.0}, {0: 10.0, 1: 10.0}, busy={0, 1})
+    assert s.verdict == "busy machine: no quiet round"
+    assert s.ratio == pytest.approx(0.7) and s.spread is None
+
+
+def test_only_rounds_both_sides_measured_are_paired() -> None:
+    rounds = pair_rounds({0: 1.0, 1: 2.0, 2: 3.0}, {1: 1.0, 2: 1.0, 5: 1.0}, busy=[2])
+    assert [(r.round, r.busy) for r in rounds] == [(1, False), (2, True)]
+
+
+def test_table_row_shows_median_spread_every_round_and_the_verdict() -> None:
+    s = Summary(pair_rounds({0: 6.0, 1: 7.0, 2: 6.5}, {0: 10.0, 1: 10.0, 2: 10.0}, ()), True)
+    assert table_row("decode b=1 tok/s", s) == (
+        "| decode b=1 tok/s | 6.5 | 10.0 | 0.65x | 0.60-0.70 | 0.60, 0.70, 0.65 "
+        "| llama.cpp faster |"
+    )
+
+
+def _rec(system: str, rnd: int, tok_s: float, busy: bool = False, **kw) -> dict:
+    return {"model": "qwen1.5b", "part": "decode", "row": "decode b=1", "system": system,
+            "round": rnd, "busy": busy, "tok_s": tok_s} | kw  # fmt: skip
+
+
+def test_the_report_pairs_records_by_model_part_row_and_round(tmp_path: Path) -> None:
+    report = _report()
+    records = [
+        _rec("llama.cpp", 0, 20.0), _rec("triollm", 0, 10.0),
+        _rec("llama.cpp", 1, 20.0, busy=True), _rec("triollm", 1, 40.0, busy=True),
+        _rec("llama.cpp", 2, 20.0), _rec("triollm", 2, 12.0),
+        _rec("llama.cpp", 3, 20.0), _rec("triollm", 3, 11.0),
+        {"model": "qwen1.5b", "part": "decode", "system": "triollm", "round": 4,
+         "error": "bench_gguf.py exited 1"},
+    ]  # fmt: skip
+    (entry,) = report.summaries(records)
+    s = entry["s"]
+    assert s.per_round() == "0.50, 2.00 (busy), 0.60, 0.55"
+    assert s.verdict == "llama.cpp faster" and s.ratio == 0.55
+    meta = {
+        "command": "python tools/bench_peers.py run", "date": "d0", "date_end": "d1",
+        "cpu": "cpu", "cores": 2, "rounds": 4, "load_avg_start": [0.1], "load_avg_end": [0.2],
+        "guard": {"threshold_cores": 0.25, "window_s": 3, "max_wait_s": 120},
+        "scrubbed_from_children": ["OPENBLAS_CORETYPE"],
+        "workload": {"threads": 2, "prompt": 32, "new": 32, "batches": [1], "prefill": [512],
+                     "depth": 4096, "depth_new": 32, "concurrency": [1], "serve_requests": 8,
+                     "serve_prompt": 32, "serve_new": 32, "slot_context": 512},
+        "models": {"qwen1.5b": {"title": "Qwen", "pairing": "the same file"}},
+    }  # fmt: skip
+    (tmp_path / "meta.json").write_text(json.dumps(meta))
+    (tmp_path / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    rounds = [{"model": "qwen1.5b", "round": i, "busy": i == 1, "others_cores_during": 0.1 * i}
+              for i in range(4)]  # fmt: skip
+    (tmp_path / "rounds.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rounds))
+    lines, summary = report.section(tmp_path)
+    text = "\n".join(lines)
+    assert "4 rounds run, 1 marked busy" in text
+    assert "| decode b=1 tok/s | 11.0 | 20.0 | 0.55x | 0.50-0.60 | 0.50, 2.00 (busy), 0.60, 0.55 " \
+        "| llama.cpp faster |" in text  # fmt: skip
+    assert "round 5, triollm: failed: `bench_gguf.py exited 1`" in text
+    assert summary[0]["verdict"] == "llama.cpp faster" and summary[0]["quiet_rounds"] == 3
