@@ -211,6 +211,7 @@ def plots(results: Path) -> list[tuple[str, str]]:
         return []
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     meta = json.loads((results / "meta.json").read_text())
     records = [r for r in read(results / "records.jsonl") if "error" not in r]
@@ -244,7 +245,13 @@ def plots(results: Path) -> list[tuple[str, str]]:
                     )
                 meds = [statistics.median(r["tok_s"] for r in rs if r["batch"] == x) for x in xs]
                 ax.plot(xs, meds, style, color=color, label=system)
-            ax.set(title=meta["models"][model]["title"], xlabel="batch", xscale="log")
+            mine = [r for r in records if r["model"] == model and r["part"] == "decode"]
+            title = meta["models"][model]["title"]
+            if all(r.get("busy") for r in mine):
+                title += "\n(busy rounds only: no verdict)"
+            ax.set_title(title, fontsize=8)
+            ax.set(xlabel="batch", xscale="log")
+            ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
             ax.set_xticks(
                 meta["workload"]["batches"], [str(b) for b in meta["workload"]["batches"]]
             )
