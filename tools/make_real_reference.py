@@ -1,0 +1,139 @@
+"""Record transformers' greedy answers from a real GGUF (src/triollm/bench/realmodels.py).
+
+    python tools/make_real_reference.py [NAME]   (needs the `fixtures` extra: torch, transformers)
+
+``NAME`` is a :mod:`triollm.bench.realmodels` name (default: Qwen2.5-Coder-0.5B-Instruct
+Q4_K_M). transformers' GGUF loader (``from_pretrained(dir, gguf_file=...)``) dequantizes
+the same file to float32 and runs its own model; this records, for a few chat prompts
+and one tool-calling conversation:
+
+- the prompt ids (the file's chat template rendered and tokenized by transformers'
+  tokenizer built from the same file; the tool prompt with ``tools=``);
+- the greedy continuation up to EOS or ``max_new`` tokens;
+- at every generated position the gap between the top two logits (a small gap is
+  where float32 rounding could flip the argmax; the test reports it).
+
+As ``make_gguf_reference.py`` does for SmolLM2, the attention mask is passed (all
+ones): transformers would otherwise infer one from ``pad_token_id``.
+
+Output: ``tests/fixtures/gguf/<NAME>-greedy.json`` (a few KB; the model itself stays in
+``~/.cache/triollm/models``, never in the repository).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+OUT_DIR = ROOT / "tests" / "fixtures" / "gguf"
+
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The current weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "description": "The city's name"},
+                "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+            },
+            "required": ["city"],
+        },
+    },
+}
+
+CASES: list[dict[str, Any]] = [
+    {"messages": [{"role": "user", "content": "What is the capital of France?"}], "max_new": 24},
+    {
+        "messages": [
+            {"role": "user", "content": "Write a Python function that reverses a string."}
+        ],
+        "max_new": 32,
+    },
+    {
+        "messages": [
+            {"role": "system", "content": "You are a terse assistant."},
+            {"role": "user", "content": "Explain in one sentence what a mutex is."},
+        ],
+        "max_new": 24,
+    },
+    {
+        "messages": [{"role": "user", "content": "What is the weather in Paris right now?"}],
+        "tools": [WEATHER_TOOL],
+        "max_new": 48,
+    },
+]
+
+
+def main() -> int:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from triollm.bench import realmodels
+
+    name = sys.argv[1] if len(sys.argv) > 1 else realmodels.QWEN_05B
+    path = realmodels.fetch(name)
+    torch.set_num_threads(2)
+    tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    model = AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, dtype=torch.float32
+    )
+    model.eval()
+    eos = model.generation_config.eos_token_id
+    records = []
+    for case in CASES:
+        ids = tok.apply_chat_template(
+            case["messages"],
+            tools=case.get("tools"),
+            add_generation_prompt=True,
+            tokenize=True,
+        )
+        if hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        ids = [int(i) for i in ids]
+        input_ids = torch.tensor([ids])
+        with torch.no_grad():
+            out = model.generate(
+                input_ids,
+                attention_mask=torch.ones_like(input_ids),
+                max_new_tokens=case["max_new"],
+                do_sample=False,
+                output_scores=True,
+                return_dict_in_generate=True,
+                pad_token_id=eos if isinstance(eos, int) else eos[0],
+            )
+        new = [int(t) for t in out.sequences[0, len(ids) :]]
+        gaps = []
+        for scores in out.scores:
+            top = torch.topk(scores[0].float(), 2).values
+            gaps.append(round(float(top[0] - top[1]), 5))
+        records.append(
+            {
+                **case,
+                "prompt_ids": ids,
+                "greedy_ids": new,
+                "text": tok.decode(new, skip_special_tokens=False),
+                "gaps": gaps,
+                "min_gap": min(gaps),
+            }
+        )
+        asked = case["messages"][-1]["content"]
+        print(f"{asked!r} -> {records[-1]['text']!r} (min gap {min(gaps):.4f})")
+    summary = {
+        "model": name,
+        "sha256": realmodels.MODELS[name].sha256,
+        "reference": "transformers GGUF loader, float32, greedy, explicit attention_mask",
+        "records": records,
+    }
+    out_file = OUT_DIR / f"{name}-greedy.json"
+    out_file.write_text(json.dumps(summary, indent=1) + "\n")
+    print(f"wrote {out_file}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
