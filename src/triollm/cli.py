@@ -26,6 +26,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     ),
     "demo": ("triollm.mechanisms.command", "run one serving mechanism of the book and watch it"),
     "bench": ("triollm.bench.command", "load any OpenAI-compatible server and measure it"),
+    "cluster": (
+        "triollm.cluster.supervise",
+        "N `serve` replicas behind Envoy on loopback (health checks, retries, restarts)",
+    ),
 }
 
 

