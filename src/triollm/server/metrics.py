@@ -14,6 +14,15 @@ dashboards' queries select ours too). It is added in one place, at render time
 (``registry.get_sample_value``) keep their own labels only. The process metrics
 have none, as in vLLM.
 
+The Gateway API Inference Extension's Model Server Protocol (docs/scale-out.md) asks
+for three gauges whose names are free and whose meaning is fixed: queued requests
+(``num_requests_waiting``), running requests (``num_requests_running``) and KV-cache
+usage as a 0-1 fraction (``kv_cache_usage_perc``), plus ``cache_config_info`` (value
+1; labels ``block_size`` and ``num_gpu_blocks``). Routers that hard-code vLLM's names
+read them from ``--metrics-names vllm``: the same series under the ``vllm:`` prefix,
+the usage also as ``vllm:gpu_cache_usage_perc`` (vLLM's name before 0.10, still read
+by the production-stack router).
+
 Trap: ``prometheus_client`` appends ``_total`` to counter names itself; the
 names below are given without it.
 """
@@ -50,6 +59,10 @@ LATENCY_BUCKETS = (
 REJECTION_REASONS: tuple[Unfinished, ...] = (*Refused, *EndCode)
 FINISH_REASONS = (FinishReason.STOP, FinishReason.LENGTH, FinishReason.TOOL_CALLS)  # how it can end
 CONTENT_TYPE = CONTENT_TYPE_LATEST
+OWN_PREFIX = "triollm:"
+METRIC_PREFIXES = ("triollm", "vllm")  # --metrics-names
+# Under vLLM's names, the usage gauge is also published under its pre-0.10 name.
+VLLM_ALIASES = {"vllm:kv_cache_usage_perc": "vllm:gpu_cache_usage_perc"}
 
 
 class _Stats(Protocol):
@@ -95,35 +108,48 @@ class _SchedulerCounters(Collector):
 
 
 class _ModelNameLabel(Collector):
-    """The ``triollm:`` families of ``inner``, each sample labelled ``model_name``."""
+    """The ``triollm:`` families of ``inner``, each sample labelled ``model_name`` and
+    renamed to ``prefix:`` (``--metrics-names``)."""
 
-    def __init__(self, inner: CollectorRegistry, model_name: str) -> None:
+    def __init__(self, inner: CollectorRegistry, model_name: str, prefix: str = "triollm") -> None:
         self.inner = inner
         self.model_name = model_name
+        self.prefix = prefix + ":"
+
+    def _renamed(self, family: Metric, name: str) -> Metric:
+        out = Metric(name, family.documentation, family.type, family.unit)
+        for sample in family.samples:
+            labels = {"model_name": self.model_name, **sample.labels}
+            sample_name = name + sample.name[len(family.name) :]
+            out.add_sample(sample_name, labels, sample.value, sample.timestamp, sample.exemplar)
+        return out
 
     def collect(self):  # type: ignore[no-untyped-def]
         for family in self.inner.collect():
-            if not family.name.startswith("triollm:"):
+            if not family.name.startswith(OWN_PREFIX):
                 yield family
                 continue
-            out = Metric(family.name, family.documentation, family.type, family.unit)
-            for sample in family.samples:
-                labels = {"model_name": self.model_name, **sample.labels}
-                out.add_sample(sample.name, labels, sample.value, sample.timestamp, sample.exemplar)
-            yield out
+            name = self.prefix + family.name[len(OWN_PREFIX) :]
+            yield self._renamed(family, name)
+            if name in VLLM_ALIASES:
+                yield self._renamed(family, VLLM_ALIASES[name])
 
 
 class Metrics:
     """The service's counters and histograms; one instance per service.
 
     ``model_name``: the served model's id, the ``model_name`` label of every
-    ``triollm:`` series on the rendered page."""
+    ``triollm:`` series on the rendered page. ``names``: the prefix on the page,
+    ``triollm`` or ``vllm`` (the registry, and so every reader in the code, keeps
+    ``triollm:``)."""
 
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, names: str = "triollm") -> None:
+        if names not in METRIC_PREFIXES:
+            raise ValueError(f"metric names must be one of {METRIC_PREFIXES}, got {names!r}")
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.page = CollectorRegistry(auto_describe=False)  # what /metrics renders
-        self.page.register(_ModelNameLabel(r, model_name))
+        self.page.register(_ModelNameLabel(r, model_name, names))
         # process_cpu_seconds_total, process_resident_memory_bytes, ...: on a CPU
         # server the two a user watches first (the private registry drops them).
         ProcessCollector(registry=r)
@@ -141,6 +167,14 @@ class Metrics:
         )
         self.kv_usage = Gauge(
             "triollm:kv_cache_usage_perc", "Fraction of KV blocks held (0-1).", registry=r
+        )
+        # vLLM's: value 1, the pool's shape in the labels (the endpoint picker reads
+        # block_size and num_gpu_blocks). Set once the pool is sized (cache_config).
+        self.cache_info = Gauge(
+            "triollm:cache_config_info",
+            "The KV cache's configuration, in the labels (value 1).",
+            ["block_size", "num_gpu_blocks", "enable_prefix_caching"],
+            registry=r,
         )
         self.ttft = Histogram(
             "triollm:time_to_first_token_seconds",
@@ -239,6 +273,14 @@ class Metrics:
             return s.blocks_held / s.blocks_total if s.blocks_total else 0.0
 
         self.kv_usage.set_function(usage)
+
+    def cache_config(self, block_size: int, num_blocks: int, prefix_caching: bool) -> None:
+        """Publish the pool's shape as ``cache_config_info`` (once, at start)."""
+        self.cache_info.labels(
+            block_size=str(block_size),
+            num_gpu_blocks=str(num_blocks),
+            enable_prefix_caching=str(prefix_caching),
+        ).set(1)
 
     # -- the service's Observer hooks (triollm.events.Observer) ---------------------
 
