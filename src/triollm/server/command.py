@@ -90,6 +90,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="allow a non-loopback --host (add --api-key: there is no authentication otherwise)",
     )
+    net.add_argument(
+        "--metrics-names",
+        choices=("triollm", "vllm"),
+        default="triollm",
+        help="the prefix of /metrics' series: triollm (default) or vllm, for routers that "
+        "read vLLM's names (the Gateway API Inference Extension's default; docs/scale-out.md)",
+    )
     sec = parser.add_argument_group("access (docs/reliability.md)")
     sec.add_argument(
         "--api-key",
@@ -300,6 +307,7 @@ def build_stack(
     body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
     tool_call_parser: ToolCallFormat | None = None,
     door: DoorPolicy | None = None,
+    metrics_names: str = "triollm",
 ) -> Stack:
     """Scheduler + Batch + Service + app for ``loaded``, sized by ``sizing.py``.
 
@@ -334,7 +342,11 @@ def build_stack(
             "(e.g. 2G) or shorten --context"
         ) from None
     served_id = Path(loaded.model_dir).name if model_name is None else model_name
-    metrics = Metrics(model_name=served_id)  # vLLM's model_name label on every series
+    # vLLM's model_name label on every series; --metrics-names vllm: vLLM's prefix too.
+    metrics = Metrics(model_name=served_id, names=metrics_names)
+    metrics.cache_config(
+        sched_config.block_size, sched_config.num_blocks, sched_config.prefix_cache
+    )
     tokenizer = loaded.tokenizer
     service = Service(
         Scheduler(sched_config),
@@ -534,6 +546,7 @@ def run(args: argparse.Namespace) -> int:
         if args.model_name is not None
         else (None if _chosen_model_dir(args) is not None else DEMO_MODEL_NAME),
         door=door,
+        metrics_names=args.metrics_names,
     )
     print(
         f"triollm: loaded {model_dir} in {time.monotonic() - started:.1f} s\n"
