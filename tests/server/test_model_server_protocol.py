@@ -70,7 +70,7 @@ async def test_the_gauges_and_counters_move_as_the_protocol_says(loaded: Any) ->
         assert value(idle, "triollm:num_requests_waiting") == 0
         assert value(idle, "triollm:num_requests_running") == 0
         assert value(idle, "triollm:kv_cache_usage_perc") == 0
-        info = [s for s in idle["triollm:cache_config_info"].samples][0]
+        (info,) = idle["triollm:cache_config_info"].samples  # one pool, one sample
         assert info.value == 1
         assert info.labels["block_size"] == str(block_size)
         assert info.labels["num_gpu_blocks"] == str(config.num_blocks)
