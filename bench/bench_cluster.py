@@ -151,6 +151,13 @@ async def failover(args: argparse.Namespace, sig: signal.Signals) -> Record:
         "wall_s": wall,
         **n,
         "cut_errors": cut_details,
+        "other_errors": sorted(
+            {
+                f"{r.outcome} {r.status}: {r.detail[:120]}"
+                for r in results
+                if r.outcome not in ("ok", "cut")
+            }
+        ),
         "exit_codes": victim.exits,
         "rejoined_after_s": rejoin_s,
         "after_rejoin_ok": counts(after_results)["ok"],
