@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from triollm.errors import FieldError
 from triollm.model import tokenizer as tokenizer_module
 from triollm.model.tokenizer import Tokenizer, TooManyTokens, _normalizer_bound
 
@@ -118,4 +119,23 @@ def test_normalizers_that_may_shrink_text_get_their_form_or_a_margin():
     assert _normalizer_bound({"type": "Sequence", "normalizers": [space, {"type": "NFKC"}]}) == (
         "NFKC",
         1,
+    )
+
+
+@pytest.mark.parametrize("name", ["self", "raise_exception", "range", "namespace", "loop"])
+def test_a_template_variable_that_names_a_helper_or_a_reserved_word_is_the_clients_error(tok, name):
+    # Each was a 500 (chat_template_error) that blamed the server's configuration (N4).
+    with pytest.raises(FieldError) as info:
+        tok.encode_chat([{"role": "user", "content": "hi"}], template_kwargs={name: 1})
+    assert info.value.field == "chat_template_kwargs"
+    assert f"'chat_template_kwargs.{name}'" in str(info.value)
+
+
+def test_a_template_variable_of_its_own_still_reaches_the_template(tok):
+    plain = tok.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert (
+        tok.apply_chat_template(
+            [{"role": "user", "content": "hi"}], template_kwargs={"enable_thinking": False}
+        )
+        == plain
     )

@@ -232,6 +232,9 @@ def _bounded_range(*args: int) -> Iterable[int]:
         yield i
 
 
+# Names jinja gives a meaning inside templates (a variable by that name would shadow it).
+_JINJA_RESERVED = frozenset({"self", "loop", "super", "caller", "varargs", "kwargs", "context"})
+
 # The conversation rendered at load: a template that cannot render it is broken.
 PROBE_CONVERSATION = ({"role": "user", "content": "Hello"},)
 
@@ -617,20 +620,26 @@ class Tokenizer:
             "unk_token": self._special_strings.get("unk_token", ""),
             "pad_token": self._special_strings.get("pad_token", ""),
         }
-        taken = sorted(variables.keys() & (template_kwargs or {}).keys())
+        # A client's variable may not replace one the server sets, a helper the template
+        # calls (raise_exception, range: the template then crashed, a 500), or a name
+        # jinja reserves (self: it collided with generate()'s own parameter, a 500).
+        names = variables.keys() | template.environment.globals.keys() | _JINJA_RESERVED
+        taken = sorted(names & (template_kwargs or {}).keys())
         if taken:
             raise FieldError(
                 "chat_template_kwargs",
                 f"'chat_template_kwargs.{taken[0]}': the chat template variable {taken[0]!r} "
-                f"is set by the server (it sets {', '.join(sorted(variables))}); "
-                "it cannot be passed",
+                f"is set by the server or the template engine (it sets "
+                f"{', '.join(sorted(variables))}, and the helpers "
+                f"{', '.join(sorted(template.environment.globals))}); it cannot be passed",
             )
         budget = _RenderBudget(RENDER_OUTPUT_LIMIT_CHARS)
         token = _budget.set(budget)
         try:
             out: list[str] = []
             size = 0
-            for piece in template.generate(**variables, **(template_kwargs or {})):
+            # One dict, not keywords: no client name can meet generate()'s own parameters.
+            for piece in template.generate({**(template_kwargs or {}), **variables}):
                 size += len(piece)
                 if size > budget.output_limit:
                     raise ChatTemplateError(
