@@ -8,7 +8,7 @@ import pytest
 import trio
 from serverkit import MODEL_ID, live_server
 
-from triollm.server.door import DoorPolicy, host_name
+from triollm.server.door import LOOPBACK_HOSTS, DoorPolicy, host_name
 
 BODY = {"model": MODEL_ID, "prompt": "Hi", "max_tokens": 2}
 
@@ -40,6 +40,25 @@ async def test_a_loopback_server_refuses_a_foreign_host_name(loaded):
         r = await call("GET", live.url + "/health", headers={"host": "box.lan:8000"})
         assert r.status_code == 200
     assert DoorPolicy.for_bind("0.0.0.0").allowed_hosts is None  # --public: any name
+
+
+async def test_the_bind_address_is_a_name_the_server_answers_to(loaded):
+    # --host 127.0.0.2 was accepted, then every request to it was a 400 invalid_host,
+    # /health included (issue 28, N7).
+    door = DoorPolicy.for_bind("127.0.0.2")
+    async with live_server(loaded, door=door) as live:
+        r = await call("GET", live.url + "/health", headers={"host": f"127.0.0.2:{live.port}"})
+        assert r.status_code == 200
+        r = await call("GET", live.url + "/health", headers={"host": "evil.test"})
+        assert r.status_code == 400
+    assert "::2" not in LOOPBACK_HOSTS
+    assert "::2" in (DoorPolicy.for_bind("::2", allowed_hosts=["a.lan"]).allowed_hosts or ())
+
+
+def test_an_empty_api_key_is_not_no_key():
+    with pytest.raises(ValueError, match="empty"):
+        DoorPolicy.for_bind("127.0.0.1", api_key="")
+    assert DoorPolicy.for_bind("127.0.0.1").api_key is None
 
 
 async def test_cors_is_off_by_default_and_answers_preflights_when_asked(loaded):

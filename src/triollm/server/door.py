@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 LOOPBACK_HOSTS = frozenset({"localhost", "127.0.0.1", "::1"})
+WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", ""})  # every address: not a Host name
 DEFAULT_OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})
 API_KEY_ENV = "TRIOLLM_API_KEY"
 
@@ -62,10 +63,25 @@ class DoorPolicy:
         allowed_origins: Iterable[str] = (),
         allowed_hosts: Iterable[str] = (),
     ) -> DoorPolicy:
+        """The policy for a server bound to ``bind_host``.
+
+        The bind address is itself a name the server answers to: ``--host 127.0.0.2``
+        answered every request with 400 ``invalid_host`` (issue 28, N7). An empty
+        ``api_key`` is a ValueError, not "no key": a key variable set but empty is a
+        deployment mistake, and running open because of it would go unnoticed (N10).
+        """
+        if api_key is not None and not api_key.strip():
+            raise ValueError(
+                "the API key is empty (--api-key '' or an empty $TRIOLLM_API_KEY): refusing "
+                "to start without authentication; give a key, or unset it to run without one"
+            )
         extra = frozenset(h.strip().lower() for h in allowed_hosts if h.strip())
-        hosts = LOOPBACK_HOSTS | extra if is_loopback(bind_host) or extra else None
+        bound = host_name(bind_host if ":" not in bind_host else f"[{bind_host.strip('[]')}]")
+        if bound not in WILDCARD_HOSTS:
+            extra |= {bound}
+        hosts = LOOPBACK_HOSTS | extra if is_loopback(bind_host) or extra - {bound} else None
         return cls(
-            api_key=api_key or None,
+            api_key=api_key,
             open_paths=DEFAULT_OPEN_PATHS if open_paths is None else frozenset(open_paths),
             allowed_origins=frozenset(o.strip().rstrip("/") for o in allowed_origins if o.strip()),
             allowed_hosts=hosts,
