@@ -248,3 +248,9 @@ def test_a_zero_or_empty_flag_never_silently_means_its_default(flags, needle, ca
     assert run_cli(*model, *flags) == 2
     err = capsys.readouterr().err
     assert needle in err, err
+
+
+def test_an_empty_api_key_refuses_to_start(capsys, monkeypatch):
+    # It ran with no authentication and no word about it (issue 28, N10).
+    assert run_cli(str(MODEL_DIR), "--api-key", "") == 2
+    assert "API key is empty" in capsys.readouterr().err

@@ -514,13 +514,16 @@ def run(args: argparse.Namespace) -> int:
             f"{args.host}:{args.port} can use this server (add --api-key)",
             file=sys.stderr,
         )
-    door = DoorPolicy.for_bind(
-        args.host,
-        api_key=args.api_key,
-        open_paths=[p.strip() for p in args.open_paths.split(",") if p.strip()],
-        allowed_origins=args.allowed_origins.split(","),
-        allowed_hosts=args.allowed_hosts.split(","),
-    )
+    try:
+        door = DoorPolicy.for_bind(
+            args.host,
+            api_key=args.api_key,
+            open_paths=[p.strip() for p in args.open_paths.split(",") if p.strip()],
+            allowed_origins=args.allowed_origins.split(","),
+            allowed_hosts=args.allowed_hosts.split(","),
+        )
+    except ValueError as exc:  # an empty API key: refused at start-up (door.py says why)
+        raise UserError(str(exc)) from None
     if not 0 <= args.port <= 65535:
         raise UserError(f"--port must be 0-65535, got {args.port}")
     # A negative grace would end the drain before it began; a negative write
