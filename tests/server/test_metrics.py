@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+import trio
+
 from triollm.outcomes import EndCode, Refused
 from triollm.plan import FinishReason
+from triollm.server.lifetime import Lifetime
 from triollm.server.metrics import Metrics
 
 
@@ -38,3 +43,43 @@ def test_counting_any_reason_never_raises_and_counts_it_alone() -> None:
     metrics.ended_early(EndCode.TOO_SLOW)
     assert metrics.rejection_count(EndCode.TOO_SLOW) == 2
     assert metrics.rejection_count(Refused.QUEUE_FULL) == 1
+
+
+class _Warming:
+    """A service still warming up, as the lifetime middleware sees it."""
+
+    failed = None
+    closing = False
+    ready = False
+
+    def notify(self) -> None:
+        pass
+
+
+async def _answer(lifetime: Lifetime, path: str) -> None:
+    async def receive() -> dict:
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def send(message: dict) -> None:
+        pass
+
+    await lifetime({"type": "http", "method": "GET", "path": path, "headers": []}, receive, send)
+
+
+async def test_a_warming_up_503_is_not_a_server_error_but_a_500_is():
+    # /ready said 503 during warm-up, and every fresh server showed one server error
+    # (issue 28, N11).
+    status = 503
+
+    async def app(scope: dict, receive: object, send: Any) -> None:
+        await send({"type": "http.response.start", "status": status, "headers": []})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    metrics = Metrics("m")
+    async with trio.open_nursery() as nursery:
+        lifetime = Lifetime(app, metrics, _Warming(), nursery)  # type: ignore[arg-type]
+        await _answer(lifetime, "/ready")
+        assert metrics.server_error_count() == 0
+        status = 500
+        await _answer(lifetime, "/v1/completions")
+        assert metrics.server_error_count() == 1

@@ -181,6 +181,12 @@ async def test_during_the_drain_a_new_connection_gets_503_with_retry_after(loade
         await probe.send_all(request("/health", method="GET", headers={"Connection": "close"}))
         assert status_of(await read_to_eof(probe)) == 200  # draining, not dead
         await probe.aclose()
+        probe = await connect(live.port)
+        await probe.send_all(request("/ready", method="GET", headers={"Connection": "close"}))
+        assert status_of(await read_to_eof(probe)) == 503  # shutting down: not ready
+        await probe.aclose()
+        # Those 503s are the lifecycle speaking, not server errors (issue 28, N11).
+        assert live.stack.metrics.server_error_count() == 0
 
         gate.open()
         raw = await read_to_eof(running)

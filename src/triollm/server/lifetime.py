@@ -108,7 +108,7 @@ class Lifetime:
         async def watched_send(message: dict[str, Any]) -> None:
             if message["type"] == "http.response.start":
                 life.status = message["status"]
-                if life.status >= 500:
+                if life.status >= 500 and not self._by_design(life):
                     self.metrics.server_error(life.status)
                 if life.body_pending:
                     # An answer sent before the body was read (413, 404 on a POST...):
@@ -160,6 +160,15 @@ class Lifetime:
         finally:
             self.in_flight -= 1
             self._end(life)  # sync: we may be inside a cancelled scope
+
+    def _by_design(self, life: RequestLife) -> bool:
+        """A 503 that is the server's lifecycle speaking, not a server error: a probe
+        saying "warming up" or "shutting down", or a request refused by the drain. Counted
+        as errors, every fresh server started at 1 (issue 28, N11). A failed batch loop's
+        503 is an error, and counted."""
+        if life.status != 503 or self.service.failed is not None:
+            return False
+        return life.path in DRAIN_OPEN_PATHS or self.service.closing or not self.service.ready
 
     def _end(self, life: RequestLife) -> None:
         # Cut without a disconnect while shutting down: the grace period ran out.
