@@ -623,8 +623,8 @@ class Tokenizer:
         # A client's variable may not replace one the server sets, a helper the template
         # calls (raise_exception, range: the template then crashed, a 500), or a name
         # jinja reserves (self: it collided with generate()'s own parameter, a 500).
-        names = variables.keys() | template.environment.globals.keys() | _JINJA_RESERVED
-        taken = sorted(names & (template_kwargs or {}).keys())
+        owned = variables.keys() | template.environment.globals.keys() | _JINJA_RESERVED
+        taken = sorted(owned & (template_kwargs or {}).keys())
         if taken:
             raise FieldError(
                 "chat_template_kwargs",
