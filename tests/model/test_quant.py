@@ -22,13 +22,17 @@ TYPES = list(QuantType)
 
 
 def make_weight(
-    qtype: QuantType, rows: int, blocks: int, rng: np.random.Generator
+    qtype: QuantType, rows: int, blocks: int, rng: np.random.Generator, exact: bool = True
 ) -> QuantizedTensor:
+    # exact: float32 activations (the widening kernels this file proves); False:
+    # int8 activations (test_quant_int8.py proves those against their own scheme)
     cols = blocks * qtype.block_values
     g = gguf.GGMLQuantizationType(int(qtype))
     if qtype < QuantType.Q4_K:
-        return quantize(rng.standard_normal((rows, cols)).astype(np.float32), qtype)
-    return QuantizedTensor(qtype, (rows, cols), random_blocks(g, rows, cols, rng))
+        w = quantize(rng.standard_normal((rows, cols)).astype(np.float32), qtype)
+    else:
+        w = QuantizedTensor(qtype, (rows, cols), random_blocks(g, rows, cols, rng))
+    return w.with_exact_activations(exact)
 
 
 def gguf_values(w: QuantizedTensor) -> np.ndarray:
@@ -60,18 +64,20 @@ def test_the_kernel_equals_numpy_on_gguf_dequantized_weights(
     np.testing.assert_allclose(got, ref, rtol=1e-5, atol=2e-6 * scale)
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=40, deadline=None)
 @given(
     qtype=st.sampled_from(TYPES),
     n=st.integers(2, 80),
     rows=st.integers(1, 40),
+    exact=st.booleans(),
     seed=st.integers(0, 2**32 - 1),
 )
 def test_a_row_gets_the_same_bits_alone_and_in_a_batch(
-    qtype: QuantType, n: int, rows: int, seed: int
+    qtype: QuantType, n: int, rows: int, exact: bool, seed: int
 ) -> None:
+    # both activation paths: the int8 one quantizes each row on its own
     rng = np.random.default_rng(seed)
-    w = make_weight(qtype, rows, 2 if qtype >= QuantType.Q4_K else 9, rng)
+    w = make_weight(qtype, rows, 2 if qtype >= QuantType.Q4_K else 9, rng, exact)
     x = rng.standard_normal((n, w.shape[1])).astype(np.float32)
     batched = matmul.linear(x, w)
     for i in {0, int(rng.integers(n)), n - 1}:
@@ -89,9 +95,12 @@ def test_rows_widen_to_exactly_the_values_gguf_dequantize_gives(qtype: QuantType
     np.testing.assert_array_equal(got, gguf_values(w)[ids].astype(np.float32))
 
 
-def test_mixed_types_stacked_compute_each_part_into_its_columns() -> None:
+@pytest.mark.parametrize("exact", [True, False])
+def test_mixed_types_stacked_compute_each_part_into_its_columns(exact: bool) -> None:
+    # int8: the parts share one quantization of x, and get the bits of their own
     rng = np.random.default_rng(5)
-    parts = [make_weight(t, r, 1, rng) for t, r in ((QuantType.Q4_K, 7), (QuantType.Q6_K, 5))]
+    kinds = ((QuantType.Q4_K, 7), (QuantType.Q6_K, 5))
+    parts = [make_weight(t, r, 1, rng, exact) for t, r in kinds]
     stacked = stack_rows(parts)
     x = rng.standard_normal((3, 256)).astype(np.float32)
     got = matmul.linear(x, stacked)
@@ -128,7 +137,7 @@ def test_quantize_at_load_runs_the_model_its_dequantized_weights_make(name: str)
     from triollm.model.weights import Checkpoint, expected_shapes
 
     fixture = Path(__file__).resolve().parent.parent / "fixtures" / "models" / "llama-gqa-f32"
-    model = load_model(fixture, quantize=name)
+    model = load_model(fixture, quantize=name, exact_activations=True)
     assert all(isinstance(layer.down_proj, QuantizedTensor) for layer in model.model.layers)
     with Checkpoint(fixture) as ck:
         source = QuantizingSource(ck, name)

@@ -88,6 +88,8 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from triollm.model import quant_int8
+from triollm.model.quant_int8 import Int8Rows
 from triollm.model.threads import start_parallel_runtime
 
 start_parallel_runtime()  # passive OpenMP workers, before the first prange (threads.py)
@@ -597,6 +599,11 @@ class QuantizedTensor:
     qtype: QuantType
     shape: tuple[int, int]
     blocks: np.ndarray
+    # False: products quantize x to int8 per block and multiply integers
+    # (quant_int8.py, the default, as llama.cpp does); True: x stays float32
+    # and the weights are widened (what transformers computes: the
+    # conformance suite's path, `--exact-activations`)
+    exact_activations: bool = False
 
     def __post_init__(self) -> None:
         rows, cols = self.shape
@@ -647,7 +654,12 @@ class QuantizedTensor:
 
     def take_rows(self, order: np.ndarray) -> QuantizedTensor:
         """The same weight with its rows reordered (a row is a run of whole blocks)."""
-        return QuantizedTensor(self.qtype, self.shape, np.ascontiguousarray(self.blocks[order]))
+        blocks = np.ascontiguousarray(self.blocks[order])
+        return QuantizedTensor(self.qtype, self.shape, blocks, self.exact_activations)
+
+    def with_exact_activations(self, exact: bool = True) -> QuantizedTensor:
+        """The same blocks, multiplied with float32 (``True``) or int8 activations."""
+        return QuantizedTensor(self.qtype, self.shape, self.blocks, exact)
 
 
 @dataclass(frozen=True, eq=False)
@@ -704,7 +716,8 @@ def stack_rows(parts: list[Any]) -> QuantizedTensor | QuantizedStack:
     if any(p.qtype != parts[0].qtype for p in parts):
         return QuantizedStack(tuple(parts))
     blocks = np.concatenate([p.blocks for p in parts], axis=0)
-    return QuantizedTensor(parts[0].qtype, (blocks.shape[0], cols), blocks)
+    exact = parts[0].exact_activations
+    return QuantizedTensor(parts[0].qtype, (blocks.shape[0], cols), blocks, exact)
 
 
 def quantize(w: np.ndarray, qtype: QuantType) -> QuantizedTensor:
@@ -733,30 +746,43 @@ def block_rows(n_out: int, n_threads: int) -> int:
     return -(-min(target, _BLOCK_ROWS_MAX) // _GROUP) * _GROUP
 
 
-def linear(x: np.ndarray, w: QuantizedTensor | QuantizedStack, out: np.ndarray) -> np.ndarray:
+def linear(
+    x: np.ndarray,
+    w: QuantizedTensor | QuantizedStack,
+    out: np.ndarray,
+    *,
+    int8_rows: dict[int, Int8Rows] | None = None,
+) -> np.ndarray:
     """``out[:] = x @ W.T`` in float32, computed from the blocks. ``out`` is ``(n, out)``.
 
-    The caller (``matmul.linear``) has checked the shapes and dtypes.
+    Unless the weight asks for ``exact_activations``, ``x`` is quantized to
+    int8 per block once (``int8_rows`` keeps it by block size, so every part
+    of a stack shares it) and multiplied with integer dot products
+    (:mod:`triollm.model.quant_int8`). The caller (``matmul.linear``) has
+    checked the shapes and dtypes.
     """
     if isinstance(w, QuantizedStack):
+        shared: dict[int, Int8Rows] = {} if int8_rows is None else int8_rows
         j = 0
         for part in w.parts:
             # through a contiguous temporary: a column range of `out` would be a
             # strided array, and numba compiles the kernel once more for that layout
             out[:, j : j + part.shape[0]] = linear(
-                x, part, np.empty((x.shape[0], part.shape[0]), np.float32)
+                x, part, np.empty((x.shape[0], part.shape[0]), np.float32), int8_rows=shared
             )
             j += part.shape[0]
         return out
-    if x.shape[0]:
-        _quant_matmul(
-            np.ascontiguousarray(x),
-            w.blocks,
-            int(w.qtype),
-            out,
-            block_rows(w.shape[0], numba.get_num_threads()),
-        )
-    return out
+    if not x.shape[0]:
+        return out
+    rows = block_rows(w.shape[0], numba.get_num_threads())
+    if w.exact_activations:
+        _quant_matmul(np.ascontiguousarray(x), w.blocks, int(w.qtype), out, rows)
+        return out
+    block = quant_int8.activation_block(int(w.qtype))
+    cache = {} if int8_rows is None else int8_rows
+    if block not in cache:
+        cache[block] = quant_int8.quantize_rows(x, block)
+    return quant_int8.product(cache[block], w.blocks, int(w.qtype), out, rows)
 
 
 class QuantizingSource:
@@ -788,8 +814,31 @@ class QuantizingSource:
         return quantize(arr, self.qtype)
 
 
+class ExactActivationsSource:
+    """A TensorSource whose quantized weights multiply float32 activations.
+
+    ``--exact-activations`` on the command line, ``exact_activations=True`` to ``load_model``.
+
+    The default multiplies int8-quantized activations (``quant_int8.py``):
+    faster, and about 0.5% off per product. This wrapper keeps ``x`` in
+    float32, which is what transformers computes on the dequantized weights;
+    the conformance tests load through it.
+    """
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def where(self, key: str) -> str:
+        return str(self.inner.where(key))
+
+    def get_tensor(self, key: str) -> Any:
+        arr = self.inner.get_tensor(key)
+        return arr.with_exact_activations() if isinstance(arr, QuantizedTensor) else arr
+
+
 def warm_up() -> None:
-    """Compile (or load from numba's cache) the product and the row lookup once."""
+    """Compile (or load from numba's cache) both products and the row lookup once."""
     w = quantize(np.zeros((4, 32), np.float32), QuantType.Q8_0)
-    linear(np.zeros((1, 32), np.float32), w, np.empty((1, 4), np.float32))
+    for weight in (w, w.with_exact_activations()):
+        linear(np.zeros((1, 32), np.float32), weight, np.empty((1, 4), np.float32))
     w[np.zeros(1, np.int64)]

@@ -1,0 +1,255 @@
+"""Quantized weights times int8 activations, against a plain numpy copy of the scheme.
+
+``reference_product`` below recomputes what ``quant_int8.py`` computes, lane by
+lane: the activations quantized per block, the weights read as unsigned
+integers with their offset, integer sums four values to a lane (exact), the
+float32 scale arithmetic multiply-then-add in the kernel's order, and the
+lanes summed pairwise. The kernel (VNNI and portable) must equal it bit for
+bit. Blocks are raw random bytes (so Q8_0 holds -128, scales run wild) with
+float16 scales drawn from a range, plus whole zero blocks.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from triollm.model import matmul, quant_int8
+from triollm.model.quant import QuantizedTensor, QuantType
+
+TYPES = list(QuantType)
+F32 = np.float32
+
+
+# --- the plain numpy scheme -------------------------------------------------------
+
+
+def reference_rows(x: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """q int8, d float32 per block, int32 sums of 16: quant_int8.quantize_rows in numpy."""
+    n, k = x.shape
+    xb = x.reshape(n, k // block, block)
+    amax = np.abs(xb).max(axis=2)
+    d = amax / F32(127)
+    inv = np.divide(F32(127), amax, out=np.zeros_like(amax), where=amax > 0)
+    q = np.clip(np.rint(xb * inv[:, :, None]), -127, 127).astype(np.int8).reshape(n, k)
+    sums = q.astype(np.int32).reshape(n, k // 16, 16).sum(axis=2, dtype=np.int32)
+    return q, d.astype(F32), sums
+
+
+def _f16(b: np.ndarray, at: int) -> np.ndarray:
+    return b[..., at : at + 2].copy().view(np.float16)[..., 0].astype(F32)
+
+
+def _k_scales(b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K/Q5_K: the eight 6-bit scales and mins of each super-block (int64)."""
+    s = b[..., 4:16].astype(np.int64)
+    sc = np.empty((*b.shape[:-1], 8), np.int64)
+    mn = np.empty_like(sc)
+    sc[..., :4], mn[..., :4] = s[..., 0:4] & 63, s[..., 4:8] & 63
+    sc[..., 4:] = (s[..., 8:12] & 15) | ((s[..., 0:4] >> 6) << 4)
+    mn[..., 4:] = (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)
+    return sc, mn
+
+
+def unsigned(w: QuantizedTensor) -> dict[str, np.ndarray]:
+    """The weights as unsigned integers ``u`` (rows, k) and their block scalars."""
+    kind = w.qtype
+    rows = w.shape[0]
+    b = w.blocks.reshape(rows, -1, kind.block_bytes)
+    nb = b.shape[1]
+    out: dict[str, np.ndarray] = {}
+    if kind == QuantType.Q8_0:
+        out["u"] = b[..., 2:34].view(np.int8).astype(np.int64) + 128
+        out["d"] = _f16(b, 0)
+    elif kind < QuantType.Q4_K:
+        with_min = kind in (QuantType.Q4_1, QuantType.Q5_1)
+        five = kind in (QuantType.Q5_0, QuantType.Q5_1)
+        qh_at = 4 if with_min else 2
+        qs_at = qh_at + 4 if five else qh_at
+        qs = b[..., qs_at : qs_at + 16].astype(np.int64)
+        u = np.concatenate([qs & 15, qs >> 4], axis=-1)
+        if five:
+            qh = b[..., qh_at : qh_at + 4].copy().view(np.uint32)[..., 0].astype(np.int64)
+            u |= ((qh[..., None] >> np.arange(32)) & 1) << 4
+        out["u"], out["d"] = u, _f16(b, 0)
+        if with_min:
+            out["m"] = _f16(b, 2)
+    elif kind in (QuantType.Q4_K, QuantType.Q5_K):
+        qs_at = 16 if kind == QuantType.Q4_K else 48
+        u = np.empty((rows, nb, 256), np.int64)
+        for j in range(8):
+            byte = b[..., qs_at + 32 * (j // 2) : qs_at + 32 * (j // 2) + 32].astype(np.int64)
+            u[..., 32 * j : 32 * j + 32] = (byte >> (4 * (j % 2))) & 15
+            if kind == QuantType.Q5_K:
+                u[..., 32 * j : 32 * j + 32] |= ((b[..., 16:48].astype(np.int64) >> j) & 1) << 4
+        out["u"], out["d"], out["dmin"] = u, _f16(b, 0), _f16(b, 2)
+        out["sc"], out["mn"] = _k_scales(b)
+    else:  # Q6_K
+        u = np.empty((rows, nb, 256), np.int64)
+        for h in range(2):
+            for t in range(4):
+                lo = b[..., 64 * h + 32 * (t % 2) : 64 * h + 32 * (t % 2) + 32].astype(np.int64)
+                hi = b[..., 128 + 32 * h : 160 + 32 * h].astype(np.int64)
+                u[..., 128 * h + 32 * t : 128 * h + 32 * t + 32] = ((lo >> (4 * (t // 2))) & 15) | (
+                    ((hi >> (2 * t)) & 3) << 4
+                )
+        out["u"], out["d"] = u, _f16(b, 208)
+        out["sc"] = b[..., 192:208].view(np.int8).astype(np.int64)
+    out["u"] = out["u"].reshape(rows, -1)
+    return out
+
+
+OFFSET = {QuantType.Q4_0: 8, QuantType.Q5_0: 16, QuantType.Q8_0: 128}
+
+
+def _sum_lanes(v: np.ndarray) -> np.ndarray:
+    while v.shape[-1] > 1:
+        h = v.shape[-1] // 2
+        v = v[..., :h] + v[..., h:]
+    return v[..., 0]
+
+
+def reference_product(x: np.ndarray, w: QuantizedTensor) -> np.ndarray:
+    """``x @ W.T`` the way quant_int8 computes it, every lane and rounding in its order."""
+    kind = w.qtype
+    block = 256 if kind >= QuantType.Q4_K else 32
+    q, dx, sums = reference_rows(x, block)
+    W = unsigned(w)
+    u = W["u"]
+    n, k = q.shape
+    # products (n, rows, k) as exact integers; lane l of a 4-value group
+    prod = q.astype(np.int64)[:, None, :] * u[None, :, :]
+    four = prod.reshape(n, u.shape[0], k // 4, 4).sum(axis=3)  # exact
+    if kind < QuantType.Q4_K:
+        acc = np.zeros((n, u.shape[0], 8), F32)
+        for bi in range(k // 32):
+            isum = four[:, :, 8 * bi : 8 * bi + 8].copy()
+            xsum = (sums[:, 2 * bi] + sums[:, 2 * bi + 1]).astype(np.int64)  # (n,)
+            off = OFFSET.get(kind, 0)
+            isum[:, :, 0] -= off * xsum[:, None]
+            scale = W["d"][None, :, bi] * dx[:, bi, None]  # float32 product
+            acc = acc + isum.astype(np.int32).astype(F32) * scale[:, :, None]
+            if "m" in W:
+                mx = dx[:, bi] * xsum.astype(F32)
+                lane0 = np.zeros_like(acc)
+                lane0[:, :, 0] = W["m"][None, :, bi] * mx[:, None]
+                acc = acc + lane0
+        return _sum_lanes(acc)
+    acc = np.zeros((n, u.shape[0], 16), F32)
+    for bi in range(k // 256):
+        iacc = np.zeros((n, u.shape[0], 16), np.int64)
+        for g in range(4):
+            lanes = four[:, :, 64 * bi + 16 * g : 64 * bi + 16 * g + 16]
+            if kind == QuantType.Q6_K:
+                sub = W["sc"][:, bi, 4 * g + np.arange(16) // 4]  # sub-blocks of 16
+            else:
+                sub = W["sc"][:, bi, 2 * g + np.arange(16) // 8]  # sub-blocks of 32
+            iacc += lanes * sub[None]
+        s16 = sums[:, 16 * bi : 16 * bi + 16].astype(np.int64)[:, None, :]
+        if kind == QuantType.Q6_K:
+            iacc -= 32 * s16 * W["sc"][None, :, bi, :]
+        assert np.abs(iacc).max(initial=0) < 2**31
+        scale = (W["d"][None, :, bi] * dx[:, bi, None])[:, :, None]
+        acc = acc + iacc.astype(np.int32).astype(F32) * scale
+        if kind != QuantType.Q6_K:
+            mins = (s16 * W["mn"][None, :, bi, np.arange(16) // 2]).astype(np.int32).astype(F32)
+            acc = acc - mins * (W["dmin"][None, :, bi] * dx[:, bi, None])[:, :, None]
+    return _sum_lanes(acc)
+
+
+# --- blocks ------------------------------------------------------------------------
+
+
+def raw_blocks(
+    kind: QuantType, rows: int, nb: int, rng: np.random.Generator, exp: int
+) -> np.ndarray:
+    """Random bytes for every field, float16 scales of magnitude 2**exp, some blocks zero."""
+    b = rng.integers(0, 256, (rows, nb, kind.block_bytes), dtype=np.uint8)
+    scales = {QuantType.Q6_K: (208,), QuantType.Q4_K: (0, 2), QuantType.Q5_K: (0, 2)}.get(
+        kind, (0, 2) if kind in (QuantType.Q4_1, QuantType.Q5_1) else (0,)
+    )
+    for at in scales:
+        v = (rng.uniform(0.5, 1.0, (rows, nb)) * 2.0**exp).astype(np.float16)
+        b[..., at : at + 2] = v.view(np.uint8).reshape(rows, nb, 2)
+    b[rng.random((rows, nb)) < 0.15] = 0  # whole zero blocks
+    return b.reshape(rows, -1)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    kind=st.sampled_from(TYPES),
+    n=st.integers(1, 11),
+    rows=st.integers(1, 37),
+    nb=st.integers(1, 4),
+    w_exp=st.integers(-14, 10),
+    x_exp=st.integers(-30, 30),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_the_int8_product_equals_the_numpy_scheme_bit_for_bit(
+    kind: QuantType, n: int, rows: int, nb: int, w_exp: int, x_exp: int, seed: int
+) -> None:
+    rng = np.random.default_rng(seed)
+    blocks = raw_blocks(kind, rows, nb, rng, w_exp)
+    w = QuantizedTensor(kind, (rows, nb * kind.block_values), blocks)
+    x = (rng.standard_normal((n, w.shape[1])) * 2.0**x_exp).astype(F32)
+    x[:, : kind.block_values][rng.random(n) < 0.3] = 0  # a zero activation block
+    x[rng.random(x.shape) < 0.02] *= 1000  # an outlier dominating its block
+    want = reference_product(x, w)
+    acts = quant_int8.quantize_rows(x, quant_int8.activation_block(int(kind)))
+    for portable in (False, True):
+        got = np.empty((n, rows), F32)
+        quant_int8.product(acts, w.blocks, int(kind), got, 16, portable=portable)
+        np.testing.assert_array_equal(got, want, err_msg=f"portable={portable}")
+    np.testing.assert_array_equal(matmul.linear(x, w), want)  # the default path
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    block=st.sampled_from([32, 256]),
+    n=st.integers(1, 6),
+    nb=st.integers(1, 3),
+    x_exp=st.integers(-40, 40),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_activations_quantize_as_the_numpy_scheme_row_by_row(
+    block: int, n: int, nb: int, x_exp: int, seed: int
+) -> None:
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal((n, nb * block)) * 2.0**x_exp).astype(F32)
+    x[0, :block] = 0
+    got = quant_int8.quantize_rows(x, block)
+    q, d, sums = reference_rows(x, block)
+    np.testing.assert_array_equal(got.q, q)
+    np.testing.assert_array_equal(got.d, d)
+    np.testing.assert_array_equal(got.sums, sums)
+    assert got.q.min(initial=0) >= -127  # never -128: its negation would not fit
+    alone = quant_int8.quantize_rows(x[-1:], block)  # a row's blocks depend on that row alone
+    np.testing.assert_array_equal(alone.q[0], got.q[-1])
+
+
+def test_an_activation_width_that_is_not_whole_blocks_is_refused() -> None:
+    with pytest.raises(ValueError, match="whole blocks of 256"):
+        quant_int8.quantize_rows(np.zeros((1, 288), F32), 256)
+
+
+@pytest.mark.parametrize("kind", TYPES)
+def test_int8_rows_stay_within_the_activation_rounding_of_the_exact_path(kind: QuantType) -> None:
+    # sane weights (gguf's dequantize as the truth) and Gaussian x: the int8 result
+    # sits within the error the activation rounding explains (a stated bound)
+    from test_quant import make_weight
+
+    rng = np.random.default_rng(int(kind))
+    w = make_weight(kind, 64, 2 if kind >= QuantType.Q4_K else 16, rng, exact=False)
+    cols = w.shape[1]
+    x = rng.standard_normal((8, cols)).astype(F32)
+    wf = w.dequantize().astype(np.float64)
+    exact = x.astype(np.float64) @ wf.T
+    got = matmul.linear(x, w).astype(np.float64)
+    # each x moved by at most d/2 = max|x_block| / 254: the error of a dot is at
+    # most sum |w| * max|x| / 254 (worst case); typical is ~1/sqrt(k) of that
+    bound = np.abs(wf).sum(axis=1)[None, :] * np.abs(x).max(axis=1)[:, None] / 254
+    assert (np.abs(got - exact) <= bound).all()
+    rel = np.linalg.norm(got - exact) / np.linalg.norm(exact)
+    assert rel < 0.02, rel
