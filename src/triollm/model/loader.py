@@ -47,11 +47,18 @@ class LoadedModel:
     model_dir: Path  # the directory, or the GGUF file
 
 
-def load_model(model_dir: str | os.PathLike[str], *, quantize: str | None = None) -> LoadedModel:
+def load_model(
+    model_dir: str | os.PathLike[str],
+    *,
+    quantize: str | None = None,
+    exact_activations: bool = False,
+) -> LoadedModel:
     """Load config, weights and tokenizer from ``model_dir`` (a directory or a GGUF file).
 
     Weights are read tensor by tensor and prepared as they come, so peak memory
-    is the prepared model plus one raw tensor.
+    is the prepared model plus one raw tensor. Quantized weights multiply
+    int8-quantized activations unless ``exact_activations`` (then float32
+    activations: transformers' numbers, slower; see ``quant.ExactActivationsSource``).
     """
     path = Path(model_dir)
     from triollm.model.gguf import is_gguf
@@ -61,7 +68,7 @@ def load_model(model_dir: str | os.PathLike[str], *, quantize: str | None = None
             raise ModelLoadError(
                 f"{path}: --quantize applies to a model directory, not a GGUF file"
             )
-        return _load_gguf(path)
+        return _load_gguf(path, exact_activations)
     if not path.is_dir():
         raise ModelLoadError(f"{path}: not a directory (expected a Hugging Face model directory)")
     config = ModelConfig.from_dir(path)
@@ -76,18 +83,28 @@ def load_model(model_dir: str | os.PathLike[str], *, quantize: str | None = None
         else:
             from triollm.model.quant import QuantizingSource
 
-            model = LlamaModel(config, QuantizingSource(checkpoint, quantize))
+            source = QuantizingSource(checkpoint, quantize)
+            if exact_activations:
+                from triollm.model.quant import ExactActivationsSource
+
+                source = ExactActivationsSource(source)  # type: ignore[assignment]
+            model = LlamaModel(config, source)
     return _finish(config, model, tokenizer, path, quantized=quantize is not None)
 
 
-def _load_gguf(path: Path) -> LoadedModel:
+def _load_gguf(path: Path, exact_activations: bool) -> LoadedModel:
     from triollm.model.gguf import GGUFFile, GGUFSource
     from triollm.model.gguf_tokenizer import tokenizer_from_gguf
 
     file = GGUFFile(path)
     config = file.config()
     tokenizer = tokenizer_from_gguf(file)
-    model = LlamaModel(config, GGUFSource(file, config))
+    source = GGUFSource(file, config)
+    if exact_activations:
+        from triollm.model.quant import ExactActivationsSource
+
+        source = ExactActivationsSource(source)  # type: ignore[assignment]
+    model = LlamaModel(config, source)
     return _finish(config, model, tokenizer, path, quantized=True)
 
 
