@@ -61,6 +61,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="positions for prompt + answer (default: the model's limit, at most 4096)",
     )
+    parser.add_argument(
+        "--exact-activations",
+        action="store_true",
+        help="quantized weights times float32 activations, as transformers (default: int8)",
+    )
     parser.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (default 1)")
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=0, help="0 = off")
@@ -93,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
 
     params = _sampling_params(args)
     stops = _stop_strings(args.stop)
-    loaded = load_model(resolve_model_dir(args.model_dir))
+    loaded = load_model(resolve_model_dir(args.model_dir), exact_activations=args.exact_activations)
     tok = loaded.tokenizer
     prompt_ids = _prompt_ids(args, tok, loaded.config.vocab_size)
     try:

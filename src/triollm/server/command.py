@@ -76,6 +76,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
         choices=("q8_0", "q4_0"),
         help="quantize a model directory's weight matrices at load (GGUF's Q8_0 / Q4_0 blocks)",
     )
+    parser.add_argument(
+        "--exact-activations",
+        action="store_true",
+        help="multiply quantized weights with float32 activations, as transformers does "
+        "(default: int8 activations and integer dot products, faster, ~0.5%% off per product)",
+    )
     parser.add_argument("--model-name", help="the id clients send as 'model' (default: dir name)")
     parser.add_argument(
         "--tool-call-parser",
@@ -539,7 +545,7 @@ def run(args: argparse.Namespace) -> int:
 
     model_dir = _model_dir(args)
     started = time.monotonic()
-    loaded = load_model(model_dir, quantize=args.quantize)
+    loaded = load_model(model_dir, quantize=args.quantize, exact_activations=args.exact_activations)
     stack = build_stack(
         loaded,
         capacity,
