@@ -549,8 +549,30 @@ def _tile_shape(n: int) -> tuple[int, int]:  # pragma: no cover - numba
     return _MANY_W, _MANY_X
 
 
+@njit(inline="always")
+def _tile_of(kind, n, q, d, s, blocks, r0, g, e, res):  # type: ignore[no-untyped-def]  # pragma: no cover
+    # the VNNI tile of _tile_shape(n) (its shape must be compile-time constants)
+    if n == 1:
+        _int8_tile(kind, _ONE_W, _ONE_X, 0, q, d, s, blocks, r0, n - 1, g, e, res)
+    elif n <= _FEW_X:
+        _int8_tile(kind, _FEW_W, _FEW_X, 0, q, d, s, blocks, r0, n - 1, g, e, res)
+    else:
+        _int8_tile(kind, _MANY_W, _MANY_X, 0, q, d, s, blocks, r0, n - 1, g, e, res)
+
+
+@njit(inline="always")
+def _portable_tile_of(kind, n, q, d, s, blocks, r0, g, e, res):  # type: ignore[no-untyped-def]  # pragma: no cover
+    # the same with the portable integer IR (tests: the same bits)
+    if n == 1:
+        _int8_tile(kind, _ONE_W, _ONE_X, 1, q, d, s, blocks, r0, n - 1, g, e, res)
+    elif n <= _FEW_X:
+        _int8_tile(kind, _FEW_W, _FEW_X, 1, q, d, s, blocks, r0, n - 1, g, e, res)
+    else:
+        _int8_tile(kind, _MANY_W, _MANY_X, 1, q, d, s, blocks, r0, n - 1, g, e, res)
+
+
 @njit(cache=True, nogil=True, parallel=True)
-def _int8_matmul(q, d, s, blocks, kind, out, block, portable):  # type: ignore[no-untyped-def]  # pragma: no cover
+def _int8_matmul(q, d, s, blocks, kind, out, block):  # type: ignore[no-untyped-def]  # pragma: no cover
     # q (n, k) int8, d (n, k / block values) float32, s (n, k / 16) int32;
     # blocks (n_out, bytes per row) uint8; out (n, n_out) float32. As
     # quant._quant_matmul: threads split the weight rows, each group of weight
@@ -564,27 +586,26 @@ def _int8_matmul(q, d, s, blocks, kind, out, block, portable):  # type: ignore[n
         res = np.empty(nw * nx, np.float32)
         for g in range(j0, j1, nw):
             for r0 in range(0, n, nx):
-                if portable:
-                    if n == 1:
-                        _int8_tile(
-                            kind, _ONE_W, _ONE_X, 1, q, d, s, blocks, r0, n - 1, g, j1 - 1, res
-                        )
-                    elif n <= _FEW_X:
-                        _int8_tile(
-                            kind, _FEW_W, _FEW_X, 1, q, d, s, blocks, r0, n - 1, g, j1 - 1, res
-                        )
-                    else:
-                        _int8_tile(
-                            kind, _MANY_W, _MANY_X, 1, q, d, s, blocks, r0, n - 1, g, j1 - 1, res
-                        )
-                elif n == 1:
-                    _int8_tile(kind, _ONE_W, _ONE_X, 0, q, d, s, blocks, r0, n - 1, g, j1 - 1, res)
-                elif n <= _FEW_X:
-                    _int8_tile(kind, _FEW_W, _FEW_X, 0, q, d, s, blocks, r0, n - 1, g, j1 - 1, res)
-                else:
-                    _int8_tile(
-                        kind, _MANY_W, _MANY_X, 0, q, d, s, blocks, r0, n - 1, g, j1 - 1, res
-                    )
+                _tile_of(kind, n, q, d, s, blocks, r0, g, j1 - 1, res)
+                for r in range(min(nx, n - r0)):
+                    for t in range(min(nw, j1 - g)):
+                        out[r0 + r, g + t] = res[r * nw + t]
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def _portable_matmul(q, d, s, blocks, kind, out, block):  # type: ignore[no-untyped-def]  # pragma: no cover
+    # _int8_matmul with the portable tiles: a function of its own so that the
+    # model's product does not compile (and load) both variants
+    n = q.shape[0]
+    n_out = blocks.shape[0]
+    nw, nx = _tile_shape(n)
+    for blk in prange((n_out + block - 1) // block):
+        j0 = blk * block
+        j1 = min(j0 + block, n_out)
+        res = np.empty(nw * nx, np.float32)
+        for g in range(j0, j1, nw):
+            for r0 in range(0, n, nx):
+                _portable_tile_of(kind, n, q, d, s, blocks, r0, g, j1 - 1, res)
                 for r in range(min(nx, n - r0)):
                     for t in range(min(nw, j1 - g)):
                         out[r0 + r, g + t] = res[r * nw + t]
@@ -607,5 +628,6 @@ def product(
     if x.block != activation_block(kind):
         raise ValueError(f"type {kind} pairs with activation blocks of {activation_block(kind)}")
     if x.q.shape[0]:
-        _int8_matmul(x.q, x.d, x.sums, blocks, kind, out, block_rows, 1 if portable else 0)
+        fn = _portable_matmul if portable else _int8_matmul
+        fn(x.q, x.d, x.sums, blocks, kind, out, block_rows)
     return out
