@@ -147,15 +147,16 @@ def reference_product(x: np.ndarray, w: QuantizedTensor) -> np.ndarray:
             else:
                 sub = W["sc"][:, bi, 2 * g + np.arange(16) // 8]  # sub-blocks of 32
             iacc += lanes * sub[None]
-        s16 = sums[:, 16 * bi : 16 * bi + 16].astype(np.int64)[:, None, :]
-        if kind == QuantType.Q6_K:
-            iacc -= 32 * s16 * W["sc"][None, :, bi, :]
         assert np.abs(iacc).max(initial=0) < 2**31
+        # the correction, per 16 values: c (weight side) * (dx * sum of x)
+        xcorr = sums[:, 16 * bi : 16 * bi + 16].astype(F32) * dx[:, bi, None]  # (n, 16)
+        if kind == QuantType.Q6_K:
+            c = W["sc"][:, bi, :].astype(F32) * (W["d"][:, bi] * F32(32))[:, None]
+        else:
+            c = W["mn"][:, bi, np.arange(16) // 2].astype(F32) * W["dmin"][:, bi, None]
         scale = (W["d"][None, :, bi] * dx[:, bi, None])[:, :, None]
-        acc = acc + iacc.astype(np.int32).astype(F32) * scale
-        if kind != QuantType.Q6_K:
-            mins = (s16 * W["mn"][None, :, bi, np.arange(16) // 2]).astype(np.int32).astype(F32)
-            acc = acc - mins * (W["dmin"][None, :, bi] * dx[:, bi, None])[:, :, None]
+        main = iacc.astype(np.int32).astype(F32) * scale
+        acc = (acc + main) - c[None, :, :] * xcorr[:, None, :]
     return _sum_lanes(acc)
 
 

@@ -43,7 +43,8 @@ Theory of operation
    are the eight int32 lanes of one ``vpdpbusd`` started from the offset
    correction. K-quants keep 16 int32 lanes per super-block
    (``vpdpwssd`` multiplies each pair sum by its sub-block scale) and fold
-   them into 16 float32 lanes once per 256 values. The lanes are summed in
+   them into 16 float32 lanes once per 256 values. A prefill's rows are
+   walked in chunks of 64 (``_X_CHUNK``) so each chunk of ``x`` stays in L2. The lanes are summed in
    one fixed pairwise order at the end.
 4. **Same bits everywhere.** Integer sums are exact (their bounds are
    checked in the comments where they are formed), floats are multiplied
@@ -60,8 +61,12 @@ Hazards
   saturates. Q8_0's ``u`` reaches 255, so it goes through ``vpdpbusd``
   (int32 lanes) instead.
 - Results differ from the float32-activation path (``exact_activations``)
-  by the activation rounding: about 0.4% relative per product, measured in
-  ``docs/engine.md``; the conformance suite runs the exact path.
+  by the activation rounding: 0.5-0.8% relative per product, 1-3% of a
+  model's logits, measured in ``docs/engine.md``; the conformance suite
+  runs the exact path.
+- A K-quant's offset (Q6_K) and mins are subtracted in float32, once per 16
+  values (``c_t[i] * dx * sum``), not in integers: one multiply per (x row,
+  weight row) instead of an int32 multiply, a convert and a scale.
 """
 
 from __future__ import annotations
@@ -446,33 +451,31 @@ def _int8_tile_function(module: Any, K: int, T: int, R: int, vnni: bool) -> Any:
                         acc = b.fadd(acc, b.insert_element(zero_f, m, ir.Constant(_I32, 0)))
                     b.store(acc, accs[r][t])
         else:
-            sums = [b.load(_ptr(b, xsr[r], soff, _vec(_I32, 16)), align=4) for r in range(R)]
+            # the offset/min correction in float32 lanes, one per 16 values:
+            # c_t[i] * (dx * sum of x over those 16), c_t per weight row (shared by
+            # every x row), the sums' lanes per x row (shared by every weight row)
+            xcorr = []
+            for r in range(R):
+                sums = b.load(_ptr(b, xsr[r], soff, _vec(_I32, 16)), align=4)
+                xcorr.append(b.fmul(b.sitofp(sums, _vec(_F32, 16)), _splat(b, dx[r], 16)))
             for t in range(T):
                 blk = blocks[t]
                 chunks = [_k_chunk(K, blk, g) for g in range(4)]
-                d = blk.half(208) if K == _Q6_K else blk.half(0)
-                if K == _Q6_K:
-                    # offset 32: 32 * sum_i sc_i * (sum of x over sub-block i of 16)
-                    sc16 = b.sext(blk.load(192, _vec(_I8, 16)), _vec(_I32, 16))
-                else:  # the mins, m_j for both sums of 16 of sub-block j
+                if K == _Q6_K:  # offset 32: c[i] = sc_i * (32 d), 32 d exact (a power of two)
+                    d = blk.half(208)
+                    sc16 = b.sitofp(blk.load(192, _vec(_I8, 16)), _vec(_F32, 16))
+                    wcorr = b.fmul(sc16, _splat(b, b.fmul(d, ir.Constant(_F32, 32.0)), 16))
+                else:  # the mins: c[i] = m_j * dmin for both sums of 16 of sub-block j
+                    d = blk.half(0)
                     mins = _spread(b, [blk.k_scale_min(j)[1] for j in range(8)], 2)
-                    dmin = blk.half(2)
+                    wcorr = b.fmul(b.sitofp(mins, _vec(_F32, 16)), _splat(b, blk.half(2), 16))
                 for r in range(R):
                     iacc = zero_i
                     for g, (u, sc) in enumerate(chunks):
                         iacc = ops.wssd(iacc, ops.pairs(u, xvec(r, g, 64)), sc)
-                    if K == _Q6_K:
-                        corr = b.shl(
-                            b.mul(sums[r], sc16), _const(_I32, 16, 5)
-                        )  # |.| <= 2^5 * 2032 * 128
-                        iacc = b.sub(iacc, corr)
                     scale = _splat(b, b.fmul(d, dx[r]), lanes)
-                    acc = b.fadd(
-                        b.load(accs[r][t]), b.fmul(b.sitofp(iacc, _vec(_F32, lanes)), scale)
-                    )
-                    if K != _Q6_K:
-                        msum = b.sitofp(b.mul(sums[r], mins), _vec(_F32, lanes))
-                        acc = b.fsub(acc, b.fmul(msum, _splat(b, b.fmul(dmin, dx[r]), lanes)))
+                    main = b.fmul(b.sitofp(iacc, _vec(_F32, lanes)), scale)
+                    acc = b.fsub(b.fadd(b.load(accs[r][t]), main), b.fmul(wcorr, xcorr[r]))
                     b.store(acc, accs[r][t])
     for r in range(R):
         for t in range(T):
@@ -538,6 +541,11 @@ def _int8_tile(typingctx, kind, n_w, n_x, portable, xq, xd, xs, blocks, r0, last
 _ONE_W, _ONE_X = 16, 1
 _FEW_W, _FEW_X = 4, 4
 _MANY_W, _MANY_X = 2, 8
+# x rows per pass over a thread's weight rows: a prefill's x (512 rows of 8960
+# int8 = 4.6 MB) does not stay in L2 while every pair of weight rows passes over
+# it; 64 rows of x (<= 574 KB) and the thread's weight block (<= 256 rows) do.
+# Any chunking gives the same bits: each row's tile computes the same.
+_X_CHUNK = 64
 
 
 @njit(inline="always")
@@ -576,7 +584,7 @@ def _int8_matmul(q, d, s, blocks, kind, out, block):  # type: ignore[no-untyped-
     # q (n, k) int8, d (n, k / block values) float32, s (n, k / 16) int32;
     # blocks (n_out, bytes per row) uint8; out (n, n_out) float32. As
     # quant._quant_matmul: threads split the weight rows, each group of weight
-    # rows meets every tile of x rows while its bytes sit in L1.
+    # rows meets every tile of a chunk of x rows while its bytes sit in L1.
     n = q.shape[0]
     n_out = blocks.shape[0]
     nw, nx = _tile_shape(n)
@@ -584,12 +592,13 @@ def _int8_matmul(q, d, s, blocks, kind, out, block):  # type: ignore[no-untyped-
         j0 = blk * block
         j1 = min(j0 + block, n_out)
         res = np.empty(nw * nx, np.float32)
-        for g in range(j0, j1, nw):
-            for r0 in range(0, n, nx):
-                _tile_of(kind, n, q, d, s, blocks, r0, g, j1 - 1, res)
-                for r in range(min(nx, n - r0)):
-                    for t in range(min(nw, j1 - g)):
-                        out[r0 + r, g + t] = res[r * nw + t]
+        for c0 in range(0, n, _X_CHUNK):
+            for g in range(j0, j1, nw):
+                for r0 in range(c0, min(c0 + _X_CHUNK, n), nx):
+                    _tile_of(kind, n, q, d, s, blocks, r0, g, j1 - 1, res)
+                    for r in range(min(nx, n - r0)):
+                        for t in range(min(nw, j1 - g)):
+                            out[r0 + r, g + t] = res[r * nw + t]
 
 
 @njit(cache=True, nogil=True, parallel=True)
@@ -603,12 +612,13 @@ def _portable_matmul(q, d, s, blocks, kind, out, block):  # type: ignore[no-unty
         j0 = blk * block
         j1 = min(j0 + block, n_out)
         res = np.empty(nw * nx, np.float32)
-        for g in range(j0, j1, nw):
-            for r0 in range(0, n, nx):
-                _portable_tile_of(kind, n, q, d, s, blocks, r0, g, j1 - 1, res)
-                for r in range(min(nx, n - r0)):
-                    for t in range(min(nw, j1 - g)):
-                        out[r0 + r, g + t] = res[r * nw + t]
+        for c0 in range(0, n, _X_CHUNK):
+            for g in range(j0, j1, nw):
+                for r0 in range(c0, min(c0 + _X_CHUNK, n), nx):
+                    _portable_tile_of(kind, n, q, d, s, blocks, r0, g, j1 - 1, res)
+                    for r in range(min(nx, n - r0)):
+                        for t in range(min(nw, j1 - g)):
+                            out[r0 + r, g + t] = res[r * nw + t]
 
 
 def product(

@@ -1,0 +1,179 @@
+"""Quantized products, int8 activations against float32 activations, at the 1.5B model's shapes.
+
+Run with ``python bench/bench_quant.py`` (options: ``--help``).
+
+For each weight type it builds the products of ``--layers`` layers of
+Qwen2.5-Coder-1.5B (hidden 1536, intermediate 8960: q/k/v 2048 x 1536,
+o 1536 x 1536, gate/up 17920 x 1536, down 1536 x 8960), every product a
+distinct array of random blocks, so a sweep streams its bytes from memory,
+and times one sweep per variant, alternating ``int8 exact int8 exact ...``
+(``int8``: the default, ``quant_int8.py``; ``exact``: ``--exact-activations``,
+the widening kernels of ``quant.py``). Per round it prints the wall time of
+each variant, then medians, the weight bytes per second and the int8
+multiply-accumulates per second.
+
+``--ceiling`` instead measures what one core can do: a loop of independent
+``vpdpbusd`` (zmm and ymm) and of ``vfmadd231ps`` zmm in registers, so the
+products can be put beside the instruction's throughput, and a memory
+read rate (numpy sum over 1 GB, all threads) for the bandwidth floor.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+
+from triollm.model import matmul
+from triollm.model.quant import QuantizedTensor, QuantType
+
+LAYER = ((2048, 1536), (1536, 1536), (17920, 1536), (1536, 8960))
+
+
+def random_weight(
+    kind: QuantType, shape: tuple[int, int], rng: np.random.Generator
+) -> QuantizedTensor:
+    rows, cols = shape
+    nb = cols // kind.block_values
+    b = rng.integers(0, 256, (rows, nb, kind.block_bytes), dtype=np.uint8)
+    at = {QuantType.Q6_K: (208,), QuantType.Q4_K: (0, 2), QuantType.Q5_K: (0, 2)}.get(kind, (0,))
+    for k in at:  # sane float16 scales (random bytes could be NaN)
+        v = rng.uniform(0.001, 0.01, (rows, nb)).astype(np.float16)
+        b[..., k : k + 2] = v.view(np.uint8).reshape(rows, nb, 2)
+    return QuantizedTensor(kind, shape, b.reshape(rows, -1))
+
+
+def products(args: argparse.Namespace) -> None:
+    rng = np.random.default_rng(0)
+    print(f"# load average at start: {os.getloadavg()}")
+    print("| type | rows | variant | per-round ms | median ms | weight GB/s | int8 GMAC/s |")
+    print("| --- | ---: | --- | --- | ---: | ---: | ---: |")
+    for name in args.types.split(","):
+        kind = QuantType[name]
+        ws = [random_weight(kind, s, rng) for _ in range(args.layers) for s in LAYER]
+        variants = {"int8": ws, "exact": [w.with_exact_activations() for w in ws]}
+        nbytes = sum(w.nbytes for w in ws)
+        macs = sum(w.shape[0] * w.shape[1] for w in ws)
+        for n in (int(r) for r in args.rows.split(",")):
+            xs = {k: rng.standard_normal((n, k), dtype=np.float32) for k in (1536, 8960)}
+            outs = [np.empty((n, w.shape[0]), np.float32) for w in ws]
+
+            def sweep(weights: list[QuantizedTensor], xs=xs, outs=outs) -> float:
+                t = time.perf_counter()
+                for w, o in zip(weights, outs, strict=True):
+                    matmul.linear(xs[w.shape[1]], w, out=o)
+                return time.perf_counter() - t
+
+            for v in variants.values():
+                sweep(v)  # compile / warm
+            times: dict[str, list[float]] = {v: [] for v in variants}
+            for _ in range(args.rounds):
+                for v, weights in variants.items():
+                    times[v].append(sweep(weights))
+            for v in variants:
+                med = statistics.median(times[v])
+                per = " ".join(f"{t * 1e3:.1f}" for t in times[v])
+                print(
+                    f"| {name} | {n} | {v} | {per} | {med * 1e3:.1f} | "
+                    f"{nbytes / med / 1e9:.1f} | {n * macs / med / 1e9:.0f} |",
+                    flush=True,
+                )
+    print(f"# load average at end: {os.getloadavg()}")
+
+
+def _loop_ir(acc: str, fn: str, op: str, chains: int) -> str:
+    """IR of ``go(n)``: n iterations of ``chains`` independent accumulations by ``fn``."""
+    fma = "fma" in fn
+    args = (acc, acc, acc) if fma else (acc, op, op)
+    lines = [f"declare {acc} @{fn}({', '.join(args)})", "define i64 @go(i64 %n, i64 %seed) {"]
+    lines += ["entry:", "  %s8 = trunc i64 %seed to i8", "  %sf = sitofp i64 %seed to float"]
+    lines.append(f"  %v = insertelement {op} undef, {'float %sf' if fma else 'i8 %s8'}, i32 0")
+    lines += ["  br label %loop", "loop:", "  %i = phi i64 [0, %entry], [%i1, %loop]"]
+    lines += [
+        f"  %c{c} = phi {acc} [zeroinitializer, %entry], [%d{c}, %loop]" for c in range(chains)
+    ]
+    lines += [f"  %d{c} = call {acc} @{fn}({acc} %c{c}, {op} %v, {op} %v)" for c in range(chains)]
+    lines += ["  %i1 = add i64 %i, 1", "  %done = icmp eq i64 %i1, %n"]
+    lines += ["  br i1 %done, label %end, label %loop", "end:"]
+    total = "%d0"
+    for c in range(1, chains):
+        lines.append(f"  %t{c} = {'fadd' if fma else 'add'} {acc} {total}, %d{c}")
+        total = f"%t{c}"
+    lines.append(f"  %e = extractelement {acc} {total}, i32 0")
+    lines.append(f"  %r = {'fptosi float' if fma else 'sext i32'} %e to i64")
+    return "\n".join([*lines, "  ret i64 %r", "}"])
+
+
+def ceiling() -> None:
+    """Independent vpdpbusd / FMA chains in registers, one core; and memory read bandwidth."""
+    import llvmlite.binding as llvm
+
+    llvm.initialize_native_target()
+    llvm.initialize_native_asmprinter()
+    loops = {
+        "vpdpbusd zmm (64 MAC)": ("<16 x i32>", "llvm.x86.avx512.vpdpbusd.512", "<64 x i8>", 64),
+        "vpdpbusd ymm (32 MAC)": ("<8 x i32>", "llvm.x86.avx512.vpdpbusd.256", "<32 x i8>", 32),
+        "vfmadd231ps zmm (16 MAC)": ("<16 x float>", "llvm.fma.v16f32", "<16 x float>", 16),
+    }
+    chains = 12  # independent accumulators: enough to hide the latency
+    tm = llvm.Target.from_default_triple().create_target_machine(
+        cpu=llvm.get_host_cpu_name(), features=llvm.get_host_cpu_features().flatten()
+    )
+    engines = []  # kept alive while their code runs
+    print("| instruction | per core | MAC/s per core | per-round ms |")
+    print("| --- | ---: | ---: | --- |")
+    for label, (acc, fn, op, macs) in loops.items():
+        engine = llvm.create_mcjit_compiler(llvm.parse_assembly(_loop_ir(acc, fn, op, chains)), tm)
+        engine.finalize_object()
+        engines.append(engine)
+        go = ctypes.CFUNCTYPE(ctypes.c_int64, ctypes.c_int64, ctypes.c_int64)(
+            engine.get_function_address("go")
+        )
+        n = 20_000_000
+        rounds = []
+        for _ in range(5):
+            t = time.perf_counter()
+            go(n, 3)
+            rounds.append(time.perf_counter() - t)
+        per_s = n * chains / min(rounds)
+        print(
+            f"| {label} | {per_s / 1e9:.2f} G/s | {per_s * macs / 1e9:.0f} G | "
+            f"{' '.join(f'{r * 1e3:.0f}' for r in rounds)} |"
+        )
+    a = np.ones(2**28, np.float32)  # 1 GiB
+    rates = []
+    for _ in range(5):
+        t = time.perf_counter()
+        a.sum()
+        rates.append(a.nbytes / (time.perf_counter() - t) / 1e9)
+    per = " ".join(f"{r:.1f}" for r in rates)
+    print(f"| numpy sum of 1 GiB, one thread | {max(rates):.1f} GB/s best | | {per} |")
+    print(f"# load average: {os.getloadavg()}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--types", default="Q4_K,Q6_K,Q8_0", help="weight types")
+    p.add_argument("--rows", default="1,16,512", help="row counts")
+    p.add_argument("--rounds", type=int, default=3, help="alternating rounds (>= 3)")
+    p.add_argument("--layers", type=int, default=2, help="layers per sweep (distinct arrays)")
+    p.add_argument("--ceiling", action="store_true", help="instruction throughput and bandwidth")
+    args = p.parse_args(argv)
+    if args.ceiling:
+        ceiling()
+        # Hazard: llvmlite's MCJIT engines crashed the interpreter's teardown
+        # (a segfault after the figures); leave without it
+        sys.stdout.flush()
+        os._exit(0)
+    else:
+        products(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
