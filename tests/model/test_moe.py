@@ -199,7 +199,7 @@ def test_quantized_experts_generate_what_their_dequantized_weights_do(
     tmp_path: Path, name: str, qtype: G
 ) -> None:
     path, held = make(tmp_path, name, qtype)
-    model = load_model(path)
+    model = load_model(path, exact_activations=True)  # the reference keeps x float32
     moe_layers = [layer.moe for layer in model.model.layers if layer.moe is not None]
     assert moe_layers and all(
         isinstance(e.down_proj, QuantizedTensor) for m in moe_layers for e in m.experts
@@ -246,7 +246,7 @@ def test_k_quant_experts_generate_what_their_dequantized_weights_do(tmp_path: Pa
 
     path = tmp_path / "moe-k.gguf"
     held = write_gguf(path, cfg, tensors, FIXTURES / "qwen3-moe-f32", weight_type)
-    model = load_model(path)
+    model = load_model(path, exact_activations=True)  # the reference keeps x float32
     sparse = model.model.layers[1].moe
     assert sparse is not None
     assert isinstance(sparse.experts[0].down_proj, QuantizedTensor)

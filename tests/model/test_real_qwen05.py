@@ -46,7 +46,7 @@ def fetch_or_skip() -> Path:
 def qwen() -> Any:
     from triollm.model.loader import load_model
 
-    return load_model(fetch_or_skip())
+    return load_model(fetch_or_skip(), exact_activations=True)  # token-exact: float32 x
 
 
 @pytest.fixture(scope="module")
