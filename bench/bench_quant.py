@@ -12,6 +12,10 @@ the widening kernels of ``quant.py``). Per round it prints the wall time of
 each variant, then medians, the weight bytes per second and the int8
 multiply-accumulates per second.
 
+``--model FILE.gguf`` times whole forward passes of a real file instead:
+decode steps at batch 1 and 16 and one prefill, the two paths loaded side by
+side and alternated round by round (``bench_gguf.py``'s cases).
+
 ``--ceiling`` instead measures what one core can do: a loop of independent
 ``vpdpbusd`` (zmm and ymm) and of ``vfmadd231ps`` zmm in registers, so the
 products can be put beside the instruction's throughput, and a memory
@@ -156,6 +160,42 @@ def ceiling() -> None:
     print(f"# load average: {os.getloadavg()}")
 
 
+def model_rounds(args: argparse.Namespace) -> None:
+    """Decode b=1, b=16 and a prefill of a real file: int8 and exact alternating."""
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench_gguf import decode_case, prefill_case
+
+    from triollm.model.loader import load_model
+
+    models = {
+        "int8": load_model(args.model).model,
+        "exact": load_model(args.model, exact_activations=True).model,
+    }
+    print(f"# {args.model}; load average at start: {os.getloadavg()}")
+    cases = {
+        "decode b=1 (tok/s)": lambda m: 16 / decode_case(m, 1, 32, 16),
+        "decode b=16 (tok/s)": lambda m: 16 * 8 / decode_case(m, 16, 32, 8),
+        f"prefill {args.prefill} (tok/s)": lambda m: args.prefill / prefill_case(m, args.prefill),
+    }
+    print("| case | variant | per-round | median | int8 / exact |")
+    print("| --- | --- | --- | ---: | ---: |")
+    for label, case in cases.items():
+        for m in models.values():
+            case(m)  # warm
+        got: dict[str, list[float]] = {v: [] for v in models}
+        for _ in range(args.rounds):
+            for v, m in models.items():
+                got[v].append(case(m))
+        meds = {v: statistics.median(r) for v, r in got.items()}
+        for v, r in got.items():
+            ratio = f"{meds['int8'] / meds['exact']:.2f}x" if v == "int8" else ""
+            per = " ".join(f"{x:.1f}" for x in r)
+            print(f"| {label} | {v} | {per} | {meds[v]:.1f} | {ratio} |", flush=True)
+    print(f"# load average at end: {os.getloadavg()}")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--types", default="Q4_K,Q6_K,Q8_0", help="weight types")
@@ -163,6 +203,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3, help="alternating rounds (>= 3)")
     p.add_argument("--layers", type=int, default=2, help="layers per sweep (distinct arrays)")
     p.add_argument("--ceiling", action="store_true", help="instruction throughput and bandwidth")
+    p.add_argument("--model", help="a GGUF file: whole forward passes instead of products")
+    p.add_argument("--prefill", type=int, default=128, help="prefill tokens with --model")
     args = p.parse_args(argv)
     if args.ceiling:
         ceiling()
@@ -170,6 +212,8 @@ def main(argv: list[str] | None = None) -> int:
         # (a segfault after the figures); leave without it
         sys.stdout.flush()
         os._exit(0)
+    elif args.model:
+        model_rounds(args)
     else:
         products(args)
     return 0

@@ -117,3 +117,22 @@ def test_a_real_file_greedy_matches_its_exact_path_up_to_a_close_gap(
         report = compare(exact, int8, prompt, 16, LOGIT_ERROR["real"])
         with capsys.disabled():
             print(f"\n{path.name} {text!r}: {report}")
+
+
+def test_exact_activations_reaches_every_quantized_weight_and_int8_is_the_default(
+    tmp_path: Path,
+) -> None:
+    from triollm.model.quant import QuantizedStack, QuantizedTensor
+
+    path, _ = make(tmp_path, "llama-gqa-f32", G.Q4_0)
+
+    def flags(loaded: LoadedModel) -> set[bool]:
+        seen = set()
+        for layer in loaded.model.layers:
+            for w in vars(layer).values():
+                parts = w.parts if isinstance(w, QuantizedStack) else (w,)
+                seen |= {p.exact_activations for p in parts if isinstance(p, QuantizedTensor)}
+        return seen
+
+    assert flags(load_model(path)) == {False}
+    assert flags(load_model(path, exact_activations=True)) == {True}
