@@ -178,3 +178,26 @@ def test_one_content_is_published_once_and_a_block_once() -> None:
     assert pool.statistics().free == 2  # the private copy is plain free, not cached
     with pytest.raises(ValueError, match="it is free"):
         pool.retain(b)
+
+
+def test_each_eviction_leaves_its_hash_for_the_manager_to_take_once() -> None:
+    pool = BlockPool(num_blocks=2, block_size=1)
+    publish_table(pool, [1, 2])  # both cached, block 1 the least recent
+    assert pool.take_evicted() == ()
+    pool.allocate(1)
+    assert pool.take_evicted() == prefix_hashes([1, 2], 1)[1:]
+    assert pool.take_evicted() == ()  # taken
+
+
+def test_forgetting_the_cache_frees_every_cached_block_and_keeps_held_content() -> None:
+    pool = BlockPool(num_blocks=3, block_size=1)
+    publish_table(pool, [1, 2])
+    held = pool.allocate(1)
+    assert held is not None
+    (h,) = prefix_hashes([9], 1)
+    assert pool.publish(held[0], h)
+    assert pool.forget_cached() == tuple(reversed(prefix_hashes([1, 2], 1)))
+    st = pool.statistics()
+    assert (st.free, st.cached, st.held) == (2, 0, 1)
+    assert pool.lookup(prefix_hashes([1], 1)) == () and pool.lookup([h]) == held
+    assert pool.allocate(2) == (0, 1)  # the free heap is whole again

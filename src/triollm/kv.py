@@ -1,12 +1,13 @@
-"""The paged KV block pool: the one owner of block ownership, and of the prefix cache.
+"""The paged KV block pool: the one owner of block ownership, the allocator under the cache.
 
 The KV cache is cut into ``num_blocks`` blocks of ``block_size`` positions each.
 A sequence holds a *block table* (block ids in position order); position ``p`` of
 that sequence lives in block ``table[p // block_size]`` at offset
 ``p % block_size``. This module decides which block ids are free, who holds how
 many references to each, and which blocks are known by their content; it knows
-nothing about sequences or arrays. The Batch owns the float32 arrays those ids
-index; the Scheduler owns the tables.
+nothing about sequences or arrays. The Batch owns the arrays those ids index;
+the KV-cache manager (``kvcache.py``) owns the tables, decides what is published,
+and is the pool's only caller.
 
 Every block is in exactly one of three states:
 
@@ -140,7 +141,7 @@ class BlockPool:
 
     Trap: the pool hands out ids, not memory. A caller that keeps using a block id
     after freeing its reference is reading a block someone else may now own; the
-    Scheduler avoids this by dropping its block table in the same call that frees.
+    KV-cache manager avoids this by dropping its block table in the same call that frees.
     """
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
@@ -160,6 +161,10 @@ class BlockPool:
         self._hash_of: dict[int, bytes] = {}
         self._block_of: dict[bytes, int] = {}
         self._evictions = 0
+        # The hashes evicted since the last take_evicted(), oldest first: the KV-cache
+        # manager turns them into BlockRemoved events. Trap: a caller that never drains
+        # it keeps one hash per eviction; the manager drains it after every allocation.
+        self._evicted: list[bytes] = []
         self._held = 0  # blocks with a reference count above 0, counted as they change
 
     # -- taking ---------------------------------------------------------------------
@@ -182,7 +187,9 @@ class BlockPool:
                 taken.append(heapq.heappop(self._free_heap))
             else:
                 block, _ = self._cached.popitem(last=False)  # the least recently used
-                del self._block_of[self._hash_of.pop(block)]
+                gone = self._hash_of.pop(block)
+                del self._block_of[gone]
+                self._evicted.append(gone)
                 self._evictions += 1
                 taken.append(block)
         for b in taken:
@@ -278,6 +285,21 @@ class BlockPool:
         self._hash_of[block] = content
         self._block_of[content] = block
         return True
+
+    def take_evicted(self) -> tuple[bytes, ...]:
+        """The hashes that ``allocate`` evicted since the last call, oldest first."""
+        out, self._evicted = tuple(self._evicted), []
+        return out
+
+    def forget_cached(self) -> tuple[bytes, ...]:
+        """Make every cached block free (its content no longer findable); returns the
+        hashes dropped, least recently used first. Held blocks keep their content."""
+        gone = tuple(self._hash_of[b] for b in self._cached)
+        for b in self._cached:
+            del self._block_of[self._hash_of.pop(b)]
+            heapq.heappush(self._free_heap, b)
+        self._cached.clear()
+        return gone
 
     def lookup(self, hashes: Iterable[bytes]) -> tuple[int, ...]:
         """The blocks holding the longest leading run of ``hashes``. Changes nothing."""
