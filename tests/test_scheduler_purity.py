@@ -10,7 +10,7 @@ import sys
 def test_importing_the_policy_layer_and_the_messages_imports_neither_trio_nor_numpy() -> None:
     code = (
         "import json, sys\n"
-        "import triollm.kv, triollm.policies, triollm.scheduler, triollm.sizing\n"
+        "import triollm.kv, triollm.kvcache, triollm.policies, triollm.scheduler, triollm.sizing\n"
         "import triollm.textstream, triollm.events, triollm.outcomes, triollm.errors\n"
         "print(json.dumps(sorted(m for m in ('trio', 'numpy', 'numba') if m in sys.modules)))\n"
     )

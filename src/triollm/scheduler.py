@@ -1,113 +1,54 @@
 """The Scheduler: who is admitted, and what each forward pass computes.
 
-A pure state machine over integers, in the style of h11: no trio, no numpy, no
-clock, no I/O. Prompts and sampled token ids go in; :class:`~triollm.plan.StepPlan`
-messages come out. The live server, the offline engine, the simulator
-(``triollm simulate``) and the property tests all drive this same object.
-
-Rules (docs/scheduling.md teaches each one, with the test that proves it):
-
-1. **Refuse at the door what can never run.** ``add`` raises :class:`Infeasible`
-   for an empty prompt, a prompt that fills the context, prompt + max_tokens past
-   the context, or more blocks than the whole pool holds. Everything that queues
-   can therefore run on an empty pool, which is what makes every bound below finite.
-2. **Admission takes blocks all together or not at all** (``BlockPool.allocate``).
-   How many depends on the policy: ``reserve`` and ``static`` take
-   ``ceil((prompt + max_tokens) / block_size)`` so an admitted sequence can always
-   finish; ``free-slot`` takes the prompt's blocks only (and can deadlock);
-   ``preempt`` takes the prompt's blocks and insists a watermark stays free.
-3. **FCFS with bounded overtaking.** Waiters are ordered by arrival ticket (or by
-   the policy's ``waiting_order``). ``admit_waiting`` tries the head; while the
-   head does not fit, later waiters may pass it, at most ``K`` times in total;
-   after that nobody passes it.
-4. **Step composition.** Within ``step_rows``: first every decoding sequence that
-   was left out of the previous step gets its row (so "wait for the next step" is
-   a promise), then one prefill chunk (<= ``chunk_tokens``) per sequence with no
-   first token yet, in admission order, then one row per decoding sequence in
-   admission order. A sequence that does not fit is left out, never evicted.
-5. **Growth.** ``reserve``/``static`` never allocate after admission. ``free-slot``
-   and ``preempt`` allocate one block when a decode row crosses into a new block;
-   when the pool is dry, ``free-slot`` leaves the sequence waiting for a block, and
-   ``preempt`` evicts the running sequence with the *latest* ticket (recompute: its
-   blocks are freed, it re-queues at its original ticket, and its next prefill
-   recomputes prompt + generated tokens). No admission follows a preempting plan
-   while anything is still running. What each policy decides lives in policies.py.
-6. **Cancellation** at any state frees every block immediately (so certainly by
-   the next ``plan_step``), and ``commit`` ignores results for sequences that are
-   no longer running: a cancel may land while a step runs in a worker thread.
-
-   Hazard (K/V reuse across threads): a block freed by a cancel while a step runs
-   can be handed to a new sequence while the worker thread is still writing the
-   old owner's K/V into it. That is safe only because (a) exactly one plan is in
-   flight (``plan_step`` refuses a second), so the new owner is first planned
-   after that step commits or is discarded; (b) a sequence's first chunk starts at
-   position 0, and ``forward`` writes a row's K/V before any row attends
-   (``llama.py``), so the new owner overwrites every position before it reads it;
-   (c) attention reads only positions the owner computed itself. A second plan in
-   flight, a worker left running after cancellation (``abandon_on_cancel=True``),
-   or a block shared before it is written (a prefix cache using
-   ``BlockPool.retain``) breaks it silently. Test:
-   ``tests/test_scheduler.py::test_a_block_freed_mid_step_is_rewritten_by_its_new_owner_before_it_is_read``.
-7. **Deadlock is detected, never spun on.** A plan with no row while sequences
-   are running and no waiter can be admitted is a deadlock: nothing can free a
-   block (``free-slot`` gets there). ``statistics().deadlocked`` turns true and
-   :meth:`Scheduler.deadlock_report` says who holds what. A policy that claims
-   ``no-deadlock`` (every other built-in) makes ``plan_step`` raise
-   :class:`DeadlockError` instead.
-8. **The policy decides, the Scheduler acts.** Every open decision above (blocks
-   at admission, growth, the dry pool's victim, whether the batch takes members,
-   the waiters' order, the decoders' order) is asked of ``config.policy``
-   (policies.py), and every answer is checked before it is acted on
-   (:class:`~triollm.policies.PolicyError`).
-9. **Prefix cache** (``prefix_cache=True``). Admission first finds the leading
-   full blocks of the sequence's token ids (chained hashes, salted, ``kv.py``)
-   that the pool still has, holds them, and takes only the rest of what the
-   policy asks for, all together or not at all; the prefill then starts at the
-   first uncached position. At least one token is always computed (see
-   ``_cache_hits_for``). After each ``commit`` a sequence's newly full blocks are
-   published; on release they stay findable (cached) until the pool needs them.
-   Cached blocks count as available to every admission rule above, which is why
-   none of them changes: a block anybody holds is never evicted or rewritten.
-10. **The n choices of one prompt are a group** (``add_group``; OpenAI's ``n``).
-    The door refuses a group that an empty pool or the slots could not hold.
-    A group is admitted all together or not at all: a slot for each member, and
-    in one check the blocks of every member, where the prompt's usable full blocks
-    (``(prompt - 1) // block_size``, the same cut as a cache hit) are counted once:
-    the first member (the *writer*) takes them, every other member holds the same
-    blocks (a reference each) and takes only the rest of what the policy asks for
-    it. So a half-admitted group, holding blocks while it waits for the rest of its
-    slots, cannot exist. The writer prefills the prompt; the others start at the
-    first unshared position and are not planned until the writer's committed
-    positions cover the shared blocks (a shared block is read only once written,
-    and written by one sequence only). A writer that ends or is evicted before then
-    hands the writing to the next member, which continues from the writer's last
-    committed position. Once admitted, each member is a sequence like any other
-    (a preempted one comes back alone, through the prefix cache when it is on).
-11. **A scored prompt computes every position** (``SequenceSpec.score_prompt``:
-    ``echo`` with ``logprobs``, what evaluation harnesses send). Until its first token
-    (or, with ``max_tokens=0``, until it ends), such a sequence takes no prefix-cache
-    hit, since a cached position has no logits, and each of its chunks carries
-    ``score_ids`` (the next prompt token of each row) so the Batch returns the
-    prompt's log-probabilities. A preemption before the first token recomputes and
-    rescores the prompt; one after it recomputes as usual, through the cache. It
-    alone may ask for ``max_tokens=0``: its final chunk is not sampled, and it ends
-    with ``LENGTH`` as soon as that chunk commits.
-
-Theory of operation (one turn of the batch loop)::
+A pure state machine over integers, in the style of h11's ``Connection``: no trio,
+no numpy, no clock, no I/O. Requests (:class:`~triollm.spec.SequenceSpec`) and
+sampled token ids go in; :class:`~triollm.plan.StepPlan` messages come out. The
+live server, the offline engine, the simulator (``triollm simulate``) and the
+property tests all drive this same object. One turn of the batch loop::
 
     scheduler.admit_waiting()        # the admission queue's driver, or the offline loop
     plan = scheduler.plan_step()     # empty plan: sleep until something changes
     result = batch.run(plan)         # in a worker thread: the plan is frozen
     finished = scheduler.commit(result)
 
-Between ``plan_step`` and ``commit`` exactly one plan is in flight; ``plan_step``
-refuses to plan a second one (``discard_step`` drops a plan whose run failed).
+Exactly one plan is in flight between ``plan_step`` and ``commit`` (``discard_step``
+drops one whose run failed). A sequence with ``n`` token ids (prompt + generated)
+has the K/V of ``n_computed`` positions; while it decodes ``n_computed == n - 1``,
+since its last sampled token is fed by the next decode row.
 
-Positions: a sequence with ``n`` token ids (prompt + generated) has computed the
-K/V of ``n_computed`` positions. While it decodes, ``n_computed == n - 1``: its
-last sampled token has not been fed yet, and the next decode row feeds it at
-position ``n - 1``. A sequence ends when it has generated ``max_tokens``, so it
-never reaches past position ``prompt + max_tokens - 1 < context_tokens``.
+Three collaborators keep this file to admission and step composition:
+
+- ``kvcache.KVCacheManager`` (``self.kv``) holds every block table, the positions
+  written, the prefix cache, a group's shared blocks and the KV events; the
+  Scheduler asks it with seq_ids and never touches a block id itself;
+- ``policies.SchedulingPolicy`` (``config.policy``) answers every open decision
+  from frozen views, and every answer is checked (:class:`PolicyError`);
+- ``kv.BlockPool`` underneath the manager, the allocator.
+
+The rules, each taught in docs/scheduling.md (or docs/prefix-cache.md) with its
+test; where each lives:
+
+1. Refuse at the door what can never run: ``_infeasible``, ``check_group``.
+2. Admission takes its blocks all together or not at all: ``_can_admit``,
+   ``_admit`` (how many: the policy's ``admission_blocks``).
+3. FCFS with at most K overtakes of the head: ``admit_waiting``.
+4. Step composition (left-out decoders, then prefill chunks, then decode rows,
+   within ``step_rows``; nobody is evicted for a row): ``plan_step``.
+5. Growth and preemption (recompute, at the original ticket): ``_grow``,
+   ``_preempt``, ``_readmit_preempted``.
+6. Cancellation frees every block at once; ``commit`` ignores results for
+   sequences that ended mid-step: ``cancel``, ``_release`` (the hazard of K/V
+   reuse across threads is written there).
+7. Deadlock is detected, never spun on: ``_empty_plan``, ``deadlock_report``.
+8. The policy decides, the Scheduler acts: ``_admission_blocks``,
+   ``_ordered_waiting``, ``_decode_order``, ``_victim``.
+9. Prefix cache: ``_cache_hits`` asks the manager; hashing, publishing and the LRU
+   are ``KVCacheManager.computed_blocks`` / ``commit`` (kvcache.py, its rules 1-3).
+10. The n choices of one prompt are a group, admitted whole: ``add_group``,
+    ``_group_need``, ``_admit_group``; the writer, its heir and the wait are the
+    manager's (``KVCacheManager.admit_member`` / ``ready`` / ``free``).
+11. A scored prompt computes and scores every position: ``_chunk``, ``_cache_hits``,
+    ``commit``.
 """
 
 from __future__ import annotations
@@ -119,7 +60,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from triollm.errors import FieldError
-from triollm.kv import BlockPool, blocks_for, prefix_hashes
+from triollm.kv import BlockPool, blocks_for
+from triollm.kvcache import KVCacheManager
 from triollm.plan import ChunkPlan, Finished, FinishReason, StepPlan, StepResult
 from triollm.policies import (
     Claim,
@@ -368,12 +310,8 @@ class _Seq:
 
     __slots__ = (
         "admission",
-        "blocks",
-        "cached_tokens",
-        "computed",
         "first_token_step",
         "group",
-        "hashes",
         "left_out",
         "max_tokens",
         "overtaken",
@@ -381,15 +319,12 @@ class _Seq:
         "preemptions",
         "priority",
         "prompt_len",
-        "published",
-        "salt",
         "score",
         "seq_id",
         "state",
         "stop_ids",
         "ticket",
         "token_ids",
-        "waits_for",
     )
 
     def __init__(
@@ -400,7 +335,6 @@ class _Seq:
         max_tokens: int,
         stop: frozenset[int],
         priority: int,
-        salt: str = "",
     ) -> None:
         self.seq_id = seq_id
         self.ticket = ticket
@@ -412,29 +346,15 @@ class _Seq:
         self.max_tokens = max_tokens
         self.stop_ids = stop
         self.state = SeqState.WAITING
-        self.computed = 0
-        # Invariant: blocks is empty unless state is PREFILLING or DECODING.
-        self.blocks: list[int] = []
         self.admission = 0  # admission counter value; orders rows within a step
         self.first_token_step: int | None = None
         self.left_out = False  # a decoding sequence with no row in the last step
         self.passed = 0  # times overtaken while it was the head of the queue
         self.overtaken = 0  # later arrivals admitted while it waited (a policy may age by it)
         self.preemptions = 0
-        self.salt = salt  # the prefix cache's domain: only equal salts share blocks
         self.score = False  # rule 11: its prompt's log-probabilities are wanted
-        # Invariant: hashes[i] is prefix_hashes(token_ids, ...)[i] (computed as needed).
-        self.hashes: tuple[bytes, ...] = ()
-        # Invariant: blocks[:published] are full and never written again (shared or
-        # published); every write of this sequence lands at or past published * block_size.
-        self.published = 0
-        self.cached_tokens: int | None = None  # set by the first admission
         # Rule 10. While it waits for its first admission: its group (else None).
         self.group: _Group | None = None
-        # Admitted from a group and not yet runnable: the member that writes the shared
-        # prompt blocks. Invariant: set only while this one is PREFILLING with
-        # computed == its shared blocks' positions > waits_for.computed.
-        self.waits_for: _Seq | None = None
 
     @property
     def n_generated(self) -> int:
@@ -466,7 +386,10 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
         self.policy = config.implementation  # asked every decision; owns no state of ours
-        self.pool = BlockPool(config.num_blocks, config.block_size)
+        # Block tables, positions written, the prefix cache (rules 9-10): kvcache.py.
+        self.kv = KVCacheManager(
+            config.num_blocks, config.block_size, prefix_cache=config.prefix_cache
+        )
         self._seqs: dict[int, _Seq] = {}  # live sequences (waiting or running)
         self._terminal: OrderedDict[int, SeqState] = OrderedDict()
         self._waiting: list[tuple[int, int]] = []  # (ticket, seq_id), sorted by ticket
@@ -483,10 +406,13 @@ class Scheduler:
         self._finished_total = 0
         self._cancelled_total = 0
         self._preemptions_total = 0
-        self._cache_queries = 0
-        self._cache_hits = 0
         # Within one admit_waiting pass: a group member admitted -> its whole group.
         self._companions: dict[int, tuple[int, ...]] = {}
+
+    @property
+    def pool(self) -> BlockPool:
+        """The block pool under the KV-cache manager (to look at; only ``kv`` changes it)."""
+        return self.kv.pool
 
     # -- the door ---------------------------------------------------------------
 
@@ -571,17 +497,10 @@ class Scheduler:
         answer = self.config.context_tokens - len(prompt_ids) if max_tokens is None else max_tokens
         seq_id = self._next_id
         self._next_id += 1
-        seq = _Seq(
-            seq_id,
-            seq_id,
-            prompt_ids,
-            answer,
-            spec.stop_token_ids,
-            priority,
-            spec.cache_salt,
-        )
+        seq = _Seq(seq_id, seq_id, prompt_ids, answer, spec.stop_token_ids, priority)
         seq.score = spec.score_prompt
         self._seqs[seq_id] = seq
+        self.kv.add(seq_id, len(prompt_ids), spec.cache_salt)
         bisect.insort(self._waiting, (seq.ticket, seq_id))
         return seq_id
 
@@ -626,7 +545,7 @@ class Scheduler:
             )
         answer = cfg.context_tokens - prompt_len if max_tokens is None else max_tokens
         whole = blocks_for(prompt_len + answer, cfg.block_size)
-        need = whole + (n - 1) * (whole - self._shared_blocks(prompt_len))
+        need = whole + (n - 1) * (whole - self.kv.shareable_blocks(prompt_len))
         if need > cfg.num_blocks:
             return Infeasible(
                 "n",
@@ -647,13 +566,8 @@ class Scheduler:
         """
         cfg = self.config
         n, prompt_len = max(spec.n, 1), spec.prompt_len
-        per_member = (cfg.num_blocks + (n - 1) * self._shared_blocks(prompt_len)) // n
+        per_member = (cfg.num_blocks + (n - 1) * self.kv.shareable_blocks(prompt_len)) // n
         return min(cfg.context_tokens, per_member * cfg.block_size) - prompt_len
-
-    def _shared_blocks(self, n_tokens: int) -> int:
-        """Leading full blocks a sequence of ``n_tokens`` can take from someone else
-        (the cache, or its group's writer): all but the one its last token is in."""
-        return (n_tokens - 1) // self.config.block_size
 
     # -- admission ----------------------------------------------------------------
 
@@ -665,8 +579,8 @@ class Scheduler:
             prompt_len=seq.prompt_len,
             n_tokens=len(seq.token_ids),
             max_tokens=seq.max_tokens,
-            n_computed=seq.computed,
-            blocks_held=len(seq.blocks),
+            n_computed=self.kv.computed(seq.seq_id),
+            blocks_held=self.kv.n_blocks(seq.seq_id),
             preemptions=seq.preemptions,
             overtaken=seq.overtaken,
         )
@@ -676,7 +590,7 @@ class Scheduler:
         return SchedulerView(
             block_size=cfg.block_size,
             total_blocks=cfg.num_blocks,
-            free_blocks=self.pool.available(),  # cached blocks count: allocate evicts them
+            free_blocks=self.kv.available(),  # cached blocks count: allocate evicts them
             slots=cfg.slots,
             running=len(self._running),
             watermark_blocks=cfg.preempt_watermark_blocks,
@@ -704,23 +618,10 @@ class Scheduler:
             )
         return take, max(keep_free, 0)
 
-    def _cache_hits_for(self, seq: _Seq) -> tuple[int, ...]:
-        """The cached blocks this sequence's admission would share (rule 9). Changes nothing.
-
-        At most ``(n - 1) // block_size`` blocks of its ``n`` token ids: at least one
-        token is always computed, so the last one has logits to sample from. A prompt
-        of exactly ``k`` full blocks therefore recomputes its whole last block, not
-        just its last token: that token's K/V belongs in block ``k - 1``, which is
-        shared, and a shared block is never written (one writer per block, no
-        copy-on-write). The price is at most ``block_size`` rows of prefill.
-        """
-        if not self.config.prefix_cache or seq.scoring:  # rule 11: no row may be skipped
-            return ()
-        bs = self.config.block_size
-        usable = self._shared_blocks(len(seq.token_ids))
-        if len(seq.hashes) < usable:
-            seq.hashes = prefix_hashes(seq.token_ids, bs, seq.salt, known=seq.hashes)
-        return self.pool.lookup(seq.hashes[:usable])
+    def _cache_hits(self, seq: _Seq) -> tuple[int, ...]:
+        """The cached blocks its admission would share (rule 9); rule 11: none for a
+        prompt still to be scored, since no row may be skipped."""
+        return self.kv.computed_blocks(seq.seq_id, seq.token_ids, scoring=seq.scoring)
 
     def _can_admit(self, seq: _Seq) -> bool:
         members = seq.group.members if seq.group is not None else [seq]
@@ -731,7 +632,7 @@ class Scheduler:
         fresh, keep_free, hits = self._group_need(members)
         # Cached-but-free blocks count as available: allocate evicts them on demand.
         # The hits themselves are not counted twice (available(holding=...)).
-        return fresh + keep_free <= self.pool.available(holding=hits)
+        return fresh + keep_free <= self.kv.available(holding=hits)
 
     def _group_need(self, members: Sequence[_Seq]) -> tuple[int, int, tuple[int, ...]]:
         """(fresh blocks, blocks to leave free, cache hits) to admit ``members`` together:
@@ -739,9 +640,9 @@ class Scheduler:
         ones (rule 10); a lone sequence is a group of one. Changes nothing."""
         writer, *others = members
         take, keep_free = self._admission_blocks(writer)
-        hits = self._cache_hits_for(writer)
+        hits = self._cache_hits(writer)
         fresh = take - len(hits)
-        shared = self._shared_blocks(len(writer.token_ids))
+        shared = self.kv.shareable_blocks(len(writer.token_ids))
         for other in others:
             take, keep = self._admission_blocks(other)
             fresh += take - shared  # take >= the prompt's blocks > shared (checked)
@@ -765,49 +666,35 @@ class Scheduler:
             self._companions[seq.seq_id] = self._admit_group(seq.group)
             return
         take, _ = self._admission_blocks(seq)
-        hits = self._cache_hits_for(seq)
-        fresh = self.pool.acquire(hits, take - len(hits))  # hits + the rest, or nothing
-        if fresh is None:  # _can_admit said yes a moment ago; nothing ran in between
-            raise RuntimeError(f"admission of seq {seq.seq_id} found {take} blocks gone")
-        self._enter(seq, [*hits, *fresh], len(hits))
+        # Hits + the rest, together; _can_admit said yes a moment ago.
+        self.kv.admit(seq.seq_id, len(seq.token_ids), take, self._cache_hits(seq))
+        self._enter(seq)
 
     def _admit_group(self, group: _Group) -> tuple[int, ...]:
         members = list(group.members)
         fresh, keep_free, hits = self._group_need(members)
-        if fresh + keep_free > self.pool.available(holding=hits):  # _can_admit said yes
+        if fresh + keep_free > self.kv.available(holding=hits):  # _can_admit said yes
             raise RuntimeError(
                 f"admission of group {[m.seq_id for m in members]} found blocks gone"
             )
+        # Counted above for the whole group at once, so no admission below can fail.
         writer, *others = members
         take, _ = self._admission_blocks(writer)
-        got = self.pool.acquire(hits, take - len(hits))
-        assert got is not None  # counted above, for the whole group at once
-        self._enter(writer, [*hits, *got], len(hits))
-        k = self._shared_blocks(len(writer.token_ids))
-        shared = writer.blocks[:k]
+        self.kv.admit(writer.seq_id, len(writer.token_ids), take, hits)
+        self._enter(writer)
         for other in others:
             take, _ = self._admission_blocks(other)
-            got = self.pool.acquire(shared, take - k)
-            assert got is not None
+            self.kv.admit_member(other.seq_id, writer.seq_id, len(other.token_ids), take)
             # The group passed the waiters older than it once (rule 3 counts it as one).
-            self._enter(other, [*shared, *got], k, waits_for=writer, overtakes=False)
+            self._enter(other, overtakes=False)
         for m in members:
             m.group = None  # admitted: from here on each is a sequence of its own
         return tuple(m.seq_id for m in members)
 
-    def _enter(
-        self,
-        seq: _Seq,
-        blocks: list[int],
-        shared: int,
-        *,
-        waits_for: _Seq | None = None,
-        overtakes: bool = True,
-    ) -> None:
-        """The bookkeeping of one admission: ``blocks`` are taken, their first
-        ``shared`` already written by someone else (a cache hit), or to be written by
-        ``waits_for`` (its group's writer, rule 10). ``overtakes``: count it against
-        the older waiters (False for a group's other members: the group passed once)."""
+    def _enter(self, seq: _Seq, *, overtakes: bool = True) -> None:
+        """The queue's and the slots' bookkeeping of one admission (the KV-cache
+        manager has given it its blocks). ``overtakes``: count it against the older
+        waiters (False for a group's other members: the group passed once)."""
         self._waiting.remove((seq.ticket, seq.seq_id))
         if overtakes:
             for ticket, sid in self._waiting:  # sorted by ticket: the passed ones come first
@@ -815,19 +702,9 @@ class Scheduler:
                     break
                 self._seqs[sid].overtaken += 1
         seq.overtaken = 0
-        seq.blocks = blocks
+        # The prefill starts at the first uncached position (kv.computed); the engine
+        # needs nothing else.
         seq.state = SeqState.PREFILLING
-        # The prefill starts at the first uncached position; the engine needs nothing else.
-        seq.published = shared
-        seq.computed = shared * self.config.block_size
-        if self.config.prefix_cache:
-            self._cache_queries += len(seq.token_ids)
-        if seq.cached_tokens is None:
-            seq.cached_tokens = min(seq.computed, seq.prompt_len)
-        if waits_for is not None and waits_for.computed < seq.computed:
-            seq.waits_for = waits_for  # its hits are counted once they are written (_ready)
-        else:
-            self._count_hits(seq)
         seq.passed = 0
         seq.left_out = False
         seq.admission = self._next_admission
@@ -902,9 +779,9 @@ class Scheduler:
         # (b) prefill chunks: a waiting caller measures time to first token.
         for seq in order:
             if seq.state is SeqState.PREFILLING and left > 0:
-                if not self._ready(seq):
+                if not self.kv.ready(seq.seq_id):
                     continue  # rule 10: its group's writer has not written what it reads
-                n = min(cfg.chunk_tokens, len(seq.token_ids) - seq.computed, left)
+                n = min(cfg.chunk_tokens, len(seq.token_ids) - self.kv.computed(seq.seq_id), left)
                 rows[seq.seq_id] = n
                 left -= n
         # (c) one decode row each, in the policy's order, while rows last.
@@ -928,25 +805,6 @@ class Scheduler:
         self._inflight = plan
         return plan
 
-    def _ready(self, seq: _Seq) -> bool:
-        """May this prefilling sequence run? Not while its group's writer has yet to
-        commit the shared blocks it will read (rule 10)."""
-        writer = seq.waits_for
-        if writer is None:
-            return True
-        if writer.computed < seq.computed:
-            return False
-        seq.waits_for = None
-        self._count_hits(seq)
-        return True
-
-    def _count_hits(self, seq: _Seq) -> None:
-        """Count the positions this admission did not compute as prefix-cache hits:
-        when it enters, or, for a group member that waited, when its writer has
-        written them (a writer that left may have handed some of them to it)."""
-        if self.config.prefix_cache:
-            self._cache_hits += seq.computed
-
     def _decode_order(self, decoding: list[_Seq]) -> list[_Seq]:
         order = list(self.policy.decode_order(tuple(self._view(d) for d in decoding)))
         if sorted(order) != sorted(d.seq_id for d in decoding):
@@ -957,13 +815,13 @@ class Scheduler:
         return [self._seqs[s] for s in order]
 
     def _chunk(self, seq: _Seq, n: int) -> ChunkPlan:
-        start = seq.computed
+        start = self.kv.computed(seq.seq_id)
         if seq.state is SeqState.DECODING:
             return ChunkPlan(
                 seq_id=seq.seq_id,
                 token_ids=(seq.token_ids[start],),
                 start=start,
-                block_table=tuple(seq.blocks),
+                block_table=self.kv.blocks(seq.seq_id),
                 sample=True,
                 prefill=False,
             )
@@ -972,7 +830,7 @@ class Scheduler:
             seq_id=seq.seq_id,
             token_ids=tuple(seq.token_ids[start:end]),
             start=start,
-            block_table=tuple(seq.blocks),
+            block_table=self.kv.blocks(seq.seq_id),
             # only the final chunk's logits are a new token (none with max_tokens 0)
             sample=end == len(seq.token_ids) and seq.max_tokens > 0,
             prefill=True,
@@ -1002,25 +860,23 @@ class Scheduler:
         for seq in sorted(decoding, key=lambda s: s.ticket):
             if seq.state is not SeqState.DECODING:
                 continue  # prefilling (its blocks were taken at admission) or just preempted
-            need = blocks_for(seq.computed + 1, cfg.block_size) - len(seq.blocks)
+            sid = seq.seq_id
+            need = blocks_for(self.kv.computed(sid) + 1, cfg.block_size) - self.kv.n_blocks(sid)
             if need <= 0:
                 continue
             if not self.policy.grows:
-                raise RuntimeError(f"seq {seq.seq_id} outgrew its reservation")
-            got = self.pool.allocate(need)
-            while got is None:
+                raise RuntimeError(f"seq {sid} outgrew its reservation")
+            got = self.kv.grow(sid, need)
+            while not got:
                 victim = self._victim(seq)
                 if victim is None:
                     break
                 self._preempt(victim)
                 if victim is seq:
                     break
-                got = self.pool.allocate(need)
-            if got is None:
-                if seq.state is SeqState.DECODING:
-                    blocked.add(seq.seq_id)
-                continue
-            seq.blocks.extend(got)
+                got = self.kv.grow(sid, need)
+            if not got and seq.state is SeqState.DECODING:
+                blocked.add(sid)
         return blocked
 
     def _victim(self, needing: _Seq) -> _Seq | None:
@@ -1038,7 +894,6 @@ class Scheduler:
         # Recompute, not swap: drop the K/V, keep the token ids and the ticket.
         self._release(seq)
         seq.state = SeqState.WAITING
-        seq.computed = seq.published = 0
         seq.preemptions += 1
         seq.left_out = False
         bisect.insort(self._waiting, (seq.ticket, seq.seq_id))
@@ -1090,10 +945,11 @@ class Scheduler:
                 # No token: nothing advances, so if its owner did not cancel it the
                 # same rows would simply be planned again.
                 continue
-            seq.computed = chunk.start + chunk.n_rows
-            self._publish_full_blocks(seq)
+            # The K/V is written: the manager publishes the newly full blocks (rule 9).
+            self.kv.commit(seq.seq_id, chunk.start + chunk.n_rows, seq.token_ids)
             if not chunk.sample:
-                if seq.max_tokens == 0 and seq.computed == seq.prompt_len:  # rule 11: scored
+                scored = self.kv.computed(seq.seq_id) == seq.prompt_len
+                if seq.max_tokens == 0 and scored:  # rule 11: scored
                     finished.append(self._end(seq, SeqState.FINISHED, FinishReason.LENGTH))
                 continue
             tok = sampled[seq.seq_id]
@@ -1106,24 +962,6 @@ class Scheduler:
             elif seq.n_generated >= seq.max_tokens:
                 finished.append(self._end(seq, SeqState.FINISHED, FinishReason.LENGTH))
         return tuple(finished)
-
-    def _publish_full_blocks(self, seq: _Seq) -> None:
-        """Name every block this sequence has now filled by its content (rule 9).
-
-        Only after ``commit``: a block's K/V is written only once its step has run,
-        and a hash over tokens never computed would hand a later prompt garbage.
-        """
-        if not self.config.prefix_cache:
-            return
-        bs = self.config.block_size
-        full = seq.computed // bs
-        if full <= seq.published:
-            return
-        if len(seq.hashes) < full:
-            seq.hashes = prefix_hashes(seq.token_ids[: full * bs], bs, seq.salt, known=seq.hashes)
-        for i in range(seq.published, full):
-            self.pool.publish(seq.blocks[i], seq.hashes[i])  # False: a twin holds it; fine
-        seq.published = full
 
     def discard_step(self) -> None:
         """Forget the plan in flight without applying it (its run failed).
@@ -1172,6 +1010,7 @@ class Scheduler:
             self._release(seq)
         seq.state = state
         del self._seqs[seq.seq_id]
+        self.kv.forget(seq.seq_id)
         self._terminal[seq.seq_id] = state
         if len(self._terminal) > _TERMINAL_MEMORY:
             self._terminal.popitem(last=False)
@@ -1182,46 +1021,28 @@ class Scheduler:
         return Finished(seq.seq_id, reason, seq.n_generated)
 
     def _release(self, seq: _Seq) -> None:
-        """Give a running sequence's blocks and slot back."""
-        self._hand_over(seq)
-        seq.waits_for = None
-        self.pool.free(seq.blocks)
-        seq.blocks = []  # the same call that frees drops the ids: no stale table
+        """Give a running sequence's blocks (a group's writer hands its writing over,
+        rule 10) and slot back.
+
+        Hazard (K/V reuse across threads): a block freed by a cancel while a step runs
+        can be handed to a new sequence while the worker thread is still writing the
+        old owner's K/V into it. That is safe only because (a) exactly one plan is in
+        flight (``plan_step`` refuses a second), so the new owner is first planned
+        after that step commits or is discarded; (b) a sequence's first chunk starts
+        at its first unshared position, and ``forward`` writes a row's K/V before any
+        row attends (``llama.py``), so the new owner overwrites every position of a
+        fresh block before it reads it; (c) attention reads only positions the owner
+        computed itself or shares as published, never-rewritten blocks. A second plan
+        in flight, or a worker left running after cancellation
+        (``abandon_on_cancel=True``), breaks it silently. Test:
+        ``tests/test_scheduler.py::test_a_block_freed_mid_step_is_rewritten_by_its_new_owner_before_it_is_read``.
+        """
+        self.kv.free(seq.seq_id)
         self._running.remove(seq.seq_id)
         del self._slot_of[seq.seq_id]
         self._deadlock = None  # blocks came back: the next plan_step re-judges
         if not self._running:
             self._batch_open = True
-
-    def _hand_over(self, writer: _Seq) -> None:
-        """A group's writer leaves before the shared blocks are written (rule 10):
-        the first member waiting for it writes them from here, continuing from the
-        writer's last committed position (the blocks are the same; only the
-        positions it committed are known to hold K/V); the others wait for that one.
-
-        Hazard: a step still in flight may be writing the same positions for the
-        old writer; the new writer is first planned after that step commits or is
-        discarded (one plan in flight), and rewrites them with the same K/V.
-        """
-        waiting = []
-        for s in self._running:
-            seq = self._seqs[s]
-            if seq.waits_for is writer:
-                if self._ready(seq):  # the writer got past the shared blocks: no heir needed
-                    continue
-                waiting.append(seq)
-        if not waiting:
-            return
-        heir, *rest = sorted(waiting, key=lambda s: s.ticket)
-        heir.waits_for = None
-        heir.computed = writer.computed
-        heir.published = writer.computed // self.config.block_size
-        # It computes the rest of the shared positions itself: they are not its cached
-        # tokens (it entered counting all of them), nor hits.
-        heir.cached_tokens = min(heir.computed, heir.prompt_len)
-        self._count_hits(heir)
-        for other in rest:
-            other.waits_for = heir
 
     def _check_known(self, seq_id: int) -> None:
         if not 0 <= seq_id < self._next_id:
@@ -1247,17 +1068,13 @@ class Scheduler:
             slot=self._slot_of.get(seq_id),
             prompt_len=seq.prompt_len,
             n_generated=seq.n_generated,
-            n_computed=seq.computed,
+            n_computed=self.kv.computed(seq_id),
             max_tokens=seq.max_tokens,
-            blocks=tuple(seq.blocks),
+            blocks=self.kv.blocks(seq_id),
             first_token_step=seq.first_token_step,
             preemptions=seq.preemptions,
-            cached_tokens=seq.cached_tokens or 0,
-            waits_for=(
-                seq.waits_for.seq_id
-                if seq.waits_for is not None and seq.waits_for.computed < seq.computed
-                else None
-            ),
+            cached_tokens=self.kv.cached_tokens(seq_id),
+            waits_for=self.kv.waits_for(seq_id),
         )
 
     def token_ids(self, seq_id: int) -> tuple[int, ...]:
@@ -1282,24 +1099,26 @@ class Scheduler:
 
     def _report(self) -> DeadlockReport:
         bs = self.config.block_size
+        kv = self.kv
         holders = tuple(
             Holder(
-                seq_id=s.seq_id,
-                blocks=tuple(s.blocks),
-                n_computed=s.computed,
-                blocks_needed=blocks_for(s.computed + 1, bs) - len(s.blocks),
+                seq_id=s,
+                blocks=kv.blocks(s),
+                n_computed=kv.computed(s),
+                blocks_needed=blocks_for(kv.computed(s) + 1, bs) - kv.n_blocks(s),
             )
-            for s in (self._seqs[i] for i in self._running)
+            for s in self._running
         )
         return DeadlockReport(
             step=self._step,
             holders=holders,
             waiting=self.waiting_ids(),
-            free_blocks=self.pool.available(),
+            free_blocks=self.kv.available(),
         )
 
     def statistics(self) -> SchedulerStatistics:
         pool = self.pool.statistics()
+        cache = self.kv.statistics()
         states = [self._seqs[s].state for s in self._running]
         return SchedulerStatistics(
             policy=self.config.policy,
@@ -1318,6 +1137,6 @@ class Scheduler:
             finished_total=self._finished_total,
             cancelled_total=self._cancelled_total,
             preemptions_total=self._preemptions_total,
-            prefix_cache_queries_total=self._cache_queries,
-            prefix_cache_hits_total=self._cache_hits,
+            prefix_cache_queries_total=cache.queries_total,
+            prefix_cache_hits_total=cache.hits_total,
         )
