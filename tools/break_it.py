@@ -178,8 +178,8 @@ MUTATIONS: tuple[Mutation, ...] = (
         "no-chunking",
         "chunked prefill (a prompt is prefilled in one step)",
         "src/triollm/scheduler.py",
-        "n = min(cfg.chunk_tokens, len(seq.token_ids) - seq.computed, left)",
-        "n = min(len(seq.token_ids) - seq.computed, left)",
+        "n = min(cfg.chunk_tokens, len(seq.token_ids) - self.kv.computed(seq.seq_id), left)",
+        "n = min(len(seq.token_ids) - self.kv.computed(seq.seq_id), left)",
         ("tests/test_scheduler.py", "tests/test_engine.py", "tests/mechanisms", "property_tests"),
     ),
     Mutation(
