@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from triollm.kv import prefix_hashes
+from triollm.kvcache import BlockStored
 from triollm.plan import Finished, SampledToken, StepPlan, StepResult
 from triollm.scheduler import Policy, Scheduler, SchedulerConfig, SeqState
 from triollm.spec import SequenceSpec
@@ -164,3 +166,22 @@ def test_a_block_is_published_only_after_the_step_that_wrote_it_commits() -> Non
     sampled = tuple(SampledToken(c.seq_id, 1) for c in plan.chunks if c.sample)
     s.commit(StepResult(plan.step, sampled, plan.n_rows))
     assert s.pool.content(table[0]) is not None and s.pool.content(table[2]) is None
+
+
+def test_with_kv_events_each_commit_announces_the_blocks_it_filled_parent_first() -> None:
+    s = cached(kv_events=True)
+    serve(s, [*PROMPT, 1])  # 21 tokens: chunks of 8, 8 and 5 fill 2, 2 and 1 blocks
+    stored = []
+    while s.running_ids():
+        run_step(s)
+        stored += s.kv.drain_events()
+    h = prefix_hashes([*PROMPT, 1], 4)
+    assert stored == [
+        BlockStored(h[0:2], None, tuple(PROMPT[0:8]), 4),
+        BlockStored(h[2:4], h[1], tuple(PROMPT[8:16]), 4),
+        BlockStored(h[4:5], h[3], tuple(PROMPT[16:20]), 4),
+    ]
+    quiet = cached()  # off unless asked for: nobody would drain them
+    serve(quiet, [*PROMPT, 1])
+    run_to_end(quiet)
+    assert quiet.statistics().blocks_cached == 5 and quiet.kv.drain_events() == ()

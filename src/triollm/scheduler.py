@@ -156,6 +156,10 @@ class SchedulerConfig:
     # Share full KV blocks between prompts with the same opening (rule 9). Off here so
     # the pure core's default is the plain paged pool; the server turns it on.
     prefix_cache: bool = False
+    # Record the KV events (block stored / removed / cleared) for a publisher to drain
+    # from ``scheduler.kv.drain_events()`` after each step. Off: unread, they would
+    # only grow.
+    kv_events: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.policy, str):  # let callers and JSON files say "free-slot"
@@ -388,7 +392,10 @@ class Scheduler:
         self.policy = config.implementation  # asked every decision; owns no state of ours
         # Block tables, positions written, the prefix cache (rules 9-10): kvcache.py.
         self.kv = KVCacheManager(
-            config.num_blocks, config.block_size, prefix_cache=config.prefix_cache
+            config.num_blocks,
+            config.block_size,
+            prefix_cache=config.prefix_cache,
+            record_events=config.kv_events,
         )
         self._seqs: dict[int, _Seq] = {}  # live sequences (waiting or running)
         self._terminal: OrderedDict[int, SeqState] = OrderedDict()
