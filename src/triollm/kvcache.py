@@ -114,9 +114,10 @@ class _Entry:
         # Invariant: blocks[:published] are full and never written again (shared or
         # published); every write lands at or past published * block_size.
         self.published = 0
-        # A group member admitted and not yet ready: the member writing the shared
-        # blocks. Invariant: set only while computed > the writer's computed.
-        self.writer: _Entry | None = None
+        # A group member admitted and not yet ready: the seq_id of the member writing
+        # the shared blocks, a running sequence. Invariant: set only while this one's
+        # computed > the writer's (ready() clears it once the writer has caught up).
+        self.writer: int | None = None
 
 
 class KVCacheManager:
@@ -201,7 +202,7 @@ class KVCacheManager:
         writer = self._entries[writer_id]
         e = self._enter(seq_id, n_tokens, writer.blocks[: self.shareable_blocks(n_tokens)], take)
         if writer.computed < e.computed:
-            e.writer = writer  # its hits are counted once they are written (ready)
+            e.writer = writer_id  # its hits are counted once they are written (ready)
         else:
             self._count_hits(e)
 
@@ -246,7 +247,7 @@ class KVCacheManager:
         e = self._entries[seq_id]
         if e.writer is None:
             return True
-        if e.writer.computed < e.computed:
+        if self._entries[e.writer].computed < e.computed:
             return False
         e.writer = None
         self._count_hits(e)
@@ -272,19 +273,20 @@ class KVCacheManager:
         # Rule 6: a block is announced only while its parent is stored. A parent this
         # sequence computed as a private twin (someone else published it first) may
         # have been evicted since; publishing our copy (full, written, held by us)
-        # restores the chain. Walk back to the first missing ancestor.
+        # restores the chain. Walk back over every such missing ancestor: none of
+        # them is findable, so each publish below succeeds.
         start = e.published
-        while start > 0 and self.pool.content(e.blocks[start - 1]) is None:
-            if self.pool.lookup([e.hashes[start - 1]]):
-                break
+        while (
+            start > 0
+            and self.pool.content(e.blocks[start - 1]) is None
+            and not self.pool.lookup([e.hashes[start - 1]])
+        ):
             start -= 1
         run: list[int] = []  # indices of the blocks stored by this call, one run at a time
         for i in range(start, full):
-            if self.pool.content(e.blocks[i]) is None and self.pool.publish(
-                e.blocks[i], e.hashes[i]
-            ):
+            if self.pool.publish(e.blocks[i], e.hashes[i]):
                 run.append(i)
-            else:  # a twin (or a shared block already named): the run stops here
+            else:  # a twin: another block has this content; the run stops here
                 self._stored(e, token_ids, run)
                 run = []
         self._stored(e, token_ids, run)
@@ -311,13 +313,13 @@ class KVCacheManager:
         until the pool needs them). A group writer leaving before the shared blocks
         are written hands the writing over first (rule 4)."""
         e = self._entries[seq_id]
-        self._hand_over(e)
+        self._hand_over(seq_id)
         e.writer = None
         self.pool.free(e.blocks)
         e.blocks = []  # the same call that frees drops the ids: no stale table
         e.computed = e.published = 0
 
-    def _hand_over(self, writer: _Entry) -> None:
+    def _hand_over(self, writer_id: int) -> None:
         """The first member waiting for ``writer`` writes the shared blocks from here,
         continuing from the writer's last committed position (the blocks are the
         same; only the positions it committed are known to hold K/V); the others
@@ -329,13 +331,15 @@ class KVCacheManager:
         discarded (one plan in flight), and rewrites them with the same K/V.
         """
         waiting = [
-            e
+            sid
             for sid, e in self._entries.items()
-            if e.writer is writer and not self.ready(sid)  # ready: no heir needed
+            if e.writer == writer_id and not self.ready(sid)  # ready: no heir needed
         ]
         if not waiting:
             return
-        heir, *rest = waiting
+        writer = self._entries[writer_id]
+        heir_id, *rest = waiting
+        heir = self._entries[heir_id]
         heir.writer = None
         heir.computed = writer.computed
         heir.published = writer.computed // self.block_size
@@ -344,7 +348,7 @@ class KVCacheManager:
         heir.cached_tokens = min(heir.computed, heir.prompt_len)
         self._count_hits(heir)
         for other in rest:
-            other.writer = heir
+            self._entries[other].writer = heir_id
 
     def clear_cache(self) -> bool:
         """Forget every cached block's content (vLLM's reset of the prefix cache).
@@ -382,10 +386,9 @@ class KVCacheManager:
     def waits_for(self, seq_id: int) -> int | None:
         """The group member whose committed positions it waits for, or None."""
         e = self._entries[seq_id]
-        w = e.writer
-        if w is None or w.computed >= e.computed:
+        if e.writer is None or self._entries[e.writer].computed >= e.computed:
             return None
-        return next(sid for sid, x in self._entries.items() if x is w)
+        return e.writer
 
     def drain_events(self) -> tuple[KVEvent, ...]:
         """The events recorded since the last call, in order (none unless
