@@ -310,7 +310,9 @@ class SchedulerStatistics:
 
 
 class _Seq:
-    """The Scheduler's private record of one sequence. Only the Scheduler mutates it."""
+    """The Scheduler's private record of one sequence. Only the Scheduler mutates it.
+    Its blocks, positions written and prefix hashes are the KV-cache manager's,
+    under the same seq_id."""
 
     __slots__ = (
         "admission",
