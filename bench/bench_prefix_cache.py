@@ -41,7 +41,7 @@ from triollm.model.config import ModelConfig
 from triollm.model.llama import LlamaModel
 from triollm.model.sampling import SamplingParams
 from triollm.scheduler import Scheduler, SchedulerConfig
-from triollm.spec import SequenceSpec
+from triollm.spec import GenerationSpec, SequenceSpec
 
 GREEDY = SamplingParams(temperature=0.0)
 
@@ -68,7 +68,7 @@ class Loop:
         t0 = time.perf_counter()
         ids = [self.s.add(SequenceSpec(p, max_tokens)) for p in prompts]
         for seq in ids:
-            self.batch.add(seq, prompts[ids.index(seq)], GREEDY)
+            self.batch.add(seq, GenerationSpec(prompts[ids.index(seq)], GREEDY))
         first: dict[int, float] = {}
         answers: dict[int, list[int]] = {seq: [] for seq in ids}
         live = set(ids)

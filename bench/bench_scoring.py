@@ -36,7 +36,7 @@ from triollm.model.config import ModelConfig
 from triollm.model.llama import LlamaModel
 from triollm.model.sampling import SamplingParams
 from triollm.scheduler import Scheduler, SchedulerConfig
-from triollm.spec import SequenceSpec
+from triollm.spec import GenerationSpec, SequenceSpec
 
 
 def prefill(model: LlamaModel, prompt: list[int], *, scored: bool) -> tuple[float, int]:
@@ -46,7 +46,7 @@ def prefill(model: LlamaModel, prompt: list[int], *, scored: bool) -> tuple[floa
     batch = Batch(model, num_blocks=cfg.num_blocks, block_size=BLOCK_SIZE)
     t0 = time.perf_counter()
     seq = s.add(SequenceSpec(prompt, 1, score_prompt=scored))
-    batch.add(seq, prompt, SamplingParams(temperature=0.0, logprobs=1))
+    batch.add(seq, GenerationSpec(prompt, SamplingParams(temperature=0.0, logprobs=1)))
     s.admit_waiting()
     positions = 0
     while s.running_ids():

@@ -51,7 +51,7 @@ from triollm.model.config import ModelConfig
 from triollm.model.llama import LlamaModel
 from triollm.model.sampling import SamplingParams
 from triollm.scheduler import Scheduler, SchedulerConfig
-from triollm.spec import SequenceSpec
+from triollm.spec import GenerationSpec, SequenceSpec
 
 
 @dataclass(frozen=True)
@@ -98,7 +98,7 @@ def run_scenario(
     def submit(n_tokens: int) -> int:
         prompt = [int(t) for t in rng.integers(3, vocab, size=n_tokens)]
         seq_id = scheduler.add(SequenceSpec(prompt, 200))
-        batch.add(seq_id, prompt, greedy)
+        batch.add(seq_id, GenerationSpec(prompt, greedy))
         return seq_id
 
     def step() -> tuple[float, set[int]]:

@@ -9,11 +9,12 @@ from typing import Any
 
 import pytest
 
-from triollm.engine import Engine, Request, engine_config
+from triollm.engine import Engine, engine_config
 from triollm.model.loader import LoadedModel, load_model
 from triollm.model.sampling import SamplingParams
 from triollm.plan import FinishReason
 from triollm.scheduler import Infeasible, SchedulerConfig
+from triollm.spec import GenerationSpec
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 MODELS = sorted(p.stem for p in (FIXTURES / "reference").glob("*.json"))
@@ -47,7 +48,7 @@ def test_greedy_generation_equals_transformers(name: str) -> None:
 def test_batched_greedy_equals_each_prompt_alone(llama: LoadedModel, prompts: Any) -> None:
     engine = Engine(llama, engine_config(llama, slots=4))
     alone = [[t.token_id for t in engine.generate(p, GREEDY, max_tokens=20)] for p in prompts]
-    together = engine.generate_many([Request(tuple(p), GREEDY, 20) for p in prompts])
+    together = engine.generate_many([GenerationSpec(tuple(p), GREEDY, 20) for p in prompts])
     assert [c.token_ids for c in together] == alone
 
 
@@ -58,9 +59,9 @@ def test_a_seeded_request_samples_the_same_tokens_whatever_shares_its_batch(
     engine = Engine(llama, engine_config(llama, slots=3))
     alone = [t.token_id for t in engine.generate(prompts[0], params, max_tokens=24)]
     neighbours = [
-        Request(tuple(prompts[1]), SamplingParams(seed=7), 30),
-        Request(tuple(prompts[0]), params, 24),
-        Request(tuple(prompts[2]), SamplingParams(temperature=0.5, seed=9), 10),
+        GenerationSpec(tuple(prompts[1]), SamplingParams(seed=7), 30),
+        GenerationSpec(tuple(prompts[0]), params, 24),
+        GenerationSpec(tuple(prompts[2]), SamplingParams(temperature=0.5, seed=9), 10),
     ]
     batched = engine.generate_many(neighbours)[1].token_ids
     assert batched == alone
@@ -80,7 +81,7 @@ def test_small_chunks_and_a_tight_row_budget_still_give_the_reference(name: str)
     engine = Engine(loaded, config)
     ref = reference(name)["prompts"]
     out = engine.generate_many(
-        [Request(tuple(p["prompt_ids"]), GREEDY, len(p["greedy_ids"])) for p in ref]
+        [GenerationSpec(tuple(p["prompt_ids"]), GREEDY, len(p["greedy_ids"])) for p in ref]
     )
     assert [c.token_ids for c in out] == [p["greedy_ids"] for p in ref]
     assert max(len(p["prompt_ids"]) for p in ref) > 150
@@ -88,7 +89,7 @@ def test_small_chunks_and_a_tight_row_budget_still_give_the_reference(name: str)
 
 def test_more_prompts_than_slots_all_complete_in_order(llama: LoadedModel, prompts: Any) -> None:
     engine = Engine(llama, engine_config(llama, slots=2))
-    reqs = [Request(tuple(p), GREEDY, 12) for p in prompts + prompts[:1]]
+    reqs = [GenerationSpec(tuple(p), GREEDY, 12) for p in prompts + prompts[:1]]
     out = engine.generate_many(reqs)
     assert [len(c.token_ids) for c in out] == [12] * 4
     assert out[0].token_ids == out[3].token_ids

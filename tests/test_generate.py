@@ -16,6 +16,8 @@ import pytest
 
 import triollm.demo
 from triollm.cli import main
+from triollm.model.sampling import SamplingParams
+from triollm.spec import GenerationSpec
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 MODELS = sorted(p.stem for p in (FIXTURES / "reference").glob("*.json"))
@@ -275,8 +277,8 @@ def test_a_stop_string_completed_by_the_detokenizers_tail_finishes_with_stop(
 
     monkeypatch.setattr(tokenizer_module, "IncrementalDetokenizer", HoldingDetok)
     args = argparse.Namespace(json=True)
-    params = argparse.Namespace(logprobs=None)
-    assert _drive(Generation(), args, None, [1], params, ("END",), frozenset(), 0.0) == 0
+    spec = GenerationSpec([1], SamplingParams(), stop=("END",))
+    assert _drive(Generation(), args, None, spec, 0.0) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["text"] == "abc"
     assert out["finish_reason"] == "stop"

@@ -17,10 +17,13 @@ import trio.testing
 
 from triollm.admission import QueueClosed, QueueFull
 from triollm.batch import BadChunks
+from triollm.model.sampling import SamplingParams
 from triollm.outcomes import EndCode, Unfinished
 from triollm.plan import FinishReason, SampledToken, SequenceFailure, StepPlan, StepResult
+from triollm.request import answer_budget
 from triollm.scheduler import Scheduler, SchedulerConfig, SeqState
-from triollm.service import Completed, Failed, Service, ServiceConfig
+from triollm.service import Completed, Failed, Lifecycle, Service, ServiceConfig
+from triollm.spec import GenerationSpec, SequenceSpec
 
 EOS = 1
 
@@ -60,7 +63,7 @@ class FakeExecutor:
         self.refuse: set[int] = set()  # seq_ids whose chunks this executor refuses by name
         self.grammar_fails: set[int] = set()  # seq_ids whose grammar matcher fails when sampled
 
-    def add(self, seq_id: int, prompt_ids: Sequence[int], params: Any) -> None:
+    def add(self, seq_id: int, spec: GenerationSpec, choice: int = 0) -> None:
         assert self.inflight is None, "membership changed while a step ran"
         self.members.add(seq_id)
 
@@ -150,7 +153,6 @@ def make_service(
         sched,
         ex,
         detokenizer=LetterDetok,
-        eos_token_ids=frozenset({EOS}),
         config=ServiceConfig(
             queue_depth_per_slot=depth, queue_wait_s=30.0, stream_buffer_steps=buffer
         ),
@@ -158,6 +160,27 @@ def make_service(
         step_runner=ex.run_step,
     )
     return service, ex, counter
+
+
+def gen(
+    prompt: Sequence[int],
+    *,
+    max_tokens: int | None = None,
+    ignore_eos: bool = False,
+    stop: Sequence[str] = (),
+    **fields: Any,
+) -> GenerationSpec:
+    """A request as ``request.Preparer`` makes one: EOS among the ids it ends on unless
+    the client ignores it (the fake executor's sampling parameters are never read)."""
+    ends = frozenset() if ignore_eos else frozenset({EOS})
+    return GenerationSpec(prompt, SamplingParams(), max_tokens, ends, stop=stop, **fields)
+
+
+def unset_budget(service: Service, prompt: Sequence[int], n: int = 1) -> int | None:
+    """The max_tokens ``request.Preparer`` gives a chat request that leaves it out: the
+    one rule (``answer_budget``) over the room this service's scheduler has."""
+    room = service.scheduler.room(SequenceSpec(prompt, n=n))
+    return answer_budget(None, room, configured=service.config.max_tokens_default, api_default=None)
 
 
 async def read_all(stream) -> str:
@@ -182,7 +205,7 @@ async def test_a_request_streams_its_tokens_and_finishes_with_length(autojump_cl
     service, ex, counter = make_service()
     async with trio.open_nursery() as nursery:
         await nursery.start(service.run)
-        stream = await service.submit([5, 6, 7], params=None, max_tokens=4)
+        stream = await service.submit(gen([5, 6, 7], max_tokens=4))
         deltas = [d.text async for d in stream]
         outcome = stream.outcome
         assert isinstance(outcome, Completed)
@@ -201,7 +224,7 @@ async def test_a_stop_string_is_never_emitted_and_finishes_the_sequence(autojump
     async with trio.open_nursery() as nursery:
         await nursery.start(service.run)
         ex.scripts[0] = [tok(c) for c in "abxyzcdefg"]
-        stream = await service.submit([5], params=None, max_tokens=10, stop=["xyz"])
+        stream = await service.submit(gen([5], max_tokens=10, stop=["xyz"]))
         assert stream.seq_id == 0
         text = await read_all(stream)
         assert text == "ab"
@@ -217,7 +240,7 @@ async def test_eos_finishes_with_stop_and_is_not_text(autojump_clock):
     async with trio.open_nursery() as nursery:
         await nursery.start(service.run)
         ex.scripts[0] = [tok("h"), tok("i"), EOS, tok("z")]
-        stream = await service.submit([5], params=None, max_tokens=10)
+        stream = await service.submit(gen([5], max_tokens=10))
         assert await read_all(stream) == "hi"
         outcome = stream.outcome
         assert (outcome.finish_reason, outcome.completion_tokens) == (FinishReason.STOP, 3)
@@ -229,7 +252,7 @@ async def test_ignore_eos_keeps_generating(autojump_clock):
     async with trio.open_nursery() as nursery:
         await nursery.start(service.run)
         ex.scripts[0] = [tok("h"), EOS, tok("z")]
-        stream = await service.submit([5], params=None, max_tokens=3, ignore_eos=True)
+        stream = await service.submit(gen([5], max_tokens=3, ignore_eos=True))
         text = await read_all(stream)
         assert stream.outcome.finish_reason is FinishReason.LENGTH
         assert text.endswith("z")
@@ -243,7 +266,7 @@ async def test_two_requests_share_forward_passes(autojump_clock):
         results: dict[int, str] = {}
 
         async def client(prompt: list[int]) -> None:
-            stream = await service.submit(prompt, params=None, max_tokens=5)
+            stream = await service.submit(gen(prompt, max_tokens=5))
             results[stream.seq_id] = await read_all(stream)
 
         # Not service.wait_until: `results` is the clients' state, not the service's,
@@ -265,7 +288,7 @@ async def test_the_idle_loop_sleeps_on_an_event_not_a_timer(autojump_clock):
         autojump_clock.jump(3600)
         await trio.testing.wait_all_tasks_blocked()
         assert ex.steps == []  # an hour of idle: not a single step, not a single wake
-        stream = await service.submit([5], params=None, max_tokens=1)
+        stream = await service.submit(gen([5], max_tokens=1))
         assert await read_all(stream) == "a"
         nursery.cancel_scope.cancel()
 
@@ -277,12 +300,12 @@ async def test_a_slow_reader_is_cut_off_and_its_neighbour_completes(autojump_clo
     service, _ex, counter = make_service(slots=2, buffer=2)
     async with trio.open_nursery() as nursery:
         await nursery.start(service.run)
-        slow = await service.submit([5], params=None, max_tokens=20)
+        slow = await service.submit(gen([5], max_tokens=20))
         fast_text: list[str] = []
         fast_done = trio.Event()
 
         async def fast() -> None:
-            stream = await service.submit([6], params=None, max_tokens=12)
+            stream = await service.submit(gen([6], max_tokens=12))
             fast_text.append(await read_all(stream))
             fast_done.set()
 
@@ -309,13 +332,13 @@ async def test_a_client_leaving_mid_stream_returns_blocks_and_admits_the_next(au
     service, ex, counter = make_service(slots=1, gated=True, num_blocks=2)
     async with trio.open_nursery() as nursery:
         await nursery.start(service.run)
-        first = await service.submit([5, 6], params=None, max_tokens=6)  # 8 positions: 2 blocks
+        first = await service.submit(gen([5, 6], max_tokens=6))  # 8 positions: 2 blocks
         ex.release(2)
         assert [await first.__anext__() for _ in range(2)][1].text == "b"
         queued: list[Any] = []
 
         async def second() -> None:
-            queued.append(await service.submit([7], params=None, max_tokens=2))
+            queued.append(await service.submit(gen([7], max_tokens=2)))
 
         nursery.start_soon(second)
         await trio.testing.wait_all_tasks_blocked()
@@ -336,7 +359,7 @@ async def test_a_cancel_during_a_step_waits_for_the_safe_point_to_leave_the_batc
     service, ex, _ = make_service(gated=True)
     async with trio.open_nursery() as nursery:
         await nursery.start(service.run)
-        stream = await service.submit([5], params=None, max_tokens=8)
+        stream = await service.submit(gen([5], max_tokens=8))
         await trio.testing.wait_all_tasks_blocked()
         assert ex.inflight is not None  # the first step is running
         stream.close()
@@ -353,9 +376,9 @@ async def test_a_client_leaving_while_queued_leaves_nothing_behind(autojump_cloc
     service, _ex, _counter = make_service(slots=1, gated=True)
     async with trio.open_nursery() as nursery:
         await nursery.start(service.run)
-        holder = await service.submit([5], params=None, max_tokens=8)
+        holder = await service.submit(gen([5], max_tokens=8))
         with trio.move_on_after(5) as client:
-            await service.submit([6], params=None, max_tokens=2)
+            await service.submit(gen([6], max_tokens=2))
         assert client.cancelled_caught
         assert service.queue.waiting == 0
         assert service.live_requests == 1
@@ -367,12 +390,12 @@ async def test_overload_refuses_the_excess_at_once(autojump_clock):
     service, _ex, _ = make_service(slots=1, depth=2, gated=True)
     async with trio.open_nursery() as nursery:
         await nursery.start(service.run)
-        await service.submit([5], params=None, max_tokens=2)
+        await service.submit(gen([5], max_tokens=2))
         for _ in range(2):
-            nursery.start_soon(lambda: service.submit([5], params=None, max_tokens=2))
+            nursery.start_soon(lambda: service.submit(gen([5], max_tokens=2)))
         await trio.testing.wait_all_tasks_blocked()
         with pytest.raises(QueueFull):
-            await service.submit([5], params=None, max_tokens=2)
+            await service.submit(gen([5], max_tokens=2))
         nursery.cancel_scope.cancel()
 
 
@@ -381,12 +404,12 @@ async def test_a_failed_step_fails_only_its_requests_and_the_loop_goes_on(autoju
     async with trio.open_nursery() as nursery:
         await nursery.start(service.run)
         ex.fail_next = True
-        stream = await service.submit([5], params=None, max_tokens=3)
+        stream = await service.submit(gen([5], max_tokens=3))
         assert await read_all(stream) == ""
         assert isinstance(stream.outcome, Failed) and stream.outcome.code is EndCode.INTERNAL
         assert counter.rejections == {EndCode.INTERNAL: 1}  # the server's fault is counted
         assert pool_is_full(service)
-        again = await service.submit([5], params=None, max_tokens=3)
+        again = await service.submit(gen([5], max_tokens=3))
         assert await read_all(again) == "abc"
         nursery.cancel_scope.cancel()
 
@@ -395,10 +418,10 @@ async def test_a_refused_chunk_fails_only_its_sequence_and_its_neighbour_runs_on
     service, ex, _ = make_service()
     async with trio.open_nursery() as nursery:
         await nursery.start(service.run)
-        good = await service.submit([5], params=None, max_tokens=6)
+        good = await service.submit(gen([5], max_tokens=6))
         bad_id = good.seq_id + 1
         ex.refuse.add(bad_id)
-        bad = await service.submit([6], params=None, max_tokens=6)
+        bad = await service.submit(gen([6], max_tokens=6))
         assert bad.seq_id == bad_id
         assert await read_all(bad) == ""
         assert isinstance(bad.outcome, Failed) and bad.outcome.code is EndCode.INTERNAL
@@ -417,7 +440,7 @@ async def test_unset_max_tokens_fits_a_pool_smaller_than_the_context(autojump_cl
     service, _, _ = make_service(num_blocks=6)
     async with trio.open_nursery() as nursery:
         await nursery.start(service.run)
-        stream = await service.submit([5, 5, 5], params=None)
+        stream = await service.submit(gen([5, 5, 5], max_tokens=unset_budget(service, [5] * 3)))
         await read_all(stream)
         assert isinstance(stream.outcome, Completed)
         assert stream.outcome.finish_reason is FinishReason.LENGTH
@@ -436,11 +459,11 @@ async def test_a_failure_outside_the_step_ends_every_stream_and_the_service_goes
 
     service, _, _ = make_service()
     service.observer = Exploding()
-    service.ready = True
+    service.state = Lifecycle.READY
     async with trio.open_nursery() as nursery:
         await nursery.start(service.run)
-        a = await service.submit([5], params=None, max_tokens=8)
-        b = await service.submit([6], params=None, max_tokens=8)
+        a = await service.submit(gen([5], max_tokens=8))
+        b = await service.submit(gen([6], max_tokens=8))
         await read_all(a)
         await read_all(b)
         for stream in (a, b):
@@ -449,7 +472,7 @@ async def test_a_failure_outside_the_step_ends_every_stream_and_the_service_goes
         assert pool_is_full(service)
         assert not service.ready and service.failed is not None
         with pytest.raises(QueueClosed, match="batch loop failed"):
-            await service.submit([5], params=None, max_tokens=2)
+            await service.submit(gen([5], max_tokens=2))
         nursery.cancel_scope.cancel()
 
 
@@ -457,13 +480,13 @@ async def test_shutdown_refuses_new_work_and_lets_running_streams_finish(autojum
     service, _ex, _ = make_service(slots=1)
     async with trio.open_nursery() as nursery:
         await nursery.start(service.run)
-        running = await service.submit([5], params=None, max_tokens=3)
+        running = await service.submit(gen([5], max_tokens=3))
         service.begin_shutdown()
         assert await read_all(running) == "abc"
         from triollm.admission import QueueClosed
 
         with pytest.raises(QueueClosed):
-            await service.submit([5], params=None, max_tokens=3)
+            await service.submit(gen([5], max_tokens=3))
         nursery.cancel_scope.cancel()
 
 
@@ -489,9 +512,7 @@ async def test_a_preempted_sequence_readmitted_by_the_driver_wakes_the_parked_lo
         )
     )
     ex = FakeExecutor(gated=True)
-    service = Service(
-        sched, ex, detokenizer=LetterDetok, eos_token_ids=frozenset(), step_runner=ex.run_step
-    )
+    service = Service(sched, ex, detokenizer=LetterDetok, step_runner=ex.run_step)
 
     async def manual_driver(*, task_status=trio.TASK_STATUS_IGNORED) -> None:
         task_status.started()  # the test calls service.queue.drive() itself, at exact points
@@ -502,7 +523,7 @@ async def test_a_preempted_sequence_readmitted_by_the_driver_wakes_the_parked_lo
     p_done = trio.Event()  # the client's own record, not a service state: its own event
 
     async def client(name: str, prompt: list[int], max_tokens: int) -> None:
-        stream = await service.submit(prompt, params=None, max_tokens=max_tokens)
+        stream = await service.submit(gen(prompt, max_tokens=max_tokens))
         try:
             await read_all(stream)
         finally:
@@ -548,8 +569,8 @@ async def test_a_failing_grammar_ends_its_request_alone_with_an_error(autojump_c
     service, ex, counter = make_service()
     async with trio.open_nursery() as nursery:
         await nursery.start(service.run)
-        bad = await service.submit([5], params=None, max_tokens=4)
-        good = await service.submit([6], params=None, max_tokens=4)
+        bad = await service.submit(gen([5], max_tokens=4))
+        good = await service.submit(gen([6], max_tokens=4))
         ex.grammar_fails.add(bad.seq_id)
         assert await read_all(good) == "abcd"
         await read_all(bad)

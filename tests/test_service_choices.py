@@ -8,18 +8,14 @@ import pytest
 import trio
 import trio.testing
 
-from test_service import make_service, pool_is_full, tok
+from test_service import gen, make_service, pool_is_full, tok, unset_budget
 from triollm.admission import QueueFull
 from triollm.events import Completed, Delta, Ended, Failed
 from triollm.outcomes import EndCode
+from triollm.output import RequestStream
 from triollm.plan import FinishReason
 from triollm.scheduler import Infeasible, SeqState
-from triollm.service import Choice, RequestStream
 from triollm.spec import SequenceSpec
-
-
-def choices(n: int) -> list[Choice]:
-    return [Choice(params=f"params of choice {i}") for i in range(n)]
 
 
 async def read_choices(stream: RequestStream) -> tuple[dict[int, str], list[object]]:
@@ -45,7 +41,7 @@ async def test_each_choice_streams_its_own_text_on_the_one_channel_and_ends_on_i
         await nursery.start(service.run)
         ex.scripts.update({0: [tok(c) for c in "abc"], 1: [tok(c) for c in "xyz"]})
         ex.scripts[2] = [tok("p"), 1]  # EOS: the third choice stops first
-        stream = await service.submit_choices([5, 6, 7], choices(3), max_tokens=3)
+        stream = await service.submit(gen([5, 6, 7], n=3, max_tokens=3))
         assert stream.n == 3 and stream.seq_ids == (0, 1, 2)
         texts, events = await read_choices(stream)
         assert texts == {0: "abc", 1: "xyz", 2: "p"}
@@ -67,7 +63,7 @@ async def test_the_prompt_is_counted_once_and_its_blocks_are_held_once(autojump_
     async with trio.open_nursery() as nursery:
         await nursery.start(service.run)
         prompt = list(range(5, 15))  # 10 tokens: two full blocks of 4 shared, then its own
-        stream = await service.submit_choices(prompt, choices(3), max_tokens=4)
+        stream = await service.submit(gen(prompt, n=3, max_tokens=4))
         whole = 4  # (10 + 4) positions in blocks of 4
         assert service.scheduler.statistics().blocks_held == whole + 2 * (whole - 2)
         assert counter.admissions == [(10, 3)]  # the prompt once, for three choices
@@ -82,7 +78,7 @@ async def test_closing_the_request_cancels_every_choice_and_frees_their_blocks_a
     service, ex, counter = make_service(slots=3, num_blocks=16, gated=True)
     async with trio.open_nursery() as nursery:
         await nursery.start(service.run)
-        stream = await service.submit_choices([5, 6, 7], choices(3), max_tokens=8)
+        stream = await service.submit(gen([5, 6, 7], n=3, max_tokens=8))
         ex.release(2)
         await stream.__anext__()
         assert service.scheduler.statistics().running == 3
@@ -100,7 +96,7 @@ async def test_a_choice_whose_grammar_fails_ends_alone_and_the_others_complete(a
     async with trio.open_nursery() as nursery:
         await nursery.start(service.run)
         ex.grammar_fails.add(1)
-        stream = await service.submit_choices([5], choices(3), max_tokens=3)
+        stream = await service.submit(gen([5], n=3, max_tokens=3))
         texts, _ = await read_choices(stream)
         first, second, third = stream.outcomes
         assert isinstance(second, Failed) and second.code is EndCode.GRAMMAR_FAILED
@@ -115,7 +111,7 @@ async def test_a_client_too_slow_for_its_choices_is_cut_on_every_choice(autojump
     service, _ex, counter = make_service(slots=2, buffer=2, num_blocks=16)
     async with trio.open_nursery() as nursery:
         await nursery.start(service.run)
-        stream = await service.submit_choices([5], choices(2), max_tokens=20)
+        stream = await service.submit(gen([5], n=2, max_tokens=20))
         # Nobody reads: the buffer holds 2 steps of both choices (4 deltas), then it is full.
         await service.wait_until(lambda: None not in stream.outcomes)
         assert all(isinstance(o, Failed) and o.code is EndCode.TOO_SLOW for o in stream.outcomes)
@@ -132,25 +128,25 @@ async def test_the_choices_take_n_places_in_the_queue(autojump_clock):
     async with trio.open_nursery() as nursery:
         await nursery.start(service.run)
         for prompt in ([5], [6]):  # both slots held
-            await service.submit(prompt, params=None, max_tokens=2)
+            await service.submit(gen(prompt, max_tokens=2))
         single = trio.CancelScope()
 
         async def one_waiter() -> None:
             with single:
-                await service.submit([7], params=None, max_tokens=2)
+                await service.submit(gen([7], max_tokens=2))
 
         nursery.start_soon(one_waiter)
         await trio.testing.wait_all_tasks_blocked()
         assert service.queue.waiting == 1  # one place of 2 is left: not enough for two
         with pytest.raises(QueueFull, match="this request's 2 choices take 2 places"):
-            await service.submit_choices([8], choices(2), max_tokens=2)
+            await service.submit(gen([8], n=2, max_tokens=2))
         single.cancel()
         await trio.testing.wait_all_tasks_blocked()
-        nursery.start_soon(lambda: service.submit_choices([8], choices(2), max_tokens=2))
+        nursery.start_soon(lambda: service.submit(gen([8], n=2, max_tokens=2)))
         await trio.testing.wait_all_tasks_blocked()
         assert service.queue.waiting == 2  # two choices, two places: the queue is full
         with pytest.raises(QueueFull, match=r"2 of 2 places taken\)"):
-            await service.submit([9], params=None, max_tokens=2)
+            await service.submit(gen([9], max_tokens=2))
         nursery.cancel_scope.cancel()
 
 
@@ -159,7 +155,7 @@ async def test_choices_the_slots_cannot_hold_are_refused_naming_n(autojump_clock
     async with trio.open_nursery() as nursery:
         await nursery.start(service.run)
         with pytest.raises(Infeasible) as err:
-            await service.submit_choices([5], choices(3), max_tokens=2)
+            await service.submit(gen([5], n=3, max_tokens=2))
         assert err.value.field == "n"
         assert service.live_requests == 0 and service.queue.waiting == 0
         nursery.cancel_scope.cancel()
@@ -173,7 +169,8 @@ async def test_unset_max_tokens_is_the_room_every_choice_can_have_at_once(autoju
     async with trio.open_nursery() as nursery:
         await nursery.start(service.run)
         assert service.scheduler.room(SequenceSpec([1] * 9, n=3)) == 11
-        stream = await service.submit_choices([5] * 9, choices(3), ignore_eos=True)
+        budget = unset_budget(service, [5] * 9, n=3)
+        stream = await service.submit(gen([5] * 9, n=3, ignore_eos=True, max_tokens=budget))
         await read_choices(stream)
         assert [o.completion_tokens for o in stream.outcomes] == [11, 11, 11]  # type: ignore[union-attr]
         nursery.cancel_scope.cancel()
@@ -182,16 +179,17 @@ async def test_unset_max_tokens_is_the_room_every_choice_can_have_at_once(autoju
 async def test_a_failed_choice_fails_the_response_and_the_writer_ends_the_others_with_its_code(
     autojump_clock,
 ):
-    from triollm.server.openai import GenerationRequest
-    from triollm.server.responses import ResponseWriter, ServedModel
+    from triollm.request import GenerationRequest, ServedModel
+    from triollm.server.responses import ResponseWriter
 
     service, ex, counter = make_service(slots=3, num_blocks=16)
     req = GenerationRequest(kind="completion", model=None, prompt_ids=(5,), n=3)
     async with trio.open_nursery() as nursery:
         await nursery.start(service.run)
         ex.grammar_fails.add(1)
-        stream = await service.submit_choices([5], choices(3), max_tokens=6)
-        writer = ResponseWriter(req, ServedModel("m", None, 32, 0, dict), stream)
+        stream = await service.submit(gen([5], n=3, max_tokens=6))
+        served = ServedModel("m", None, 32, 0)  # type: ignore[arg-type]
+        writer = ResponseWriter(req, served, stream)
         body, status = await writer.whole()
         assert status == 500 and body["error"]["code"] == "grammar_failed"
         first, _, third = stream.outcomes

@@ -64,9 +64,9 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "blocking-dispatch",
         "non-blocking dispatch (the batch loop waits for a slow client)",
-        "src/triollm/service.py",
+        "src/triollm/output.py",
         """        if request.send.statistics().current_buffer_used >= request.delta_room:
-            self._too_slow(live)
+            self._too_slow(choice)
             return""",
         """        while request.send.statistics().current_buffer_used >= request.delta_room:
             __import__("time").sleep(0.001)  # broken: wait for room, holding everyone""",
@@ -75,8 +75,8 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "unbounded-buffer",
         "the bounded per-request buffer",
-        "src/triollm/service.py",
-        "delta_room = n * self.config.stream_buffer_steps",
+        "src/triollm/output.py",
+        "delta_room = n * self.stream_buffer_steps",
         'delta_room = float("inf")  # broken: no bound',
         ("tests/test_service.py", "tests/server/test_slow_client.py"),
     ),
@@ -91,9 +91,9 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "disconnect-ignored",
         "stopping generation when the client leaves",
-        "src/triollm/service.py",
+        "src/triollm/output.py",
         """        self._recv.close()
-        cut = [self._service._abandon(live, reason, message) for live in self._members]
+        cut = [self._output.abandon(c, reason, message) for c in self._members]
         return any(cut)""",
         """        self._recv.close()
         return False  # broken: the request generates on, to max_tokens""",
@@ -132,9 +132,9 @@ MUTATIONS: tuple[Mutation, ...] = (
         "missed-capacity-signal",
         "signalling capacity when a request ends",
         "src/triollm/service.py",
-        """                self.observer.ended_early(outcome.code)
+        """            self._to_remove.append(live.seq_id)
         self.queue.signal()""",
-        """                self.observer.ended_early(outcome.code)""",
+        """            self._to_remove.append(live.seq_id)""",
         (
             "tests/test_service.py",
             "tests/test_admission.py",
@@ -197,11 +197,11 @@ MUTATIONS: tuple[Mutation, ...] = (
         "src/triollm/server/responses.py",
         """        async for event in self.stream.events():
             if isinstance(event, Delta):
-                lp = await self._delta_logprobs(event)""",
+                lp = self._logprobs(event)""",
         """        held = [event async for event in self.stream.events()]  # broken
         for event in held:
             if isinstance(event, Delta):
-                lp = await self._delta_logprobs(event)""",
+                lp = self._logprobs(event)""",
         ("tests/server/test_live_streaming.py", "tests/server/test_asgi.py"),
     ),
     Mutation(
@@ -249,9 +249,9 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "one-choice-closed",
         "a request's end ending every one of its n choices (only the first is ended)",
-        "src/triollm/service.py",
-        "reason, message) for live in self._members]",
-        "reason, message) for live in self._members[:1]]  # broken: the rest generate on",
+        "src/triollm/output.py",
+        "reason, message) for c in self._members]",
+        "reason, message) for c in self._members[:1]]  # broken: the rest generate on",
         ("tests/test_service_choices.py", "tests/server/test_choices_http.py"),
     ),
 )

@@ -19,7 +19,7 @@ the two pieces of state the model needs across steps:
   complete ends its sequence (``SampledToken.completes``); a matcher that fails
   costs its own sequence only (``StepResult.failed``). Unconstrained rows never
   touch any of it;
-- for a sequence added with :class:`~triollm.plan.MinTokens`, how many tokens it
+- for a sequence whose sampling parameters set ``min_tokens``, how many tokens it
   must still generate before its stop ids may be sampled: until then their logits
   are minus infinity (vLLM's ``min_tokens``).
 
@@ -43,23 +43,22 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import cast
 
 import numpy as np
 
 from triollm.model.constrained import MaskFiller, MatcherFailed, SequenceMatcher
 from triollm.model.llama import LlamaModel, PagedKVCache
 from triollm.model.loader import LoadedModel
-from triollm.model.sampling import Sample, SamplingParams, SequenceSampler, token_logprobs
+from triollm.model.sampling import Sample, SequenceSampler, token_logprobs
 from triollm.plan import (
     ChunkPlan,
-    MinTokens,
     PromptScores,
     SampledToken,
     SequenceFailure,
     StepPlan,
     StepResult,
 )
+from triollm.spec import GenerationSpec
 
 # Scored prompt rows run through the output head this many at a time: 64 rows of a
 # 49152-token vocabulary are 12.6 MB of float32 logits, where a whole 512-row chunk
@@ -130,30 +129,24 @@ class Batch:
         return self.kv.block_size
 
     def add(
-        self,
-        seq_id: int,
-        prompt_ids: Sequence[int],
-        params: SamplingParams | MinTokens,
-        generated: Sequence[int] = (),
+        self, seq_id: int, spec: GenerationSpec, choice: int = 0, generated: Sequence[int] = ()
     ) -> None:
-        """Start the sampling state of a new sequence (seeded, penalties see ``prompt_ids``).
+        """Start the sampling state of sequence ``seq_id``, choice ``choice`` of ``spec``
+        (seeded with ``spec.choice_sampling(choice)``; penalties see the prompt).
 
         ``generated``: tokens the sequence already has (it is re-added after its state
         was lost); its grammar matcher is replayed over them and its sampler counts
-        them, so both stand where the sequence does. ``params`` wrapped in
-        :class:`~triollm.plan.MinTokens` holds its stop ids back for that many tokens.
+        them, so both stand where the sequence does. With ``sampling.min_tokens``, the
+        ids the answer ends on (``spec.stop_token_ids``) are held back that long.
         """
         if seq_id in self._samplers:
             raise ValueError(f"sequence {seq_id} is already in the batch")
-        if isinstance(params, MinTokens):
-            left = params.min_tokens - len(generated)
-            if left > 0 and params.stop_ids:
-                ids = np.fromiter(sorted(params.stop_ids), dtype=np.int64)
-                self._held[seq_id] = ([left], ids)
-            sampling = cast(SamplingParams, params.params)
-        else:
-            sampling = params
-        sampler = SequenceSampler(sampling, prompt_ids)
+        sampling = spec.choice_sampling(choice)
+        left = sampling.min_tokens - len(generated)
+        if left > 0 and spec.stop_token_ids:
+            ids = np.fromiter(sorted(spec.stop_token_ids), dtype=np.int64)
+            self._held[seq_id] = ([left], ids)
+        sampler = SequenceSampler(sampling, spec.prompt_ids)
         for t in generated:
             sampler.accept(t)
         if sampling.grammar is not None:

@@ -27,7 +27,7 @@ instead of spinning.
 from __future__ import annotations
 
 from collections.abc import Generator, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from triollm.batch import Batch
 from triollm.model.constrained import MatcherFailed
@@ -36,7 +36,7 @@ from triollm.model.sampling import SamplingParams
 from triollm.plan import Finished, FinishReason, SampledToken
 from triollm.scheduler import Scheduler, SchedulerConfig
 from triollm.sizing import OFFLINE_CHUNK_TOKENS, Capacity
-from triollm.spec import SequenceSpec
+from triollm.spec import GenerationSpec
 
 
 def engine_config(
@@ -64,16 +64,6 @@ def engine_config(
     )
     cfg = loaded.config
     return capacity.resolve(cfg.max_position_embeddings, cfg.kv_bytes_per_position())
-
-
-@dataclass(frozen=True, slots=True)
-class Request:
-    """One prompt to complete. ``stop_token_ids`` usually holds the tokenizer's EOS ids."""
-
-    prompt_ids: tuple[int, ...]
-    params: SamplingParams = field(default_factory=SamplingParams)
-    max_tokens: int | None = None  # None: the rest of the context
-    stop_token_ids: frozenset[int] = frozenset()
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,16 +129,15 @@ class Engine:
         self.scheduler = Scheduler(config)
         self.batch = Batch(loaded, num_blocks=config.num_blocks, block_size=config.block_size)
 
-    def submit(self, request: Request) -> int:
-        """Queue a request in the scheduler and the batch; returns its seq_id.
+    def submit(self, spec: GenerationSpec) -> int:
+        """Queue a request (``spec.n`` 1) in the scheduler and the batch; returns its
+        seq_id. ``spec.max_tokens`` None: the rest of the context.
 
         Raises :class:`~triollm.scheduler.Infeasible` (nothing queued) when the
         prompt and ``max_tokens`` can never fit the context or the pool.
         """
-        seq_id = self.scheduler.add(
-            SequenceSpec(request.prompt_ids, request.max_tokens, request.stop_token_ids)
-        )
-        self.batch.add(seq_id, request.prompt_ids, request.params)
+        seq_id = self.scheduler.add(spec.sequence())
+        self.batch.add(seq_id, spec)
         return seq_id
 
     def generate(
@@ -159,10 +148,13 @@ class Engine:
         stop_token_ids: Iterable[int] = (),
     ) -> Generation:
         """Stream the tokens of one prompt as each step samples them."""
-        req = Request(tuple(prompt_ids), params, max_tokens, frozenset(stop_token_ids))
-        return Generation(self, self.submit(req))
+        return self.start(GenerationSpec(prompt_ids, params, max_tokens, stop_token_ids))
 
-    def generate_many(self, requests: Sequence[Request]) -> list[Completion]:
+    def start(self, spec: GenerationSpec) -> Generation:
+        """Stream the tokens of one request (``spec.n`` 1) as each step samples them."""
+        return Generation(self, self.submit(spec))
+
+    def generate_many(self, requests: Sequence[GenerationSpec]) -> list[Completion]:
         """Complete several prompts in one batch (as far as the slots allow), in order."""
         ids = [self.submit(r) for r in requests]
         tokens: dict[int, list[SampledToken]] = {i: [] for i in ids}

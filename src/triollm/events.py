@@ -27,11 +27,20 @@ from triollm.toolcalls import ToolCallDelta
 
 @dataclass(frozen=True, slots=True)
 class TokenInfo:
-    """One generated token with its log-probabilities (when the request asked)."""
+    """One generated token with its log-probabilities (when the request asked).
+
+    ``text`` and ``raw`` are how the token shows on its own and its own bytes, and
+    ``top_text`` the same for each alternative in ``top``: the output processor fills
+    them (``output.token_text``) before the edge reads the delta, so the edge shapes
+    logprobs entries without a tokenizer. Empty until then.
+    """
 
     token_id: int
     logprob: float | None
     top: tuple[tuple[int, float], ...]
+    text: str = ""
+    raw: bytes = b""
+    top_text: tuple[tuple[str, bytes], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +55,8 @@ class Delta:
     # A scored prompt (echo with logprobs): each prompt token with its log-probability
     # (the first one's is None: nothing predicts it), once, in each choice's first delta.
     prompt: tuple[TokenInfo, ...] = ()
+    # Where each prompt token's text starts in the prompt's text (filled with the texts).
+    prompt_offsets: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

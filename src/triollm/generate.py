@@ -29,11 +29,15 @@ import os
 import sys
 import time
 from collections.abc import Sequence
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 from triollm.errors import FieldError, UserError
 from triollm.plan import FinishReason, SampledToken
 from triollm.textstream import TextStream
+
+if TYPE_CHECKING:
+    from triollm.request import GenerationRequest
+    from triollm.spec import GenerationSpec
 
 DEFAULT_MAX_TOKENS = 128  # enough to see a model's voice; capped by the context left
 
@@ -94,38 +98,46 @@ def run(args: argparse.Namespace) -> int:
     from triollm.demo import resolve_model_dir
     from triollm.engine import Engine, engine_config
     from triollm.model.loader import load_model
+    from triollm.request import Preparer, ServedModel, eos_token_ids
     from triollm.scheduler import Infeasible
 
-    params = _sampling_params(args)
+    params = _sampling_params(args)  # the flags' ranges, before the model loads
     stops = _stop_strings(args.stop)
+    if args.max_tokens is not None and args.max_tokens < 1:
+        raise UserError(f"--max-tokens must be >= 1, got {args.max_tokens}")
     loaded = load_model(resolve_model_dir(args.model_dir), exact_activations=args.exact_activations)
     tok = loaded.tokenizer
-    prompt_ids = _prompt_ids(args, tok, loaded.config.vocab_size)
     try:
         config = engine_config(loaded, slots=1, context_tokens=args.context)
     except FieldError as exc:  # the one field the user sets here is the context
         raise UserError(f"--context: {exc}") from None
-    if args.max_tokens is None:
-        # A prompt that leaves no room gets max_tokens 1 here, so the scheduler's own
-        # refusal (with the numbers) blames the prompt rather than a flag never given.
-        left = config.context_tokens - len(prompt_ids)
-        max_tokens = max(1, min(DEFAULT_MAX_TOKENS, left))
-    elif args.max_tokens < 1:
-        raise UserError(f"--max-tokens must be >= 1, got {args.max_tokens}")
-    else:
-        max_tokens = args.max_tokens
-    stop_ids = frozenset() if args.ignore_eos else tok.eos_token_ids | loaded.config.eos_token_ids
-
     engine = Engine(loaded, config)
+    served = ServedModel(
+        id="generate",
+        tokenizer=tok,
+        context_tokens=config.largest_request,
+        created=0,
+        eos_token_ids=eos_token_ids(tok, loaded.config),
+        model_vocab_size=loaded.config.vocab_size,
+    )
+    # The server's own prepare: the same tokenizing, vocabulary checks and max_tokens
+    # rule, with this command's default budget for an unset --max-tokens.
+    preparer = Preparer(served, engine.scheduler, generate_default=DEFAULT_MAX_TOKENS)
+    try:
+        spec = preparer.prepare_now(_request(args, params, stops))
+    except FieldError as exc:
+        raise UserError(f"{_flag(args, exc.field)}: {exc}") from None
+    if not spec.prompt_ids:
+        raise UserError("the prompt is empty: give at least one token of text")
     t0 = time.perf_counter()
     try:
-        generation = engine.generate(prompt_ids, params, max_tokens, stop_ids)
+        generation = engine.start(spec)
     except Infeasible as exc:
         flag = "--max-tokens" if exc.field == "max_tokens" else "the prompt"
         raise UserError(f"{flag}: {exc}") from None
 
     try:
-        return _drive(generation, args, tok, prompt_ids, params, stops, stop_ids, t0)
+        return _drive(generation, args, tok, spec, t0)
     except BrokenPipeError:
         # The reader left (`| head`): stop quietly, and point stdout at /dev/null so the
         # interpreter's own final flush does not raise the same error again.
@@ -133,23 +145,24 @@ def run(args: argparse.Namespace) -> int:
         return 0
 
 
+def _flag(args: argparse.Namespace, field: str) -> str:
+    """The flag to blame for a refused request field."""
+    if field in ("prompt", "messages"):
+        return "--prompt-ids" if args.prompt_ids is not None else "--prompt"
+    return "--" + field.replace("_", "-")
+
+
 def _drive(
-    generation: Any,
-    args: argparse.Namespace,
-    tok: Any,
-    prompt_ids: list[int],
-    params: Any,
-    stops: tuple[str, ...],
-    stop_ids: frozenset[int],
-    t0: float,
+    generation: Any, args: argparse.Namespace, tok: Any, spec: GenerationSpec, t0: float
 ) -> int:
     """Consume the generation: stream or collect the text, then print the result."""
     from triollm.model.tokenizer import IncrementalDetokenizer
 
     out: TextIO = sys.stdout
     stream = not args.json
+    prompt_ids = spec.prompt_ids
     text_stream = TextStream(
-        IncrementalDetokenizer(tok, prompt_ids), stops=stops, stop_ids=stop_ids
+        IncrementalDetokenizer(tok, prompt_ids), stops=spec.stop, stop_ids=spec.stop_token_ids
     )
     tokens: list[SampledToken] = []
     text: list[str] = []
@@ -191,7 +204,7 @@ def _drive(
             "completion_tokens": n,
         },
     }
-    if params.logprobs is not None:
+    if spec.sampling.logprobs is not None:
         result["logprobs"] = [
             {"token_id": t.token_id, "logprob": t.logprob, "top_logprobs": t.top_logprobs}
             for t in tokens
@@ -216,7 +229,7 @@ def _sampling_params(args: argparse.Namespace) -> Any:
 
     # Every sampling field is a flag, except the grammar (structured output is a
     # server feature: it arrives in a request body, not on a command line).
-    fields = {f.name for f in dataclasses.fields(SamplingParams)} - {"grammar"}
+    fields = {f.name for f in dataclasses.fields(SamplingParams)} - {"grammar", "min_tokens"}
     values = {name: getattr(args, name) for name in fields}
     try:
         return SamplingParams(**values)
@@ -231,25 +244,37 @@ def _stop_strings(stops: Sequence[str]) -> tuple[str, ...]:
     return tuple(stops)
 
 
-def _prompt_ids(args: argparse.Namespace, tok: Any, vocab_size: int) -> list[int]:
+def _request(args: argparse.Namespace, params: Any, stops: tuple[str, ...]) -> GenerationRequest:
+    """The flags as the request the server's ``prepare`` takes (its vocabulary checks
+    name the field; ``_flag`` turns it back into the flag)."""
+    from triollm.request import ChatMessage, GenerationRequest
+
+    common: dict[str, Any] = {
+        "model": None,
+        "max_tokens": args.max_tokens,
+        "temperature": params.temperature,
+        "top_p": params.top_p,
+        "top_k": params.top_k,
+        "min_p": params.min_p,
+        "seed": params.seed,
+        "stop": stops,
+        "presence_penalty": params.presence_penalty,
+        "frequency_penalty": params.frequency_penalty,
+        "repetition_penalty": params.repetition_penalty,
+        "logprobs": params.logprobs,
+        "ignore_eos": args.ignore_eos,
+    }
     if args.prompt_ids is not None:
         if args.chat:
             raise UserError("--chat needs --prompt text, not --prompt-ids")
         try:
-            ids = [int(x) for x in args.prompt_ids.split(",") if x.strip()]
+            ids = tuple(int(x) for x in args.prompt_ids.split(",") if x.strip())
         except ValueError:
             raise UserError(
                 f"--prompt-ids must be comma-separated integers, got {args.prompt_ids!r}"
             ) from None
-        bad = [i for i in ids if not 0 <= i < vocab_size]
-        if bad:
-            raise UserError(
-                f"--prompt-ids: ids must be in [0, {vocab_size - 1}] for this model, got {bad[:5]}"
-            )
-    elif args.chat:
-        ids = tok.encode_chat([{"role": "user", "content": args.prompt}])
-    else:
-        ids = tok.encode(args.prompt)
-    if not ids:
-        raise UserError("the prompt is empty: give at least one token of text")
-    return list(ids)
+        return GenerationRequest(kind="completion", prompt_ids=ids, **common)
+    if args.chat:
+        message = ChatMessage("user", args.prompt)
+        return GenerationRequest(kind="chat", messages=(message,), **common)
+    return GenerationRequest(kind="completion", prompt_text=args.prompt, **common)

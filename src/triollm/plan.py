@@ -139,23 +139,6 @@ class StepResult:
     scores: tuple[PromptScores, ...] = ()  # one per chunk with score_ids, in chunk order
 
 
-@dataclass(frozen=True, slots=True)
-class MinTokens:
-    """A sequence's sampling parameters with vLLM's ``min_tokens`` (``Executor.add``).
-
-    Until the answer holds ``min_tokens`` tokens, the Batch sets the logits of
-    ``stop_ids`` (EOS and the request's ``stop_token_ids``) to minus infinity, so
-    the answer cannot end before then: the sequence's stop ids stay what the
-    scheduler ends it on, and none is sampled early. The service wraps the
-    parameters only when there is something to hold back; every other sequence
-    gets its parameters bare. (The text side, stop strings, is ``textstream.py``'s.)
-    """
-
-    params: object  # the sampling parameters (SamplingParams)
-    min_tokens: int
-    stop_ids: frozenset[int]
-
-
 class FinishReason(enum.Enum):
     """Why a sequence left the batch. The values are OpenAI's ``finish_reason``
     where one exists."""

@@ -70,6 +70,42 @@ ARGUMENTS_KEY: Mapping[ToolCallFormat, str] = {
 }
 
 
+# --------------------------------------------------------------------------- a request's tools
+
+
+class ToolChoice(enum.Enum):
+    """OpenAI's ``tool_choice``: whether the model may, must or must not call a tool."""
+
+    NONE = "none"  # never: the text is content, even if it looks like a call
+    AUTO = "auto"  # the model decides; calls in its syntax are parsed out
+    REQUIRED = "required"  # at least one call, forced by a grammar
+    NAMED = "named"  # exactly this one function, forced by a grammar
+
+
+@dataclass(frozen=True, slots=True)
+class Tools:
+    """A request's tools, validated: the definitions as the client sent them (the chat
+    template renders them), and what the model may do with them."""
+
+    definitions: tuple[dict[str, Any], ...]  # [{"type": "function", "function": {...}}]
+    choice: ToolChoice
+    named: str | None = None  # the function of ToolChoice.NAMED
+    parallel: bool = True  # OpenAI's default
+
+    @property
+    def functions(self) -> tuple[dict[str, Any], ...]:
+        """The ``function`` objects (``name``, ``parameters`` ...), in order."""
+        return tuple(d["function"] for d in self.definitions)
+
+    def forced(self) -> tuple[dict[str, Any], ...]:
+        """The functions a forcing grammar admits (empty: no grammar)."""
+        if self.choice is ToolChoice.REQUIRED:
+            return self.functions
+        if self.choice is ToolChoice.NAMED:
+            return tuple(f for f in self.functions if f["name"] == self.named)
+        return ()
+
+
 def detect_format(chat_template: str | None) -> ToolCallFormat | None:
     """The tool-call format a chat template renders, or None if it renders no tools.
 

@@ -20,9 +20,10 @@ import pytest
 
 from triollm.demo import default_model_dir
 from triollm.demo import grammar as g
-from triollm.engine import Engine, Request, engine_config
+from triollm.engine import Engine, engine_config
 from triollm.model.loader import LoadedModel, load_model
 from triollm.model.sampling import SamplingParams
+from triollm.spec import GenerationSpec
 
 REFERENCE = json.loads((Path(__file__).parent / "reference.json").read_text())
 PROMPTS = {p["name"]: p for p in REFERENCE["prompts"]}
@@ -156,7 +157,7 @@ def test_greedy_chat_stories_follow_nearly_every_topic_of_the_grammar(loaded: Lo
         phrase = f"the {word}" if kind == "place" else f"{g.article(word)} {word}"
         messages = [{"role": "user", "content": f"Tell me a story about {phrase}"}]
         ids = tuple(loaded.tokenizer.encode_chat(messages))
-        requests.append(Request(ids, GREEDY, REFERENCE["max_new_tokens"], frozenset(eos)))
+        requests.append(GenerationSpec(ids, GREEDY, REFERENCE["max_new_tokens"], frozenset(eos)))
     completions = Engine(loaded, engine_config(loaded, slots=8)).generate_many(requests)
     off_topic = []
     for (kind, word), completion in zip(topics, completions, strict=True):
@@ -174,7 +175,7 @@ def test_sampled_stories_mostly_stay_in_the_grammar(loaded: LoadedModel) -> None
     eos = loaded.tokenizer.eos_token_ids | loaded.config.eos_token_ids
     prompt = tuple(loaded.tokenizer.encode("Once upon a time"))
     requests = [
-        Request(prompt, SamplingParams(temperature=1.0, seed=seed), 200, frozenset(eos))
+        GenerationSpec(prompt, SamplingParams(temperature=1.0, seed=seed), 200, frozenset(eos))
         for seed in range(32)
     ]
     grammatical = 0

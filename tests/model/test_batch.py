@@ -19,6 +19,7 @@ from triollm.batch import BadChunks, Batch
 from triollm.model.loader import LoadedModel
 from triollm.model.sampling import SamplingParams
 from triollm.plan import ChunkPlan, StepPlan
+from triollm.spec import GenerationSpec
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 BLOCK = 8
@@ -65,7 +66,7 @@ class Driver:
                 n_blocks = -(-(len(s.prompt) + s.want) // BLOCK) + 1
                 s.table = tuple(self.free[:n_blocks])
                 del self.free[:n_blocks]
-                self.batch.add(s.seq_id, s.prompt, s.params)
+                self.batch.add(s.seq_id, GenerationSpec(s.prompt, s.params))
             if s.computed < len(s.prompt):
                 part = tuple(s.prompt[s.computed : s.computed + s.chunk])
                 last = s.computed + len(part) == len(s.prompt)
@@ -191,9 +192,9 @@ def test_add_remove_and_sizes() -> None:
         == 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * 4
     )
     assert batch.kv_bytes_total == batch.kv_bytes_per_position * 4 * 16
-    batch.add(1, [1, 2], GREEDY)
+    batch.add(1, GenerationSpec([1, 2], GREEDY))
     with pytest.raises(ValueError, match="already"):
-        batch.add(1, [1, 2], GREEDY)
+        batch.add(1, GenerationSpec([1, 2], GREEDY))
     assert 1 in batch and len(batch) == 1
     batch.remove(1)
     batch.remove(1)  # idempotent
@@ -207,7 +208,7 @@ def test_add_remove_and_sizes() -> None:
 def test_a_prefill_chunk_without_sample_returns_no_token() -> None:
     model = loaded("llama-gqa-f32")
     batch = Batch(model, num_blocks=4, block_size=16)
-    batch.add(1, [1, 2, 3], SamplingParams(temperature=0.0, logprobs=2))
+    batch.add(1, GenerationSpec([1, 2, 3], SamplingParams(temperature=0.0, logprobs=2)))
     first = batch.run(StepPlan(0, (ChunkPlan(1, (1, 2), 0, (3,), False, True),)))
     assert first.sampled == () and first.n_rows == 2 and first.seconds > 0
     second = batch.run(StepPlan(1, (ChunkPlan(1, (3,), 2, (3,), True, True),)))
@@ -223,7 +224,7 @@ def test_a_bad_chunk_is_refused_by_name_before_anything_runs() -> None:
     model = loaded("llama-gqa-f32")
     batch = Batch(model, num_blocks=4, block_size=16)
     for seq in (1, 2, 3):
-        batch.add(seq, [1, 2], GREEDY)
+        batch.add(seq, GenerationSpec([1, 2], GREEDY))
     vocab = model.config.vocab_size
     good = ChunkPlan(1, (1, 2), 0, (0,), True, True)
     past_vocab = ChunkPlan(2, (5, vocab), 0, (1,), True, True)
@@ -235,6 +236,6 @@ def test_a_bad_chunk_is_refused_by_name_before_anything_runs() -> None:
         batch.run(StepPlan(1, (ChunkPlan(2, (-1,), 0, (1,), True, True),)))
     assert info.value.seq_ids == {2}
     alone = Batch(model, num_blocks=4, block_size=16)
-    alone.add(1, [1, 2], GREEDY)
+    alone.add(1, GenerationSpec([1, 2], GREEDY))
     expected = alone.run(StepPlan(0, (good,))).sampled[0].token_id
     assert batch.run(StepPlan(2, (good,))).sampled[0].token_id == expected

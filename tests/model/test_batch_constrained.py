@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from triollm.batch import Batch
-from triollm.engine import Engine, Request, engine_config
+from triollm.engine import Engine, engine_config
 from triollm.model.constrained import (
     ConstraintTokenizer,
     Grammar,
@@ -33,7 +33,7 @@ from triollm.model.tokenizer import Tokenizer
 from triollm.plan import ChunkPlan, FinishReason, StepPlan
 from triollm.policies import Policy
 from triollm.scheduler import SchedulerConfig
-from triollm.spec import SequenceSpec
+from triollm.spec import GenerationSpec, SequenceSpec
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "models"
 DEMO = Path(__file__).resolve().parents[2] / "src" / "triollm" / "demo" / "model"
@@ -73,7 +73,7 @@ PERSON = {
 }
 
 
-def run(name: str, requests: list[Request], **config: object) -> list:
+def run(name: str, requests: list[GenerationSpec], **config: object) -> list:
     loaded, _, _ = model(name)
     cfg = engine_config(loaded, slots=len(requests), context_tokens=256)
     if config:
@@ -90,7 +90,7 @@ def test_every_model_answers_json_that_validates_and_stops(name: str) -> None:
     g = grammar(name, PERSON)
     params = [SamplingParams(temperature=0.0, grammar=g), SamplingParams(seed=3, grammar=g)]
     eos = model(name)[1].eos_token_ids
-    outs = run(name, [Request(prompt(name), p, 200, eos) for p in params])
+    outs = run(name, [GenerationSpec(prompt(name), p, 200, eos) for p in params])
     for out in outs:
         assert out.finish_reason is FinishReason.STOP
         text = model(name)[1].decode(out.token_ids)
@@ -100,16 +100,20 @@ def test_every_model_answers_json_that_validates_and_stops(name: str) -> None:
 
 def test_an_unconstrained_neighbour_gets_the_same_tokens_as_alone() -> None:
     name = "llama-gqa-f32"
-    plain = Request(prompt(name, "The river"), SamplingParams(seed=5), 24)
+    plain = GenerationSpec(prompt(name, "The river"), SamplingParams(seed=5), 24)
     alone = run(name, [plain])[0].token_ids
-    shaped = Request(prompt(name), SamplingParams(seed=1, grammar=grammar(name, PERSON)), 200)
+    shaped = GenerationSpec(
+        prompt(name), SamplingParams(seed=1, grammar=grammar(name, PERSON)), 200
+    )
     together = run(name, [shaped, plain])[1].token_ids
     assert together == alone
 
 
 def test_max_tokens_cutting_the_json_short_is_length() -> None:
     name = "qwen2-bias-f32"
-    out = run(name, [Request(prompt(name), SamplingParams(grammar=grammar(name, PERSON)), 5)])[0]
+    out = run(
+        name, [GenerationSpec(prompt(name), SamplingParams(grammar=grammar(name, PERSON)), 5)]
+    )[0]
     assert out.finish_reason is FinishReason.LENGTH and len(out.tokens) == 5
     with pytest.raises(json.JSONDecodeError):
         json.loads(model(name)[1].decode(out.token_ids))
@@ -119,7 +123,7 @@ def test_a_preempted_constrained_sequence_recomputes_to_the_same_valid_answer() 
     name = "llama-gqa-f32"
     g = grammar(name, PERSON)
     reqs = [
-        Request(prompt(name, f"Person {i}:"), SamplingParams(temperature=0.0, grammar=g), 40)
+        GenerationSpec(prompt(name, f"Person {i}:"), SamplingParams(temperature=0.0, grammar=g), 40)
         for i in range(3)
     ]
     alone = [run(name, [r])[0].token_ids for r in reqs]
@@ -138,13 +142,13 @@ def test_a_sequence_re_added_with_its_tokens_continues_where_it_was() -> None:
     loaded, _, _ = model(name)
     g = grammar(name, PERSON)
     params = SamplingParams(temperature=0.0, grammar=g)
-    whole = run(name, [Request(prompt(name), params, 200)])[0].token_ids
+    whole = run(name, [GenerationSpec(prompt(name), params, 200)])[0].token_ids
     # Lose the Batch's state after 6 tokens: a fresh sequence fed prompt + those tokens
     # as its prompt, its matcher replayed over them, must go on to the same answer.
     head = whole[:6]
     engine = Engine(loaded, engine_config(loaded, slots=1, context_tokens=256))
     seq = engine.scheduler.add(SequenceSpec(prompt(name) + tuple(head), 200 - 6))
-    engine.batch.add(seq, prompt(name), params, generated=head)
+    engine.batch.add(seq, GenerationSpec(prompt(name), params), generated=head)
     rest = [t.token_id for t in engine._steps({seq}) if hasattr(t, "token_id")]
     assert head + rest == whole
 
@@ -161,9 +165,9 @@ def test_a_failing_matcher_fails_its_sequence_alone() -> None:
     loaded, tok, _ = model(name)
     batch = Batch(loaded, num_blocks=8, block_size=8)
     g = grammar(name, PERSON)
-    batch.add(1, [5, 6], SamplingParams(grammar=g, seed=0))
-    batch.add(2, [5, 6], SamplingParams(seed=0))
-    batch.add(3, [5, 6], SamplingParams(grammar=g, seed=0))
+    batch.add(1, GenerationSpec([5, 6], SamplingParams(grammar=g, seed=0)))
+    batch.add(2, GenerationSpec([5, 6], SamplingParams(seed=0)))
+    batch.add(3, GenerationSpec([5, 6], SamplingParams(grammar=g, seed=0)))
     batch._matchers[1].ll.consume_token(tok.encode("zz", add_special_tokens=False)[0])  # breaks it
     result = batch.run(_plan([(1, (5, 6), (0,)), (2, (5, 6), (1,)), (3, (5, 6), (2,))]))
     assert [f.seq_id for f in result.failed] == [1]
@@ -175,8 +179,8 @@ def test_a_constrained_sequence_removed_during_the_step_does_not_break_it() -> N
     name = "llama-gqa-f32"
     loaded, _, _ = model(name)
     batch = Batch(loaded, num_blocks=8, block_size=8)
-    batch.add(1, [5, 6], SamplingParams(grammar=grammar(name, PERSON), seed=0))
-    batch.add(2, [5, 6], SamplingParams(seed=0))
+    batch.add(1, GenerationSpec([5, 6], SamplingParams(grammar=grammar(name, PERSON), seed=0)))
+    batch.add(2, GenerationSpec([5, 6], SamplingParams(seed=0)))
     forward = batch.model.forward
 
     def forward_then_cancel(*args: object) -> np.ndarray:
@@ -196,7 +200,7 @@ def test_a_constrained_sequence_removed_during_the_step_does_not_break_it() -> N
 def test_unconstrained_steps_never_start_the_mask_machinery() -> None:
     loaded, _, _ = model("llama-gqa-f32")
     batch = Batch(loaded, num_blocks=8, block_size=8)
-    batch.add(1, [5, 6], SamplingParams(seed=0))
+    batch.add(1, GenerationSpec([5, 6], SamplingParams(seed=0)))
     batch.run(_plan([(1, (5, 6), (0,))]))
     assert batch._masks is None and batch._mask_thread is None
 
@@ -251,7 +255,11 @@ def test_any_generated_schema_gives_output_that_validates(
     tok = model(which)[1]
     out = run(
         which,
-        [Request(prompt(which), SamplingParams(seed=seed, grammar=g), 200, tok.eos_token_ids)],
+        [
+            GenerationSpec(
+                prompt(which), SamplingParams(seed=seed, grammar=g), 200, tok.eos_token_ids
+            )
+        ],
     )[0]
     text = tok.decode(out.token_ids)
     assert out.finish_reason is FinishReason.STOP, text
@@ -261,7 +269,7 @@ def test_any_generated_schema_gives_output_that_validates(
 def test_a_complete_grammar_ends_the_sequence_even_without_stop_ids() -> None:
     name = "mistral-window-f32"
     g = grammar(name, PERSON)
-    out = run(name, [Request(prompt(name), SamplingParams(seed=2, grammar=g), 200)])[0]
+    out = run(name, [GenerationSpec(prompt(name), SamplingParams(seed=2, grammar=g), 200)])[0]
     assert out.finish_reason is FinishReason.STOP
     assert out.tokens[-1].completes and not any(t.completes for t in out.tokens[:-1])
     assert not set(out.token_ids) & model(name)[1].eos_token_ids  # it ended on the JSON's end

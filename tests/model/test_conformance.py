@@ -22,6 +22,7 @@ from triollm.batch import Batch
 from triollm.model.loader import LoadedModel
 from triollm.model.sampling import SamplingParams
 from triollm.plan import ChunkPlan, StepPlan
+from triollm.spec import GenerationSpec
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 MODEL_NAMES = sorted(p.name for p in (FIXTURES / "models").iterdir())
@@ -84,7 +85,7 @@ def test_greedy_through_batch_run_matches_transformers(name: str) -> None:
     n = summary["greedy_tokens"]
     table = tuple(range(-(-(len(ids) + n) // BLOCK)))
     batch = Batch(model, num_blocks=len(table) + 3, block_size=BLOCK)
-    batch.add(7, ids, SamplingParams(temperature=0.0))
+    batch.add(7, GenerationSpec(ids, SamplingParams(temperature=0.0)))
     chunk = ChunkPlan(7, tuple(ids), 0, table, sample=True, prefill=True)
     got: list[int] = []
     for step in range(n):

@@ -21,6 +21,7 @@ from triollm.kv import blocks_for
 from triollm.model.loader import LoadedModel
 from triollm.model.sampling import SamplingParams, log_softmax
 from triollm.plan import ChunkPlan, PromptScores, SampledToken, StepPlan
+from triollm.spec import GenerationSpec
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 MODEL_NAMES = sorted(p.name for p in (FIXTURES / "models").iterdir())
@@ -57,7 +58,7 @@ def scored_chunks(seq_id: int, ids: list[int], chunk: int, table: tuple[int, ...
 def score(model: LoadedModel, ids: list[int], chunk: int, top_n: int = 0) -> list[PromptScores]:
     """Score ``ids`` alone in chunks of ``chunk`` rows (max_tokens 0: nothing sampled)."""
     batch = Batch(model, num_blocks=blocks_for(len(ids), BLOCK), block_size=BLOCK)
-    batch.add(0, ids, SamplingParams(temperature=0.0, logprobs=top_n))
+    batch.add(0, GenerationSpec(ids, SamplingParams(temperature=0.0, logprobs=top_n)))
     out = []
     for step, c in enumerate(scored_chunks(0, ids, chunk, table_for(len(ids)), sample=False)):
         result = batch.run(StepPlan(step, (c,)))
@@ -119,7 +120,7 @@ def test_a_greedy_continuation_scores_what_the_decode_path_gave_each_token() -> 
     ids = prompt(5, 30)
     n = 12
     batch = Batch(model, num_blocks=blocks_for(len(ids) + n, BLOCK), block_size=BLOCK)
-    batch.add(0, ids, SamplingParams(temperature=0.0, logprobs=1))
+    batch.add(0, GenerationSpec(ids, SamplingParams(temperature=0.0, logprobs=1)))
     table = table_for(len(ids) + n)
     chunk = ChunkPlan(0, tuple(ids), 0, table, sample=True, prefill=True)
     generated: list[SampledToken] = []
@@ -145,9 +146,9 @@ def run_neighbour(model: LoadedModel, beside: str) -> list[SampledToken]:
     batch = Batch(model, num_blocks=40, block_size=BLOCK)
     b_ids, a_ids = prompt(8, 21), prompt(9, 60)
     params = SamplingParams(temperature=1.5, top_p=0.95, seed=77, logprobs=5)
-    batch.add(1, b_ids, params)
+    batch.add(1, GenerationSpec(b_ids, params))
     if beside != "none":
-        batch.add(2, a_ids, SamplingParams(temperature=0.0, logprobs=3))
+        batch.add(2, GenerationSpec(a_ids, SamplingParams(temperature=0.0, logprobs=3)))
     b_table, a_table = table_for(40), table_for(70, first=10)
     a_chunks = list(scored_chunks(2, a_ids, 13, a_table, sample=True))
     if beside == "plain":
@@ -204,7 +205,7 @@ def test_a_neighbour_s_tokens_and_logprobs_are_bit_identical_beside_a_scored_pro
 def test_a_chunk_with_bad_score_ids_is_refused_before_anything_runs() -> None:
     model = loaded("llama-gqa-f32")
     batch = Batch(model, num_blocks=4, block_size=BLOCK)
-    batch.add(0, [5, 6, 7], SamplingParams(temperature=0.0))
+    batch.add(0, GenerationSpec([5, 6, 7], SamplingParams(temperature=0.0)))
     table = table_for(3)
     too_many = ChunkPlan(0, (5, 6), 0, table, False, True, score_ids=(6, 7, 8))
     outside = ChunkPlan(0, (5, 6), 0, table, False, True, score_ids=(6, 10**6))

@@ -13,6 +13,7 @@ import trio
 from serverkit import MODEL_ID, live_server
 
 from triollm.server.openai import MAX_STOP_SEQUENCES, parse_chat, parse_completion
+from triollm.service import Lifecycle
 
 
 async def get(url: str) -> httpx.Response:
@@ -68,10 +69,10 @@ def test_up_to_the_stated_number_of_stop_strings_is_accepted():
 async def test_health_is_503_while_warming_up_and_200_while_draining(loaded):
     async with live_server(loaded) as live:
         assert (await get(live.url + "/health")).status_code == 200
-        live.service.ready = False  # as before warm_up completes
+        live.service.state = Lifecycle.STARTING  # as before warm_up completes
         r = await get(live.url + "/health")
         assert r.status_code == 503 and r.json()["status"] == "warming up"
-        live.service.ready = True
+        live.service.state = Lifecycle.READY
 
 
 async def test_metrics_reach_long_requests_and_carry_process_figures(loaded):

@@ -87,12 +87,11 @@ def make_app(nursery: trio.Nursery, queue_wait_s: float = 1000.0) -> tuple[Any, 
         Scheduler(SchedulerConfig(num_blocks=8, block_size=8, slots=1, context_tokens=64)),
         fake,
         detokenizer=Detok,
-        eos_token_ids=frozenset({1}),
         config=ServiceConfig(queue_wait_s=queue_wait_s),
         step_runner=fake.run_step,
         observer=metrics,
     )
-    served = ServedModel("m", FakeTokenizer(), 64, 0, make_params=lambda **kw: kw)
+    served = ServedModel("m", FakeTokenizer(), 64, 0, eos_token_ids=frozenset({1}))  # type: ignore[arg-type]
     return create_app(service, served, metrics, drain_nursery=nursery), service, metrics
 
 

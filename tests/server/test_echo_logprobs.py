@@ -17,6 +17,7 @@ from triollm.kv import blocks_for
 from triollm.model.sampling import SamplingParams
 from triollm.plan import ChunkPlan, StepPlan
 from triollm.server.openai import ApiError, parse_chat, parse_completion
+from triollm.spec import GenerationSpec
 
 PROMPT = "The quick brown fox jumps over the lazy dog, and the dog sleeps on."
 
@@ -35,7 +36,7 @@ def events(url: str, body: dict[str, Any]) -> list[dict[str, Any]]:
 def greedy_ids(loaded: Any, prompt: list[int], n: int) -> list[int]:
     """``n`` greedy tokens after ``prompt``, through a Batch of their own."""
     batch = Batch(loaded, num_blocks=blocks_for(len(prompt) + n, 16), block_size=16)
-    batch.add(0, prompt, SamplingParams(temperature=0.0))
+    batch.add(0, GenerationSpec(prompt, SamplingParams(temperature=0.0)))
     table = tuple(range(batch.num_blocks))
     chunk = ChunkPlan(0, tuple(prompt), 0, table, sample=True, prefill=True)
     out: list[int] = []

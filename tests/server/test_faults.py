@@ -126,7 +126,7 @@ async def test_a_detokenizer_that_raises_ends_that_request_alone(loaded):
     async with live_server(loaded, slots=2) as live:
         service = live.service
         expected = await greedy(live.url, "neighbour")
-        make = service._detokenizer
+        make = service.output._detokenizer
         poison = list(loaded.tokenizer.encode("poisoned"))
 
         class Exploding:
@@ -146,7 +146,7 @@ async def test_a_detokenizer_that_raises_ends_that_request_alone(loaded):
             inner = make(prompt_ids)
             return Exploding(inner) if list(prompt_ids) == poison else inner
 
-        service._detokenizer = detokenizer
+        service.output._detokenizer = detokenizer
         gate = StepGate(service)
         results: dict[str, list[Any]] = {}
 

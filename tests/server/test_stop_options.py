@@ -12,6 +12,7 @@ from serverkit import MODEL_ID, live_server
 
 from triollm.model.sampling import SamplingParams
 from triollm.service import Completed
+from triollm.spec import GenerationSpec
 
 PROMPT = "Hello there"
 
@@ -19,12 +20,9 @@ PROMPT = "Hello there"
 async def greedy_ids(live: Any, n: int) -> list[int]:
     """The first ``n`` greedy token ids of PROMPT, EOS ignored (read from the service)."""
     prompt = live.stack.served.tokenizer.encode(PROMPT)
+    # logprobs=0: the deltas carry each token (with its own log-probability only)
     stream = await live.service.submit(
-        prompt,
-        params=SamplingParams(temperature=0.0),
-        max_tokens=n,
-        ignore_eos=True,
-        want_logprobs=True,
+        GenerationSpec(prompt, SamplingParams(temperature=0.0, logprobs=0), n)
     )
     ids: list[int] = []
     try:

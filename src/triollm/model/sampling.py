@@ -80,8 +80,19 @@ class SamplingParams:
     # Structured output: the answer must follow this compiled grammar; the Batch masks
     # each row with it before sampling (model/constrained.py). None = unconstrained.
     grammar: Grammar | None = None
+    # vLLM's min_tokens: until the answer holds this many tokens, the Batch keeps every
+    # id the answer ends on (the request's stop ids, EOS among them) from being sampled.
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
+        if (
+            isinstance(self.min_tokens, bool)
+            or not isinstance(self.min_tokens, int)
+            or self.min_tokens < 0
+        ):
+            raise FieldError(
+                "min_tokens", f"min_tokens must be an integer >= 0, got {self.min_tokens!r}"
+            )
         _check_number("temperature", self.temperature, 0.0, 2.0, lo_open=False)
         _check_number("top_p", self.top_p, 0.0, 1.0, lo_open=True)
         _check_number("min_p", self.min_p, 0.0, 1.0, lo_open=False)

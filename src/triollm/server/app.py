@@ -8,10 +8,13 @@ What happens to one ``POST /v1/completions`` (read with docs/serving.md):
    ``http.disconnect``, and quart-trio cancels that nursery: our view (or the body
    generator) gets ``trio.Cancelled`` at its next checkpoint -- while parked in the
    admission queue, while waiting on the token channel, anywhere.
-2. The view reads the whole body (413 past ``max_body_bytes``), parses it
-   (``openai.py``: 400 naming the field, 404 for another model), tokenizes, builds
-   the sampling parameters, and waits for admission (429 + ``Retry-After``). Only
-   then does it return a response, so every refusal is a real status code.
+2. The view (:meth:`Handlers.generate`) reads the whole body (413 past
+   ``max_body_bytes``), parses it (``openai.py``: 400 naming the field, 404 for
+   another model), has ``request.Preparer`` turn it into a frozen
+   :class:`~triollm.spec.GenerationSpec` (tokenizing, grammars, the ``max_tokens``
+   rule: the edge itself touches no model internals), and waits for admission (429 +
+   ``Retry-After``). Only then does it return a response, so every refusal is a real
+   status code.
 3. A streaming response is an async generator (``responses.py`` builds OpenAI's
    shapes): each SSE event is yielded on its own and quart sends it as its own
    ``http.response.body`` message, which hypercorn writes to the socket as one
@@ -37,9 +40,7 @@ Traps designed around (each has a test under tests/server/):
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Callable
-from functools import partial
 from typing import Any
 
 import trio
@@ -48,10 +49,9 @@ from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 
 from triollm.admission import QueueClosed, Refusal
-from triollm.errors import FieldError, UserError
-from triollm.model.constrained import JSON_OPTIONS, GrammarKind, GrammarSpec
-from triollm.model.tokenizer import ChatTemplateError, TooManyTokens
+from triollm.errors import FieldError
 from triollm.outcomes import Refused
+from triollm.request import GenerationRequest, Preparer, ServedModel, TemplateBroken
 from triollm.scheduler import Infeasible
 from triollm.server import sse
 from triollm.server.door import Door, DoorPolicy
@@ -60,25 +60,21 @@ from triollm.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from triollm.server.metrics import Metrics
 from triollm.server.openai import (
     ApiError,
-    GenerationRequest,
     field_error,
     load_object,
     parse_chat,
     parse_completion,
 )
-from triollm.server.responses import ResponseWriter, ServedModel, error_response, json_text
-from triollm.server.structured import ToolChoice
-from triollm.service import Choice, Service
-from triollm.spec import SequenceSpec
-from triollm.toolcalls import ToolCallFormat, ToolCallParser, tool_grammar
+from triollm.server.responses import ResponseWriter, error_response, json_text
+from triollm.service import Lifecycle, RequestStream, Service
+from triollm.spec import GenerationSpec
 
-__all__ = ["DEFAULT_MAX_BODY_BYTES", "ServedModel", "create_app", "http_error"]
+__all__ = ["DEFAULT_MAX_BODY_BYTES", "Handlers", "ServedModel", "create_app", "http_error"]
 
 log = logging.getLogger("triollm.server")
 
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024  # 8 MiB: a long prompt is ~100 KB of JSON
 MIN_BODY_LIMIT_BYTES = 1024 * 1024
-COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default on /v1/completions
 
 
 def body_limit_for(largest_request: int, max_chars_per_token: int) -> int:
@@ -101,77 +97,82 @@ def http_error(err: HTTPException) -> ApiError:
     return ApiError(status, err.description or err.name, type=kind, code=code)
 
 
-def create_app(
-    service: Service,
-    model: ServedModel,
-    metrics: Metrics,
-    *,
-    drain_nursery: trio.Nursery,
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-    body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
-    door: DoorPolicy | None = None,
-) -> Lifetime:
-    """The ASGI application: quart-trio routes wrapped in :class:`Lifetime`.
+async def _body() -> bytes:
+    raw: bytes = await request.get_data(cache=False, as_text=False)  # type: ignore[assignment]
+    return raw
 
-    ``drain_nursery`` outlives every request (Lifetime's refused-body drainers run
-    there); ``frontend.serve_http`` passes its own."""
-    app = QuartTrio("triollm")
-    app.config["MAX_CONTENT_LENGTH"] = max_body_bytes
-    app.config["BODY_TIMEOUT"] = body_timeout_s  # a body that stops arriving: 408
-    app.config["RESPONSE_TIMEOUT"] = None  # a 60 s default would silently cut long streams
-    app.config["PROVIDE_AUTOMATIC_OPTIONS"] = False
 
-    @app.errorhandler(ApiError)
-    async def on_api_error(err: ApiError) -> Response:
+class Handlers:
+    """The routes' bodies, one small method per endpoint (``create_app`` wires them).
+
+    Every generation endpoint is the same four moves: parse the body into a
+    :class:`~triollm.request.GenerationRequest` (the API's own module), prepare it
+    into a spec (``request.Preparer``), submit the spec (the service's queue), and
+    shape the stream (``responses.py``). A new API is a parser and a writer beside
+    these, not a new path into the model.
+    """
+
+    def __init__(
+        self, service: Service, model: ServedModel, metrics: Metrics, max_body_bytes: int
+    ) -> None:
+        self.service = service
+        self.model = model
+        self.metrics = metrics
+        self.max_body_bytes = max_body_bytes
+        self.preparer = Preparer(
+            model, service.scheduler, max_tokens_default=service.config.max_tokens_default
+        )
+
+    # -- errors ---------------------------------------------------------------------
+
+    async def on_api_error(self, err: ApiError) -> Response:
         if err.status in (400, 404, 413):
-            metrics.ended_early(Refused.BAD_REQUEST)
+            self.metrics.ended_early(Refused.BAD_REQUEST)
         return error_response(err)
 
-    @app.errorhandler(FieldError)
-    async def on_field_error(err: FieldError) -> Response:
+    async def on_field_error(self, err: FieldError) -> Response:
         # A field the model layer refused (SamplingParams' ranges): its .field is param.
-        return await on_api_error(field_error(err))
+        return await self.on_api_error(field_error(err))
 
-    @app.errorhandler(HTTPException)
-    async def on_http_error(err: HTTPException) -> Response:
+    async def on_http_error(self, err: HTTPException) -> Response:
         if isinstance(err, RequestEntityTooLarge):
-            metrics.ended_early(Refused.BAD_REQUEST)
-            message = f"the request body is larger than the limit of {max_body_bytes} bytes"
+            self.metrics.ended_early(Refused.BAD_REQUEST)
+            message = f"the request body is larger than the limit of {self.max_body_bytes} bytes"
             return error_response(ApiError(413, message, code="request_too_large"))
         return error_response(http_error(err))
 
-    @app.errorhandler(Exception)
-    async def on_bug(err: Exception) -> Response:
+    async def on_bug(self, err: Exception) -> Response:
         log.exception("unhandled error")
         return error_response(ApiError(500, f"internal error: {err}", type="server_error"))
 
-    @app.get("/health")
-    async def health() -> Any:
+    # -- probes and the model card ----------------------------------------------------
+
+    async def health(self) -> Any:
         # Liveness. A process whose batch loop has failed is alive but useless, and
         # orchestrators copied from other servers probe /health, not /ready: say so.
-        if service.failed is not None:
-            return {"status": "failed", "reason": service.failed}, 503
-        if not service.ready and not service.closing:
+        state = self.service.state
+        if state is Lifecycle.FAILED:
+            return {"status": "failed", "reason": self.service.failed}, 503
+        if state is Lifecycle.STARTING:
             # Warming up (kernels compiling): not serving yet, as llama-server says
             # while loading. During the drain it stays 200: killing a draining
             # process would cut the streams the grace is for.
             return {"status": "warming up"}, 503
         return {"status": "ok"}
 
-    @app.get("/ready")
-    async def ready() -> Any:
-        if service.failed is not None:
-            return {"status": "failed", "reason": service.failed}, 503
-        if service.ready and not service.closing:
-            return {"status": "ready", "model": model.id}
-        state = "shutting down" if service.closing else "warming up"
-        return {"status": state}, 503
+    async def ready(self) -> Any:
+        state = self.service.state
+        if state is Lifecycle.FAILED:
+            return {"status": "failed", "reason": self.service.failed}, 503
+        if state is Lifecycle.READY:
+            return {"status": "ready", "model": self.model.id}
+        return {"status": state.value}, 503  # "warming up" or "shutting down"
 
-    @app.get("/metrics")
-    async def metrics_page() -> Response:
-        return Response(metrics.render(), mimetype=None, content_type=METRICS_CONTENT_TYPE)
+    async def metrics_page(self) -> Response:
+        return Response(self.metrics.render(), mimetype=None, content_type=METRICS_CONTENT_TYPE)
 
-    def model_card() -> dict[str, Any]:
+    def _model_card(self) -> dict[str, Any]:
+        model = self.model
         return {
             "id": model.id,
             "object": "model",
@@ -180,130 +181,88 @@ def create_app(
             "max_model_len": model.context_tokens,
         }
 
-    @app.get("/v1/models")
-    async def models() -> Any:
-        return {"object": "list", "data": [model_card()]}
+    async def models(self) -> Any:
+        return {"object": "list", "data": [self._model_card()]}
 
-    @app.get("/v1/models/<path:model_id>")
-    async def model_by_id(model_id: str) -> Any:
+    async def model_by_id(self, model_id: str) -> Any:
         # client.models.retrieve(id); ids may hold slashes ("org/name").
-        if model_id != model.id:
+        self._check_model(model_id)
+        return self._model_card()
+
+    def _check_model(self, model_id: str | None) -> None:
+        if model_id is not None and model_id != self.model.id:
             raise ApiError(
                 404,
-                f"the model '{model_id}' does not exist; this server serves '{model.id}'",
+                f"the model '{model_id}' does not exist; this server serves '{self.model.id}'",
                 param="model",
                 code="model_not_found",
             )
-        return model_card()
 
-    @app.post("/v1/completions")
-    async def completions() -> Response:
-        return await _generate(parse_completion)
+    # -- tokens -----------------------------------------------------------------------
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions() -> Response:
-        return await _generate(parse_chat)
-
-    @app.post("/tokenize")
-    async def tokenize() -> Any:
+    async def tokenize(self) -> Any:
         # vLLM's and llama-server's endpoint: {"prompt": ...} (or llama-server's
         # "content"), or {"messages": [...]} through the chat template. Same parsing,
         # same limits and the same worker thread as a generation request.
-        raw: bytes = await request.get_data(cache=False, as_text=False)  # type: ignore[assignment]
-        body = load_object(raw)
+        body = load_object(await _body())
         if "content" in body and "prompt" not in body:
             body["prompt"] = body.pop("content")
         req = (parse_chat if "messages" in body else parse_completion)(json_text(body).encode())
-        _refuse_text_that_cannot_fit(req, model)
-        ids = await trio.to_thread.run_sync(_prompt_ids, req, model, limiter=TEXT_LIMITER)
-        return {"count": len(ids), "max_model_len": model.context_tokens, "tokens": ids}
+        with _refusals():
+            ids = await self.preparer.tokenize(req)
+        return {"count": len(ids), "max_model_len": self.model.context_tokens, "tokens": ids}
 
-    @app.post("/detokenize")
-    async def detokenize() -> Any:
-        raw: bytes = await request.get_data(cache=False, as_text=False)  # type: ignore[assignment]
-        tokens = load_object(raw).get("tokens")
-        limit = model.vocab_limit
+    async def detokenize(self) -> Any:
+        tokens = load_object(await _body()).get("tokens")
+        limit = self.model.vocab_limit
         if not isinstance(tokens, list) or not all(
             isinstance(t, int) and not isinstance(t, bool) and 0 <= t < limit for t in tokens
         ):
             raise ApiError(
                 400, f"'tokens' must be a list of token ids below {limit}", param="tokens"
             )
-        text = await trio.to_thread.run_sync(model.tokenizer.decode, tokens, limiter=TEXT_LIMITER)
+        text = await self.preparer.decode(tokens)
         return {"prompt": text, "content": text}  # vLLM's key, llama-server's key
 
-    async def _generate(parse: Callable[[bytes], GenerationRequest]) -> Response:
+    # -- generation -------------------------------------------------------------------
+
+    async def completions(self) -> Response:
+        return await self.generate(parse_completion)
+
+    async def chat_completions(self) -> Response:
+        return await self.generate(parse_chat)
+
+    async def generate(self, parse: Callable[[bytes], GenerationRequest]) -> Response:
+        """Parse, prepare, submit, shape: one generation request, for any API."""
         life: RequestLife = request.scope[LIFE_KEY]  # type: ignore[literal-required]
-        raw: bytes = await request.get_data(cache=False, as_text=False)  # type: ignore[assignment]
-        req = parse(raw)
-        if req.model is not None and req.model != model.id:
-            raise ApiError(
-                404,
-                f"the model '{req.model}' does not exist; this server serves '{model.id}'",
-                param="model",
-                code="model_not_found",
-            )
-        _refuse_text_that_cannot_fit(req, model)
-        _check_stop_token_ids(req, model)
-        # Tokenizing and the chat template run in a worker thread: a long prompt must
-        # not stall every other stream's event loop (tests/server/test_hostile_input.py).
-        prompt_ids = await trio.to_thread.run_sync(_prompt_ids, req, model, limiter=TEXT_LIMITER)
-        tool_format = _tool_format(req, model)
-        spec = _constraint(req, model, tool_format)
-        grammar = None
-        if spec is not None:
-            # Compiling may take many milliseconds for a large schema: off the loop.
-            # A grammar refused is a GrammarError (a FieldError): 400. A client that
-            # leaves meanwhile sets `cancel`: its compile's sandbox child is killed.
-            cancel = threading.Event()
-            try:
-                grammar = await trio.to_thread.run_sync(
-                    partial(model.grammars.get, spec, cancel=cancel), abandon_on_cancel=True
-                )
-            finally:
-                cancel.set()
-        choices = [
-            Choice(
-                _sampling_params(req, model, grammar, choice=i),
-                ToolCallParser(tool_format) if tool_format is not None else None,
-            )
-            for i in range(req.n)
-        ]
-        max_tokens = req.max_tokens
-        if (
-            max_tokens is None
-            and req.kind == "completion"
-            and service.config.max_tokens_default is None
-        ):
-            # OpenAI's default for /v1/completions (vLLM follows it); chat keeps "the
-            # rest of the context". Capped by the room left, so it never refuses; a
-            # min_tokens above it raises it (the client asked for that many).
-            room = service.scheduler.room(SequenceSpec(prompt_ids, n=req.n))
-            wanted = max(COMPLETIONS_DEFAULT_MAX_TOKENS, req.min_tokens)
-            max_tokens = min(wanted, room) if room >= 1 else None
+        req = parse(await _body())
+        self._check_model(req.model)
+        with _refusals():
+            spec = await self.preparer.prepare(req)
         echo = ""
         if req.echo:  # /v1/completions: the prompt's text, then the answer's
             echo = req.prompt_text or ""
             if req.prompt_ids is not None:
-                echo = await trio.to_thread.run_sync(
-                    model.tokenizer.decode, list(req.prompt_ids), limiter=TEXT_LIMITER
-                )
+                echo = await self.preparer.decode(req.prompt_ids)
+        stream = await self._submit(spec, life)
+        life.stream = stream
+        # "generating" for a whole-body answer, so a cut one is not logged as a stream.
+        life.stage = Stage.STREAMING if req.stream else Stage.GENERATING
+        writer = ResponseWriter(req, self.model, stream, echo)
+        if req.stream:
+            response = Response(
+                writer.events(), mimetype=sse.CONTENT_TYPE, headers=dict(sse.HEADERS)
+            )
+            response.timeout = None  # never cut a stream (Quart's RESPONSE_TIMEOUT)
+            return response
+        body, status = await writer.whole()
+        return Response(json_text(body), status=status, mimetype="application/json")
+
+    async def _submit(self, spec: GenerationSpec, life: RequestLife) -> RequestStream:
+        """Queue the spec and wait for admission; every refusal as its HTTP status."""
         life.stage = Stage.QUEUED
         try:
-            stream = await service.submit_choices(
-                prompt_ids,
-                choices,
-                max_tokens=max_tokens,
-                stop=req.stop,
-                ignore_eos=req.ignore_eos,
-                want_logprobs=req.logprobs is not None,
-                cache_salt=req.cache_salt,
-                priority=req.priority,
-                stop_token_ids=req.stop_token_ids,
-                min_tokens=req.min_tokens,
-                include_stop=req.include_stop_str_in_output,
-                score_prompt=req.scores_prompt,
-            )
+            return await self.service.submit(spec)
         except Infeasible as exc:
             life.stage = Stage.REFUSED
             # 'n': the choices do not fit the slots or the pool, whatever the context.
@@ -314,7 +273,7 @@ def create_app(
             raise field_error(exc) from None
         except Refusal as exc:
             life.stage = Stage.REFUSED
-            metrics.ended_early(exc.reason)
+            self.metrics.ended_early(exc.reason)
             raise ApiError(
                 429,
                 str(exc),
@@ -324,7 +283,7 @@ def create_app(
             ) from None
         except QueueClosed as exc:
             life.stage = Stage.REFUSED
-            if service.failed is not None:
+            if self.service.state is Lifecycle.FAILED:
                 raise ApiError(
                     503, str(exc), type="service_unavailable", code="server_failed"
                 ) from None
@@ -333,201 +292,64 @@ def create_app(
                 str(exc),
                 type="service_unavailable",
                 code="shutting_down",
-                headers={"Retry-After": str(service.retry_after_s())},
+                headers={"Retry-After": str(self.service.retry_after_s())},
             ) from None
-        life.stream = stream
-        # "generating" for a whole-body answer, so a cut one is not logged as a stream.
-        life.stage = Stage.STREAMING if req.stream else Stage.GENERATING
-        writer = ResponseWriter(req, model, stream, echo)
-        if req.stream:
-            response = Response(
-                writer.events(), mimetype=sse.CONTENT_TYPE, headers=dict(sse.HEADERS)
-            )
-            response.timeout = None  # never cut a stream (Quart's RESPONSE_TIMEOUT)
-            return response
-        body, status = await writer.whole()
-        return Response(json_text(body), status=status, mimetype="application/json")
 
+
+class _refusals:
+    """What ``Preparer`` refuses, as the edge answers it: text that cannot fit is
+    ``context_length_exceeded`` (400); a broken chat template is the server's (500).
+    Any other FieldError reaches the app's handler: 400 with its ``param``."""
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: object, exc: BaseException | None, tb: object) -> None:
+        if isinstance(exc, Infeasible):
+            raise field_error(exc, code="context_length_exceeded") from None
+        if isinstance(exc, TemplateBroken):
+            raise ApiError(500, str(exc), type="server_error", code="chat_template_error") from None
+
+
+def create_app(
+    service: Service,
+    model: ServedModel,
+    metrics: Metrics,
+    *,
+    drain_nursery: trio.Nursery,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
+    door: DoorPolicy | None = None,
+) -> Lifetime:
+    """The ASGI application: quart-trio routes (:class:`Handlers`) wrapped in
+    :class:`Lifetime`.
+
+    ``drain_nursery`` outlives every request (Lifetime's refused-body drainers run
+    there); ``frontend.serve_http`` passes its own."""
+    app = QuartTrio("triollm")
+    app.config["MAX_CONTENT_LENGTH"] = max_body_bytes
+    app.config["BODY_TIMEOUT"] = body_timeout_s  # a body that stops arriving: 408
+    app.config["RESPONSE_TIMEOUT"] = None  # a 60 s default would silently cut long streams
+    app.config["PROVIDE_AUTOMATIC_OPTIONS"] = False
+    h = Handlers(service, model, metrics, max_body_bytes)
+    app.register_error_handler(ApiError, h.on_api_error)
+    app.register_error_handler(FieldError, h.on_field_error)
+    app.register_error_handler(HTTPException, h.on_http_error)
+    app.register_error_handler(Exception, h.on_bug)
+    routes: list[tuple[str, str, Callable[..., Any]]] = [
+        ("GET", "/health", h.health),
+        ("GET", "/ready", h.ready),
+        ("GET", "/metrics", h.metrics_page),
+        ("GET", "/v1/models", h.models),
+        ("GET", "/v1/models/<path:model_id>", h.model_by_id),
+        ("POST", "/v1/completions", h.completions),
+        ("POST", "/v1/chat/completions", h.chat_completions),
+        ("POST", "/tokenize", h.tokenize),
+        ("POST", "/detokenize", h.detokenize),
+    ]
+    for method, path, view in routes:
+        app.add_url_rule(path, view_func=view, methods=[method])
     # The door (Host, CORS, API key, content type) inside the lifetime middleware, so
     # its refusals are logged and a refused body's connection is closed like any other.
     door = DoorPolicy() if door is None else door
     return Lifetime(Door(app, door), metrics, service, drain_nursery)
-
-
-# --------------------------------------------------------------------------- request -> model
-
-
-# Threads that tokenize prompts and render chat templates (their own pool: the batch
-# loop's step thread must never wait behind them for trio's default limiter).
-TEXT_LIMITER = trio.CapacityLimiter(2)
-
-
-def _refuse_text_that_cannot_fit(req: GenerationRequest, model: ServedModel) -> None:
-    """Refuse, before tokenizing, text that holds more tokens than the largest request.
-
-    One token stands for at most ``max_chars_per_token`` characters, so a text of n
-    characters is at least n / that many tokens; half that is taken as the bound,
-    a margin for normalizers that merge characters. A 7.9 MB prompt against a
-    4,096-token context is refused here in microseconds instead of being tokenized."""
-    if req.prompt_text is not None:
-        chars, param = len(req.prompt_text), "prompt"
-    elif req.messages is not None:
-        chars, param = sum(len(m.content) for m in req.messages), "messages"
-    else:
-        return
-    per_token = 2 * int(getattr(model.tokenizer, "max_chars_per_token", 0) or 0)
-    if per_token <= 0:
-        return
-    at_least = chars // per_token
-    if at_least >= model.context_tokens:
-        raise ApiError(
-            400,
-            f"'{param}' is {chars} characters, at least {at_least} tokens (one token is at "
-            f"most {per_token // 2} characters), past this server's maximum context length "
-            f"of {model.context_tokens} tokens",
-            param=param,
-            code="context_length_exceeded",
-        )
-
-
-def _check_stop_token_ids(req: GenerationRequest, model: ServedModel) -> None:
-    limit = model.vocab_limit
-    bad = [t for t in req.stop_token_ids if t >= limit]
-    if bad:
-        raise ApiError(
-            400,
-            f"'stop_token_ids' holds token id {bad[0]}, past the model's vocabulary of {limit}",
-            param="stop_token_ids",
-        )
-
-
-def _prompt_ids(req: GenerationRequest, model: ServedModel) -> list[int]:
-    tokenizer = model.tokenizer
-    limit = model.vocab_limit
-    if req.prompt_ids is not None:
-        ids = list(req.prompt_ids)
-        what = "holds token id"
-    elif req.prompt_text is not None:
-        try:
-            ids = list(tokenizer.encode(req.prompt_text, limit=model.context_tokens))
-        except TooManyTokens as exc:
-            raise _too_long(exc, "prompt") from None
-        what = "encodes to token id"
-    else:
-        assert req.messages is not None
-        messages = [m.for_template() for m in req.messages]
-        # A template without a 'developer' branch would drop or refuse that message;
-        # OpenAI's developer role is the system role of older templates (as vLLM maps it).
-        if "developer" not in getattr(tokenizer, "chat_templates", {}).get("default", ""):
-            for message in messages:
-                if message.get("role") == "developer":
-                    message["role"] = "system"
-        tools = list(req.tools.definitions) if req.tools is not None else None
-        try:
-            ids = list(
-                tokenizer.encode_chat(
-                    messages,
-                    tools=tools,
-                    template_kwargs=dict(req.template_kwargs),
-                    limit=model.context_tokens,
-                )
-            )
-        except TooManyTokens as exc:
-            raise _too_long(exc, "messages") from None
-        except FieldError as exc:  # a template variable the server sets itself
-            raise ApiError(400, str(exc), param=exc.field) from None
-        except UserError as exc:
-            raise ApiError(400, str(exc), param="messages") from None
-        except ChatTemplateError as exc:
-            # The model's template broke: the server's configuration, not the request.
-            raise ApiError(
-                500,
-                f"{exc} (a server configuration problem: the served model's chat template "
-                "is broken; the request itself may be fine)",
-                type="server_error",
-                code="chat_template_error",
-            ) from None
-        what = "encodes to token id"
-    bad = [t for t in ids if not 0 <= t < limit]
-    if bad:
-        param = "messages" if req.messages is not None else "prompt"
-        raise ApiError(
-            400,
-            f"'{param}' {what} {bad[0]}, past the model's vocabulary of {limit} "
-            f"(tokenizer {tokenizer.vocab_size}, model {model.model_vocab_size})",
-            param=param,
-        )
-    return ids
-
-
-def _too_long(exc: TooManyTokens, param: str) -> ApiError:
-    """A text refused before tokenizing (Tokenizer.at_least_tokens): the context's 400."""
-    return ApiError(
-        400,
-        f"'{param}': {exc} (this server's maximum context length)",
-        param=param,
-        code="context_length_exceeded",
-    )
-
-
-def _tool_format(req: GenerationRequest, model: ServedModel) -> ToolCallFormat | None:
-    """The format to parse tool calls in, or None when the request's calls are not
-    parsed (no tools, or ``tool_choice: none``). Tools on a model whose format is
-    unknown are refused: its calls would come back as text the client cannot act on."""
-    if req.tools is None or req.tools.choice is ToolChoice.NONE:
-        return None
-    if model.tool_format is None:
-        raise ApiError(
-            400,
-            "this model's chat template shows no tool-call format this server reads "
-            f"({', '.join(f.value for f in ToolCallFormat)}); start it with "
-            "--tool-call-parser to name one",
-            param="tools",
-        )
-    return model.tool_format
-
-
-def _constraint(
-    req: GenerationRequest, model: ServedModel, tool_format: ToolCallFormat | None
-) -> GrammarSpec | None:
-    """The grammar the answer must follow: the request's own, or, for ``tool_choice``
-    ``required`` or a named function, one that forces a call in the model's syntax."""
-    forced = req.tools.forced() if req.tools is not None else ()
-    if not forced:
-        return req.grammar
-    assert req.tools is not None and tool_format is not None  # _tool_format said so
-    lark = tool_grammar(
-        tool_format,
-        forced,
-        parallel=req.tools.parallel and req.tools.choice is ToolChoice.REQUIRED,
-        special_token_id=model.tokenizer.special_token_id,
-        json_options=JSON_OPTIONS,
-    )
-    return GrammarSpec(GrammarKind.LARK, lark, "tools")
-
-
-def _sampling_params(
-    req: GenerationRequest, model: ServedModel, grammar: Any = None, *, choice: int = 0
-) -> Any:
-    """The SamplingParams of the request's choice ``choice``; a value out of range
-    raises its FieldError, which the app's handler answers with 400 and ``param``
-    (the one owner of the ranges is ``SamplingParams``).
-
-    Choice ``i`` samples with ``seed + i`` (vLLM gives each of its ``n`` the same
-    kind of derived seed): the choices differ, and the same seed gives the same
-    ``n`` answers again. Without a seed each choice draws from the OS's entropy.
-    With ``temperature`` 0 every choice is the same greedy answer, as OpenAI's and
-    vLLM's are."""
-    seed = None if req.seed is None else req.seed + choice
-    return model.make_params(
-        temperature=req.temperature,
-        top_p=req.top_p,
-        top_k=req.top_k,
-        min_p=req.min_p,
-        repetition_penalty=req.repetition_penalty,
-        presence_penalty=req.presence_penalty,
-        frequency_penalty=req.frequency_penalty,
-        seed=seed,
-        logprobs=req.logprobs,
-        grammar=grammar,
-    )

@@ -38,13 +38,9 @@ import trio
 
 from triollm.errors import UserError
 from triollm.policies import Claim, Policy, SchedulingPolicy, load_policy, policy_name
+from triollm.request import ServedModel
 from triollm.scheduler import Scheduler
-from triollm.server.app import (
-    DEFAULT_BODY_TIMEOUT_S,
-    ServedModel,
-    body_limit_for,
-    create_app,
-)
+from triollm.server.app import DEFAULT_BODY_TIMEOUT_S, body_limit_for, create_app
 from triollm.server.door import API_KEY_ENV, DoorPolicy
 from triollm.server.frontend import HttpConfig, Serving, serve_http
 from triollm.server.lifetime import Lifetime
@@ -298,9 +294,15 @@ def parse_policy(text: str) -> Policy | SchedulingPolicy:
             )
         return mine
     policy = Policy(text)
-    if policy in REFUSED_POLICIES:
-        raise UserError(f"--policy {text} is refused here: {REFUSED_POLICIES[policy]}")
+    refuse_policy(policy)
     return policy
+
+
+def refuse_policy(policy: Policy | SchedulingPolicy | None) -> None:
+    """The one check of :data:`REFUSED_POLICIES` (the flag's parser and ``build_stack``,
+    which a test or a tool may call with a config that never saw a flag)."""
+    if isinstance(policy, Policy) and policy in REFUSED_POLICIES:
+        raise UserError(f"--policy {policy.value} is refused here: {REFUSED_POLICIES[policy]}")
 
 
 def build_stack(
@@ -321,13 +323,10 @@ def build_stack(
     machine cannot have (the configs refuse their own bad values)."""
     from triollm.batch import Batch
     from triollm.model.constrained import ConstraintTokenizer, GrammarCache
-    from triollm.model.sampling import SamplingParams
     from triollm.model.tokenizer import IncrementalDetokenizer
+    from triollm.request import eos_token_ids
 
-    if isinstance(capacity.policy, Policy) and capacity.policy in REFUSED_POLICIES:
-        raise UserError(
-            f"--policy {capacity.policy.value} is refused here: {REFUSED_POLICIES[capacity.policy]}"
-        )
+    refuse_policy(capacity.policy)
     cfg = loaded.config
     per_position = cfg.kv_bytes_per_position()
     try:
@@ -358,7 +357,7 @@ def build_stack(
         Scheduler(sched_config),
         batch,
         detokenizer=partial(IncrementalDetokenizer, tokenizer),
-        eos_token_ids=frozenset(tokenizer.eos_token_ids) | frozenset(cfg.eos_token_ids),
+        token_texts=tokenizer,
         config=service_config,
         observer=metrics,
     )
@@ -370,7 +369,7 @@ def build_stack(
         # a pool smaller than slots x context makes less than the context.
         context_tokens=sched_config.largest_request,
         created=int(time.time()),
-        make_params=SamplingParams,
+        eos_token_ids=eos_token_ids(tokenizer, cfg),
         model_vocab_size=cfg.vocab_size,
         # Built once (a few ms for a 50k vocabulary, more for 150k); every grammar a
         # request compiles is checked against it.

@@ -21,13 +21,15 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
 from triollm.errors import FieldError
-from triollm.model.constrained import GrammarSpec
+
+# The API-neutral request lives with prepare() (request.py); named here too, since
+# this module is what builds it for the OpenAI API.
+from triollm.request import ChatMessage as ChatMessage
+from triollm.request import GenerationRequest as GenerationRequest
 from triollm.server import structured
-from triollm.server.structured import Tools
 
 T = TypeVar("T")
 
@@ -111,72 +113,6 @@ def field_error(exc: FieldError, code: str | None = None) -> ApiError:
     """A field the model layer refused (a sampling range, a request that cannot fit):
     400, with the field it names as ``param``."""
     return ApiError(400, str(exc), param=exc.field, code=code)
-
-
-@dataclass(frozen=True, slots=True)
-class ChatMessage:
-    """One message as the chat template gets it. ``tools`` holds a message's tool
-    fields (``tool_calls``, ``tool_call_id``, ``name``), already shaped for the
-    template (``server/structured.py``)."""
-
-    role: str
-    content: str
-    tools: tuple[tuple[str, Any], ...] = ()
-
-    def for_template(self) -> dict[str, Any]:
-        return {"role": self.role, "content": self.content, **dict(self.tools)}
-
-
-@dataclass(frozen=True, slots=True)
-class GenerationRequest:
-    """One validated request, completion or chat, with every field resolved.
-
-    Exactly one of ``prompt_text`` / ``prompt_ids`` / ``messages`` is set.
-    ``max_tokens`` None means "until a stop or the end of the context".
-    ``logprobs`` None means no log-probabilities; an int is the number of
-    alternatives per token (0 = only the chosen token's).
-    """
-
-    kind: Literal["completion", "chat"]
-    model: str | None  # None: the client left it out and means the served model
-    prompt_text: str | None = None
-    prompt_ids: tuple[int, ...] | None = None
-    messages: tuple[ChatMessage, ...] | None = None
-    max_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    logprobs: int | None = None
-    stream: bool = False
-    include_usage: bool = False
-    user: str | None = None
-    ignore_eos: bool = False
-    grammar: GrammarSpec | None = None  # the output constraint (response_format, guided_*)
-    tools: Tools | None = None  # chat: the functions the model may call, and how
-    cache_salt: str = ""  # the prefix cache's domain: only equal salts share K/V blocks
-    priority: int = 0  # vLLM's extension: smaller is served earlier (the scheduler owns the range)
-    # vLLM's stop extensions (textstream.py owns the text side, batch.py the sampling)
-    stop_token_ids: tuple[int, ...] = ()  # end the answer like EOS (even with ignore_eos)
-    min_tokens: int = 0  # no stop id or stop string ends the answer before this many tokens
-    include_stop_str_in_output: bool = False  # a matched stop string stays in the text
-    echo: bool = False  # completions: the answer's text starts with the prompt's
-    n: int = 1  # choices: answers to the one prompt, sampled apart (choice i: seed + i)
-    # chat: further variables for the chat template (vLLM's chat_template_kwargs), as
-    # (name, JSON value) pairs; the tokenizer refuses the names it sets itself
-    template_kwargs: tuple[tuple[str, Any], ...] = ()
-
-    @property
-    def scores_prompt(self) -> bool:
-        """Does the answer need the prompt's log-probabilities? ``echo`` with
-        ``logprobs`` (what lm-eval's loglikelihood tasks send), or ``echo`` with
-        ``max_tokens`` 0: the answer is the prompt alone (Scheduler rule 11)."""
-        return self.echo and (self.logprobs is not None or self.max_tokens == 0)
 
 
 # --------------------------------------------------------------------------- field readers

@@ -1,12 +1,13 @@
-"""OpenAI's response shapes: a :class:`~triollm.service.RequestStream` in, SSE chunks or
-one JSON object out.
+"""OpenAI's response shapes: a :class:`~triollm.output.RequestStream` in, SSE chunks or
+one JSON object out. JSON only: every text and byte it writes came with the deltas
+(the output processor decoded them), so this module holds no tokenizer.
 
 :class:`ResponseWriter` is built before the response starts (it must not touch
 quart's ``request``, which is gone inside the body generator) and turns the stream's
 :class:`~triollm.events.Delta` values and its outcome into OpenAI's JSON: the
 ``text_completion`` / ``chat.completion.chunk`` events of a stream, or the whole
 ``text_completion`` / ``chat.completion`` body. Logprobs entries show each token's
-text, or its bytes (``Tokenizer.token_bytes``) when the token is part of a character.
+text, or its bytes when the token is part of a character (``output.token_text``).
 A scored prompt (``echo`` with ``logprobs``) arrives as each choice's first delta's
 ``prompt``: its tokens become entries like the answer's, before them, with offsets
 into the echoed text, and the echoed text travels with them (a stream's first event
@@ -20,20 +21,18 @@ import json
 import time
 import uuid
 from collections import defaultdict
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from collections.abc import AsyncIterator
 from typing import Any
 
-import trio
 from quart import Response
 
 from triollm.events import Completed, Delta, Ended, Failed, Outcome, TokenInfo
-from triollm.model.tokenizer import IncrementalDetokenizer
 from triollm.outcomes import EndCode
+from triollm.output import RequestStream
+from triollm.request import GenerationRequest, ServedModel
 from triollm.server import sse
-from triollm.server.openai import ApiError, GenerationRequest
-from triollm.service import RequestStream
-from triollm.toolcalls import ParsedDelta, ToolCallDelta, ToolCallFormat, merge
+from triollm.server.openai import ApiError
+from triollm.toolcalls import ParsedDelta, ToolCallDelta, merge
 
 # The status of a whole-body answer whose stream was cut: the server's fault (500),
 # except a shutdown, which is the server's choice to stop and is worth a retry (503).
@@ -44,33 +43,6 @@ STATUS_OF_END = {
     EndCode.CLIENT_CLOSED: 500,  # nobody reads it: the client has gone
     EndCode.GRAMMAR_FAILED: 500,  # the grammar engine gave up mid-answer (a parser limit)
 }
-
-
-@dataclass
-class ServedModel:
-    """What the edge needs to know about the model it serves."""
-
-    id: str
-    tokenizer: Any  # triollm.model.tokenizer.Tokenizer (encode, encode_chat, decode, token_bytes)
-    context_tokens: int  # the largest request admitted (SchedulerConfig.largest_request)
-    created: int
-    make_params: Callable[..., Any]  # SamplingParams
-    # The model's embedding rows (config.vocab_size). A tokenizer may know more ids
-    # (added tokens past the checkpoint's vocabulary); such an id must be refused
-    # here, or the forward pass it reaches fails for every request in the step.
-    model_vocab_size: int | None = None
-    # Structured output: the compiled grammars, over the vocabulary as the grammar
-    # library sees it (model/constrained.GrammarCache), built once at startup.
-    grammars: Any = None
-    # How this model writes tool calls: --tool-call-parser, else read from its chat
-    # template (toolcalls.detect_format); None: requests with tools are refused.
-    tool_format: ToolCallFormat | None = None
-
-    @property
-    def vocab_limit(self) -> int:
-        """Token ids must be below this: min(tokenizer vocabulary, model vocabulary)."""
-        tok = int(self.tokenizer.vocab_size)
-        return tok if self.model_vocab_size is None else min(tok, self.model_vocab_size)
 
 
 def json_text(obj: Any) -> str:
@@ -117,35 +89,26 @@ class ResponseWriter:
 
     # -- logprobs -------------------------------------------------------------------
 
-    def _token(self, token_id: int) -> tuple[str, bytes]:
-        """(display string, the token's own bytes) for a logprobs entry.
-
-        A token that is part of a UTF-8 character decodes to U+FFFD on its own, so
-        every such byte token would show (and, as a ``top_logprobs`` key, collide)
-        as the same "\ufffd". Those are shown as ``bytes:\\xNN`` (OpenAI's
-        spelling) with their real bytes."""
-        tokenizer = self.model.tokenizer
-        text = str(tokenizer.decode([token_id], skip_special_tokens=False))
-        if "\ufffd" not in text:
-            return text, text.encode()
-        raw = tokenizer.token_bytes(token_id)
-        if raw is None:
-            return text, text.encode()
-        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw), raw
-
     def _logprobs(self, delta: Delta) -> dict[str, Any] | None:
+        """A delta's logprobs entry. Each token's display text and bytes (a piece of a
+        character shows as ``bytes:\\xNN``) and a scored prompt's offsets come with the
+        delta (``output.Describer``): shaping them needs no tokenizer."""
         if self.req.logprobs is None:
             return None
         if self.chat:
             content = []
             for t in delta.tokens:
-                s, raw = self._token(t.token_id)
-                alts = []
-                for i, lp in t.top:
-                    alt, alt_raw = self._token(i)
-                    alts.append({"token": alt, "logprob": lp, "bytes": list(alt_raw)})
+                alts = [
+                    {"token": text, "logprob": lp, "bytes": list(raw)}
+                    for (_, lp), (text, raw) in zip(t.top, t.top_text, strict=True)
+                ]
                 content.append(
-                    {"token": s, "logprob": t.logprob, "bytes": list(raw), "top_logprobs": alts}
+                    {
+                        "token": t.text,
+                        "logprob": t.logprob,
+                        "bytes": list(t.raw),
+                        "top_logprobs": alts,
+                    }
                 )
             return {"content": content}
         tokens: list[str] = []
@@ -154,17 +117,16 @@ class ResponseWriter:
         offsets: list[int] = []
 
         def entry(t: TokenInfo, offset: int) -> None:
-            tokens.append(self._token(t.token_id)[0])
+            tokens.append(t.text)
             token_logprobs.append(t.logprob)
             # The first prompt token has no logprob and no alternatives: null, as in
             # OpenAI's and vLLM's answers.
-            top.append(None if t.logprob is None else {self._token(i)[0]: lp for i, lp in t.top})
+            alts = zip(t.top, t.top_text, strict=True)
+            top.append(None if t.logprob is None else {text: lp for (_, lp), (text, _) in alts})
             offsets.append(offset)
 
-        if delta.prompt:
-            ids = [t.token_id for t in delta.prompt]
-            for t, offset in zip(delta.prompt, self._prompt_offsets(ids), strict=True):
-                entry(t, offset)
+        for t, offset in zip(delta.prompt, delta.prompt_offsets, strict=True):
+            entry(t, offset)
         for t in delta.tokens:
             # Where this token's text starts in the returned text: the text is what
             # the detokenizer and stop matcher released, not the tokens' own strings.
@@ -176,23 +138,6 @@ class ResponseWriter:
             "top_logprobs": top,
             "text_offset": offsets,
         }
-
-    def _prompt_offsets(self, ids: list[int]) -> list[int]:
-        """Where each prompt token's text starts in the echoed text: the prompt streamed
-        through the detokenizer as an answer is, so the offsets follow the same rule."""
-        detok = IncrementalDetokenizer(self.model.tokenizer)
-        offsets, at = [], 0
-        for token_id in ids:
-            offsets.append(at)
-            at += len(detok.push(token_id))
-        return offsets
-
-    async def _delta_logprobs(self, delta: Delta) -> dict[str, Any] | None:
-        """:meth:`_logprobs`; a scored prompt's delta in a worker thread, since a few
-        tokenizer calls per prompt token would stall every other stream."""
-        if not delta.prompt:
-            return self._logprobs(delta)
-        return await trio.to_thread.run_sync(self._logprobs, delta)
 
     def _text(self, delta: Delta) -> str:
         """A delta's text; the echoed prompt first in the one that carries its scores
@@ -209,7 +154,7 @@ class ResponseWriter:
         first: bool = False,
         lp: dict[str, Any] | None = None,
     ) -> bytes:
-        """One SSE event; ``lp`` is the delta's logprobs (:meth:`_delta_logprobs`)."""
+        """One SSE event; ``lp`` is the delta's logprobs (:meth:`_logprobs`)."""
         text = self._text(delta) if delta is not None else ""
         if self.chat:
             d: dict[str, Any] = {"role": "assistant", "content": ""} if first else {}
@@ -274,7 +219,7 @@ class ResponseWriter:
         done: dict[int, Completed] = {}
         async for event in self.stream.events():
             if isinstance(event, Delta):
-                lp = await self._delta_logprobs(event)
+                lp = self._logprobs(event)
                 yield self._chunk(event.index, event, None, lp=lp)
                 continue
             outcome = event.outcome
@@ -285,7 +230,7 @@ class ResponseWriter:
                 yield sse.DONE
                 return
             done[event.index] = outcome
-            lp = await self._delta_logprobs(outcome.final)
+            lp = self._logprobs(outcome.final)
             yield self._chunk(event.index, outcome.final, outcome.finish_reason.value, lp=lp)
         if len(done) < self.stream.n:  # the channel closed under a choice still running
             code, message = self._failure(self.stream.outcome)
@@ -327,7 +272,7 @@ class ResponseWriter:
             return ApiError(status, message, type="server_error", code=code).body(), status
         outcomes = [done[i] for i in range(n)]
         # the echo (deltas[i][0]) has no tokens
-        lps = [[await self._delta_logprobs(d) for d in deltas[i][1:]] for i in range(n)]
+        lps = [[self._logprobs(d) for d in deltas[i][1:]] for i in range(n)]
         body = {
             "id": self.id,
             "object": "chat.completion" if self.chat else "text_completion",

@@ -26,14 +26,13 @@ agent with plain text it cannot act on would be a silent failure.
 from __future__ import annotations
 
 import contextlib
-import enum
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 from triollm.errors import FieldError
-from triollm.model.constrained import GrammarKind, GrammarSpec
+from triollm.request import GrammarKind, GrammarSpec
+from triollm.toolcalls import ToolChoice, Tools
 
 # The top-level vLLM fields, and the keys of structured_outputs, with what they hold.
 _GUIDED = {
@@ -143,39 +142,6 @@ def grammar_spec(body: Mapping[str, Any]) -> GrammarSpec | None:
 
 
 # --------------------------------------------------------------------------- tools
-
-
-class ToolChoice(enum.Enum):
-    """OpenAI's ``tool_choice``: whether the model may, must or must not call a tool."""
-
-    NONE = "none"  # never: the text is content, even if it looks like a call
-    AUTO = "auto"  # the model decides; calls in its syntax are parsed out
-    REQUIRED = "required"  # at least one call, forced by a grammar
-    NAMED = "named"  # exactly this one function, forced by a grammar
-
-
-@dataclass(frozen=True, slots=True)
-class Tools:
-    """A request's tools, validated: the definitions as the client sent them (the chat
-    template renders them), and what the model may do with them."""
-
-    definitions: tuple[dict[str, Any], ...]  # [{"type": "function", "function": {...}}]
-    choice: ToolChoice
-    named: str | None = None  # the function of ToolChoice.NAMED
-    parallel: bool = True  # OpenAI's default
-
-    @property
-    def functions(self) -> tuple[dict[str, Any], ...]:
-        """The ``function`` objects (``name``, ``parameters`` ...), in order."""
-        return tuple(d["function"] for d in self.definitions)
-
-    def forced(self) -> tuple[dict[str, Any], ...]:
-        """The functions a forcing grammar admits (empty: no grammar)."""
-        if self.choice is ToolChoice.REQUIRED:
-            return self.functions
-        if self.choice is ToolChoice.NAMED:
-            return tuple(f for f in self.functions if f["name"] == self.named)
-        return ()
 
 
 def _tool(index: int, item: Any) -> dict[str, Any]:
