@@ -57,6 +57,7 @@ from triollm.plan import (
     SequenceFailure,
     StepPlan,
     StepResult,
+    chunk_problems,
 )
 from triollm.spec import GenerationSpec
 
@@ -168,37 +169,19 @@ class Batch:
         return len(self._samplers)
 
     def check(self, plan: StepPlan) -> None:
-        """Raise :class:`BadChunks` naming every chunk that cannot run.
+        """Raise :class:`BadChunks` naming every chunk that cannot run
+        (``plan.chunk_problems``, the one statement of a runnable chunk).
 
-        A token id past the model's vocabulary would index past the embedding
-        table (an IndexError halfway through the forward pass, or a silent read
-        of another row in a compiled kernel); a block table too short for the
-        chunk's positions would write K/V into someone else's block. Both are
-        checked before anything is computed, so a refusal leaves the pool as it was.
+        Checked before anything is computed, so a refusal leaves the pool as it was;
+        the offending sequences are named, so the caller fails those alone.
         """
-        vocab, size, nblocks = self.config.vocab_size, self.kv.block_size, self.kv.num_blocks
-        bad: dict[int, str] = {}
-        for chunk in plan.chunks:
-            ids = chunk.token_ids
-            if not ids:
-                bad[chunk.seq_id] = "an empty chunk"
-            elif min(ids) < 0 or max(ids) >= vocab:
-                wrong = next(t for t in ids if not 0 <= t < vocab)
-                bad[chunk.seq_id] = f"token id {wrong} is outside the model's vocabulary of {vocab}"
-            elif len(chunk.block_table) * size < chunk.start + len(ids):
-                bad[chunk.seq_id] = (
-                    f"its block table ({len(chunk.block_table)} blocks x {size}) does not cover "
-                    f"positions up to {chunk.start + len(ids)}"
-                )
-            elif chunk.block_table and not all(0 <= b < nblocks for b in chunk.block_table):
-                bad[chunk.seq_id] = f"its block table names a block outside the pool of {nblocks}"
-            elif len(chunk.score_ids) > len(ids):
-                bad[chunk.seq_id] = f"{len(chunk.score_ids)} scored tokens for {len(ids)} rows"
-            elif chunk.score_ids and not all(0 <= t < vocab for t in chunk.score_ids):
-                wrong = next(t for t in chunk.score_ids if not 0 <= t < vocab)
-                bad[chunk.seq_id] = (
-                    f"scored token id {wrong} is outside the model's vocabulary of {vocab}"
-                )
+        bad = chunk_problems(
+            plan.chunks,
+            vocab_size=self.config.vocab_size,
+            block_size=self.kv.block_size,
+            num_blocks=self.kv.num_blocks,
+            max_positions=self.config.max_position_embeddings,
+        )
         if bad:
             detail = "; ".join(f"sequence {s}: {why}" for s, why in bad.items())
             raise BadChunks(tuple(bad), f"cannot run: {detail}")

@@ -30,6 +30,7 @@ scheduler, which must not import numpy or trio).
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 
@@ -137,6 +138,51 @@ class StepResult:
     seconds: float = 0.0  # wall time of the forward + sampling (measured by the Batch)
     failed: tuple[SequenceFailure, ...] = ()  # sampled chunks that got no token, and why
     scores: tuple[PromptScores, ...] = ()  # one per chunk with score_ids, in chunk order
+
+
+def chunk_problems(
+    chunks: Sequence[ChunkPlan],
+    *,
+    vocab_size: int,
+    block_size: int,
+    num_blocks: int,
+    max_positions: int | None = None,
+) -> dict[int, str]:
+    """What in ``chunks`` cannot run, by sequence id (empty: every chunk can).
+
+    The one statement of a runnable chunk, for the two that run plans: the Batch
+    (``Batch.check`` refuses the offending sequences alone, ``BadChunks``) and the
+    model's forward pass (``LlamaModel.forward``, for a caller without a Batch). A
+    token id past the vocabulary would index past the embedding table; a block table
+    too short for the chunk's positions, or naming a block outside the pool, would
+    write K/V into someone else's block (the kernels do no bounds checks).
+    """
+    bad: dict[int, str] = {}
+    for chunk in chunks:
+        ids = chunk.token_ids
+        end = chunk.start + len(ids)
+        if not ids:
+            bad[chunk.seq_id] = "an empty chunk"
+        elif min(ids) < 0 or max(ids) >= vocab_size:
+            wrong = next(t for t in ids if not 0 <= t < vocab_size)
+            bad[chunk.seq_id] = f"token id {wrong} is outside the vocabulary of {vocab_size}"
+        elif chunk.start < 0 or len(chunk.block_table) * block_size < end:
+            bad[chunk.seq_id] = (
+                f"positions {chunk.start}..{end - 1} need {-(-end // block_size)} blocks of "
+                f"{block_size}, block table has {len(chunk.block_table)}"
+            )
+        elif chunk.block_table and not all(0 <= b < num_blocks for b in chunk.block_table):
+            bad[chunk.seq_id] = f"its block table names a block outside the pool of {num_blocks}"
+        elif max_positions is not None and end > max_positions:
+            bad[chunk.seq_id] = (
+                f"position {end - 1} is past the model's max_position_embeddings ({max_positions})"
+            )
+        elif len(chunk.score_ids) > len(ids):
+            bad[chunk.seq_id] = f"{len(chunk.score_ids)} scored tokens for {len(ids)} rows"
+        elif chunk.score_ids and not all(0 <= t < vocab_size for t in chunk.score_ids):
+            wrong = next(t for t in chunk.score_ids if not 0 <= t < vocab_size)
+            bad[chunk.seq_id] = f"scored token id {wrong} is outside the vocabulary of {vocab_size}"
+    return bad
 
 
 class FinishReason(enum.Enum):
