@@ -40,8 +40,9 @@ class RowRecord:
 
 
 @dataclass(frozen=True, slots=True)
-class StepRecord:
-    """What one step did, and the state it ran in (after admission and planning)."""
+class SimStep:
+    """What one simulated step did, and the state it ran in (after admission and
+    planning). Not ``events.StepRecord``, the live service's record of a forward pass."""
 
     t: int
     rows: tuple[RowRecord, ...]  # empty: nothing ran this step
@@ -89,7 +90,7 @@ class Deadlock:
 class Run:
     policy: Policy | SchedulingPolicy
     scenario: Scenario
-    steps: tuple[StepRecord, ...]
+    steps: tuple[SimStep, ...]
     outcomes: tuple[RequestOutcome, ...]
     deadlock: Deadlock | None
     preemptions: int
@@ -139,7 +140,7 @@ def simulate(scenario: Scenario, policy: Policy | SchedulingPolicy) -> Run:
     limit = max(r.arrival for r in arrivals) + _STEPS_PER_TOKEN_LIMIT * sum(
         r.prompt + r.answer for r in arrivals
     )
-    steps: list[StepRecord] = []
+    steps: list[SimStep] = []
     deadlock: Deadlock | None = None
     t = 0
     while True:
@@ -213,7 +214,7 @@ def simulate(scenario: Scenario, policy: Policy | SchedulingPolicy) -> Run:
             )
             for c in plan.chunks
         )
-        record = StepRecord(
+        record = SimStep(
             t=t,
             rows=rows,
             slots=tuple(slots),
@@ -298,5 +299,5 @@ def _with(o: RequestOutcome, **changes: object) -> RequestOutcome:
     return replace(o, **changes)  # type: ignore[arg-type]
 
 
-def _with_events(r: StepRecord, events: tuple[str, ...]) -> StepRecord:
+def _with_events(r: SimStep, events: tuple[str, ...]) -> SimStep:
     return replace(r, events=events)
