@@ -34,7 +34,7 @@ The interface is two calls, each returning a frozen :class:`TextPiece`::
     piece = text.push(token_id)        # per sampled token; piece.finish set: the text ended
     piece = text.finish(reason)        # once, when the scheduler ended the sequence
 
-Read with ``service.py`` (``Service._deliver``) and ``generate.py`` (``_drive``),
+Read with ``output.py`` (``OutputProcessor._deliver``) and ``generate.py`` (``_drive``),
 its two callers. Pure Python, no trio: the offline CLI imports it without the
 server's dependencies, and ``tests/test_textstream.py`` tests it with plain sync
 calls. A later stage (a tool-call parser, structured output) plugs in here, between

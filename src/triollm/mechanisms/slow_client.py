@@ -7,7 +7,7 @@ step 3 falls into ``default``: the request is dropped from the batch, the fast o
 carries on. In trio the same offer is ``send_nowait``, and ``default`` is
 ``except trio.WouldBlock``: the batch loop never waits for a client.
 
-The real server does exactly this in ``Service._deliver`` (a full buffer of
+The real server does exactly this in ``OutputProcessor._deliver`` (a full buffer of
 ``--stream-buffer`` steps cuts the client with a ``too_slow`` error event and frees
 its blocks); this program is the mechanism alone, small enough to read at once.
 """
