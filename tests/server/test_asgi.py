@@ -59,10 +59,10 @@ def worker_threads_run_inline(monkeypatch: pytest.MonkeyPatch) -> None:
 class FakeTokenizer:
     vocab_size = 100
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, limit: int | None = None) -> list[int]:
         return [3] * len(text)
 
-    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+    def encode_chat(self, messages: list[dict[str, Any]], **options: Any) -> list[int]:
         return [3, 4]
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
