@@ -6,7 +6,7 @@ those under ``if TYPE_CHECKING:`` are names for the type checker and are left ou
 a lazy import cannot hide a reach. The request path, top to bottom:
 
     server/*  ->  request (prepare)  ->  spec  ->  admission / service / output
-              ->  scheduler (+ kv)   ->  batch  ->  model/*
+              ->  scheduler (+ kvcache, kv)  ->  batch  ->  model/*
 
 The pure import test (``test_scheduler_purity.py``) checks what the policy layer
 loads at run time; this one checks who may name whom.
@@ -28,6 +28,7 @@ PURE = {
     "plan",
     "spec",
     "kv",
+    "kvcache",
     "policies",
     "scheduler",
     "sizing",
