@@ -45,6 +45,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import (
     AutoModelForCausalLM,
+    Gemma3TextConfig,
     LlamaConfig,
     MistralConfig,
     MixtralConfig,
@@ -224,16 +225,38 @@ SPECS: dict[str, tuple[Any, torch.dtype, str, bool, bool]] = {
                       bos_token_id=BOS, eos_token_id=EOS),
         torch.float16, "llama", False, False,
     ),
+    # Gemma 3 (model/gemma.py): sliding layers (window 16, far shorter than the long
+    # prompt) around a full one, query_pre_attn_scalar != head_dim, final soft-capping
+    "gemma3-window-f32": (
+        Gemma3TextConfig(**COMMON, num_key_value_heads=1, head_dim=32, sliding_window=16,
+                         layer_types=["sliding_attention", "full_attention"],
+                         query_pre_attn_scalar=24, final_logit_softcapping=30.0,
+                         bos_token_id=BOS, eos_token_id=EOS),
+        torch.float32, "llama", False, False,
+    ),
+    "gemma3-bf16": (
+        Gemma3TextConfig(**(COMMON | {"num_hidden_layers": 4}), num_key_value_heads=2,
+                         head_dim=16, sliding_window=24, sliding_window_pattern=3,
+                         query_pre_attn_scalar=16, bos_token_id=BOS, eos_token_id=EOS),
+        torch.bfloat16, "llama", False, False,
+    ),
 }  # fmt: skip
 
 
 def randomise(model: torch.nn.Module, seed: int) -> None:
     """Wide random weights, random norms and biases (see the module docstring)."""
     gen = torch.Generator().manual_seed(seed)
+    # Gemma multiplies the embedding by sqrt(hidden) = 8 and norms every layer's
+    # output: unit-spread embeddings would swamp the layers in the residual, and with
+    # the tied head greedy would repeat its input token; a small spread does not
+    gemma = model.config.model_type.startswith("gemma")
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
+                # gemma: 1 + w is about 2, layers' outputs about twice a unit norm
                 p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=gen))
+            elif gemma and "embed_tokens" in name:
+                p.copy_(0.05 * torch.randn(p.shape, generator=gen))
             elif name.endswith(".bias"):
                 p.copy_(0.3 * torch.randn(p.shape, generator=gen))
             elif "embed_tokens" in name:

@@ -29,6 +29,7 @@ ARCH = {
     "qwen3": gguf.MODEL_ARCH.QWEN3,
     "qwen3_moe": gguf.MODEL_ARCH.QWEN3MOE,
     "mixtral": gguf.MODEL_ARCH.LLAMA,  # llama.cpp writes Mixtral as llama + experts
+    "gemma3_text": gguf.MODEL_ARCH.GEMMA3,
 }
 # one expert's projection, by HF key -> (the key of the layer's 3-D tensor, expert index)
 EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(\w+)\.weight$")
@@ -207,7 +208,8 @@ def write_gguf(
         writer.add_value_length(config["head_dim"])
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     rope = config.get("rope_parameters") or config
-    writer.add_rope_freq_base(float(rope.get("rope_theta", 10000.0)))
+    if model_type != "gemma3_text":  # gemma's rope_parameters has one entry per layer kind
+        writer.add_rope_freq_base(float(rope.get("rope_theta", 10000.0)))
     writer.add_vocab_size(config["vocab_size"])
     n_experts = config.get("num_experts") or config.get("num_local_experts")
     if n_experts:
@@ -216,6 +218,14 @@ def write_gguf(
         if model_type == "qwen3_moe":
             writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
             writer.add_expert_weights_norm(bool(config.get("norm_topk_prob", False)))
+    if model_type == "gemma3_text":  # as llama.cpp's converter: window, pattern, local base
+        writer.add_sliding_window(config["sliding_window"])
+        types = config["layer_types"]
+        writer.add_sliding_window_pattern([t == "sliding_attention" for t in types])
+        local = config["rope_parameters"]["sliding_attention"]["rope_theta"]
+        writer.add_rope_freq_base_swa(float(local))
+        rope = config["rope_parameters"]["full_attention"]
+        writer.add_rope_freq_base(float(rope["rope_theta"]))
     _tokenizer_metadata(writer, tok_dir, pre)
     held: dict[str, np.ndarray] = {}
     for key, w in tensors.items():
@@ -227,6 +237,8 @@ def write_gguf(
         if w.ndim == 1:
             data, values = w, w
             raw_dtype = gguf.GGMLQuantizationType.F32
+            if model_type == "gemma3_text" and key.endswith("norm.weight"):
+                data = w + np.float32(1.0)  # the converter stores Gemma's norms as 1 + w
         elif w.ndim == 3:  # experts: each encoded as a 2-D weight, then stacked
             raw_dtype = weight_type(key, w[0]) if callable(weight_type) else weight_type
             pairs = [encode_tensor(e, raw_dtype, rng) for e in w]

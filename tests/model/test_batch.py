@@ -117,7 +117,14 @@ def crowd(target: Seq) -> list[Seq]:
 
 @pytest.mark.parametrize(
     "name",
-    ["llama-gqa-f32", "qwen3-headdim-f16", "mistral-window-f32", "qwen3-moe-f32", "mixtral-f16"],
+    [
+        "llama-gqa-f32",
+        "qwen3-headdim-f16",
+        "mistral-window-f32",
+        "qwen3-moe-f32",
+        "mixtral-f16",
+        "gemma3-window-f32",
+    ],
 )
 def test_greedy_tokens_are_the_same_alone_and_in_a_ragged_batch(name: str) -> None:
     model = loaded(name)

@@ -3,7 +3,7 @@
 ``tools/make_fixtures.py`` recorded, for tiny random checkpoints (llama GQA
 f32 sharded, llama tied + llama3 RoPE bf16, qwen2 biases f32, qwen3 head_dim
 f16, mistral sliding window f32, qwen3_moe f32/bf16 and mixtral f32/f16
-mixtures of experts), transformers' greedy continuation of three
+mixtures of experts, gemma3 f32/bf16), transformers' greedy continuation of three
 prompts (one of ~290 tokens) and its logits. These tests need no torch: they
 load the directories with ``load_model`` and run them through a ``Batch``, the
 same path the server takes.
@@ -35,6 +35,10 @@ F32_RTOL = 1e-4
 # 1.3e-3..1.5e-3 (f16, 11 bits) relative to max |logit|; the f16 Mixtral fixture
 # 1.6e-3..3.2e-3 (a mixture of experts sums several experts' half-precision outputs).
 NATIVE_RTOL = {"bfloat16": 3e-2, "float16": 4e-3}
+# gemma3-bf16 measured 2.2e-2..1.2e-1: its logits are small (max |logit| 2.2-4.0 against
+# 15-35 for the others: the relative bar is looser for the same absolute drift), and
+# the sandwich norms round each sublayer's output to bf16 once more than Llama does.
+NATIVE_RTOL_FIXTURE = {"gemma3-bf16": 0.15}
 
 
 def reference(name: str) -> tuple[dict, dict[str, np.ndarray]]:
@@ -104,7 +108,7 @@ def test_half_precision_reference_is_within_the_stated_tolerance(name: str) -> N
     """Documents why bf16/f16 need a looser bar when the reference computes in that dtype."""
     model = loaded(name)
     summary, arrays = reference(name)
-    tol = NATIVE_RTOL[summary["dtype"]]
+    tol = NATIVE_RTOL_FIXTURE.get(name, NATIVE_RTOL[summary["dtype"]])
     for i, prompt in enumerate(summary["prompts"]):
         _, logits = generate_greedy(model, prompt["prompt_ids"], 1)
         err = rel_err(logits[0], arrays[f"native_first_{i}"])

@@ -13,7 +13,10 @@ in a handful of switches, each a field here:
 - ``qwen3_moe``: qwen3 attention, and a mixture of experts in place of the MLP
   in the layers ``decoder_sparse_step`` / ``mlp_only_layers`` pick
   (:class:`MoeConfig`, ``model/moe.py``);
-- ``mixtral``: mistral attention, a mixture of experts in every layer.
+- ``mixtral``: mistral attention, a mixture of experts in every layer;
+- ``gemma3_text`` (Gemma 3, text only): sandwich norms, GeGLU, sliding and full
+  layers with their own RoPE bases (:class:`~triollm.model.gemma.GemmaConfig`,
+  ``model/gemma.py``).
 
 Two spellings of RoPE coexist in the wild: checkpoints saved before transformers
 5 carry ``rope_theta`` and ``rope_scaling`` at the top level; transformers 5
@@ -31,11 +34,22 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from triollm.errors import ModelLoadError
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral")
+if TYPE_CHECKING:
+    from triollm.model.gemma import GemmaConfig
+
+SUPPORTED_MODEL_TYPES = (
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "qwen3_moe",
+    "mixtral",
+    "gemma3_text",
+)
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -109,6 +123,7 @@ class ModelConfig:
     eos_token_ids: frozenset[int]
     torch_dtype: str  # the checkpoint's stated dtype ("float32", "bfloat16", ...)
     moe: MoeConfig | None = None  # qwen3_moe, mixtral: experts in place of the MLP
+    gemma: GemmaConfig | None = None  # gemma3_text: norms, GeGLU, per-layer windows (gemma.py)
 
     @property
     def kv_group_size(self) -> int:
@@ -165,7 +180,7 @@ class ModelConfig:
         for flag in ("mlp_bias",):
             if r.boolean(flag, default=False):
                 raise ModelLoadError(f"{source}: {flag}=true is not supported")
-        if r.string("hidden_act", default="silu") != "silu":
+        if model_type != "gemma3_text" and r.string("hidden_act", default="silu") != "silu":
             raise ModelLoadError(f"{source}: hidden_act must be 'silu' (SwiGLU)")
 
         if model_type == "qwen2":
@@ -184,7 +199,16 @@ class ModelConfig:
             )
 
         max_pos = r.positive_int("max_position_embeddings")
-        rope_theta, rope_scaling = _read_rope(d, source)
+        gemma = None
+        if model_type == "gemma3_text":
+            from triollm.model.gemma import read_gemma
+
+            gemma, theta, scaling = read_gemma(r, d, r.positive_int("num_hidden_layers"))
+            rope_theta, rope_scaling = _read_rope(
+                {"rope_theta": theta, "rope_scaling": scaling}, source
+            )
+        else:
+            rope_theta, rope_scaling = _read_rope(d, source)
         eos = d.get("eos_token_id")
         if eos is None:
             eos_ids: frozenset[int] = frozenset()
@@ -215,12 +239,13 @@ class ModelConfig:
             tie_word_embeddings=r.boolean("tie_word_embeddings", default=False),
             attention_bias=attention_bias,
             o_proj_bias=o_proj_bias,
-            qk_norm=model_type in ("qwen3", "qwen3_moe"),
+            qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text"),
             sliding_window=sliding_window,
             bos_token_id=r.nonnegative_int("bos_token_id", default=None),
             eos_token_ids=eos_ids,
             torch_dtype=str(dtype) if dtype is not None else "float32",
             moe=moe,
+            gemma=gemma,
         )
 
 

@@ -44,10 +44,22 @@ from triollm.errors import ModelLoadError
 from triollm.model.config import ModelConfig, RopeScaling
 from triollm.model.quant import QuantizedTensor, QuantType
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe")  # llama + experts: Mixtral
+SUPPORTED_ARCHITECTURES = (
+    "llama",
+    "qwen2",
+    "qwen3",
+    "qwen3moe",
+    "gemma3",
+)  # llama + experts: Mixtral
 _PERMUTED_ARCHITECTURES = ("llama",)  # q/k rows interleaved by the converter
 # general.architecture -> our model_type; a "llama" file with experts is Mixtral
-_MODEL_TYPE = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe"}
+_MODEL_TYPE = {
+    "llama": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "qwen3moe": "qwen3_moe",
+    "gemma3": "gemma3_text",
+}
 # an expert's projection, by HF key: the group of experts and the projection name
 _EXPERT_KEY = re.compile(
     r"^(model\.layers\.\d+\.(?:mlp|block_sparse_moe)\.experts)\.(\d+)\.(\w+)\.weight$"
@@ -214,6 +226,8 @@ class GGUFFile:
             "eos_token_id": g("tokenizer.ggml.eos_token_id", "int", None),
             "torch_dtype": self.weight_type(),
         }
+        if arch == "gemma3":
+            d |= self._gemma3(d["num_hidden_layers"], d["head_dim"])
         experts = g(f"{arch}.expert_count", "int", 0)
         if experts:
             d |= self._moe(arch, experts, d["num_hidden_layers"])
@@ -237,6 +251,37 @@ class GGUFFile:
         if "rope_freqs.weight" in self.tensors:
             config = self._with_frequency_factors(config)
         return config
+
+    def _gemma3(self, n_layers: int, head_dim: int | None) -> dict[str, Any]:
+        """Gemma 3's fields, as llama.cpp reads them from a gemma3 file.
+
+        The sliding layers' RoPE base is ``rope.freq_base_swa`` (10 000 when absent,
+        llama.cpp's constant); the pattern is ``attention.sliding_window_pattern``
+        (a period, or a bool per layer) or every sixth layer full; attention scales
+        by ``head_dim ** -0.5``, llama.cpp's choice for every size but 27B, which
+        scales by ``hidden / heads`` instead: GGUF does not record it, so a 62-layer
+        file (the 27B) is refused rather than misread.
+        """
+        g = self.get
+        if n_layers == 62:
+            raise ModelLoadError(
+                f"{self.path}: a 62-layer gemma3 file is Gemma 3 27B, whose attention scale "
+                "(query_pre_attn_scalar = hidden / heads) GGUF does not record; not supported"
+            )
+        d: dict[str, Any] = {
+            "sliding_window": g("gemma3.attention.sliding_window", "int"),
+            "rope_local_base_freq": g("gemma3.rope.freq_base_swa", "float", 10000.0),
+            "final_logit_softcapping": g("gemma3.final_logit_softcapping", "float", None),
+        }
+        if head_dim is not None:
+            d["query_pre_attn_scalar"] = head_dim
+        key = "gemma3.attention.sliding_window_pattern"
+        if self.has(key) and _value_kind(self.reader.fields[key]).startswith("array"):
+            pattern = [bool(b) for b in self.get(key, "array[bool]")]
+            d["layer_types"] = ["sliding_attention" if b else "full_attention" for b in pattern]
+        else:
+            d["sliding_window_pattern"] = g(key, "int", 6)
+        return d
 
     def _moe(self, arch: str, experts: int, n_layers: int) -> dict[str, Any]:
         """The config fields of a mixture of experts (``{arch}.expert_*`` keys).
@@ -369,7 +414,12 @@ class GGUFSource:
             "qwen2": gguf.MODEL_ARCH.QWEN2,
             "qwen3": gguf.MODEL_ARCH.QWEN3,
             "qwen3moe": gguf.MODEL_ARCH.QWEN3MOE,
+            "gemma3": gguf.MODEL_ARCH.GEMMA3,
         }[file.architecture]
+        # llama.cpp's converter writes Gemma's norm weights as 1 + w; the model adds
+        # the 1 itself (gemma.py), so it is taken off again here, as transformers'
+        # GGUF loader does, in float32
+        self._norm_plus_one = file.architecture == "gemma3"
         self._names = gguf.get_tensor_name_map(arch, config.num_hidden_layers)
         self._permuted = file.architecture in _PERMUTED_ARCHITECTURES
 
@@ -394,6 +444,8 @@ class GGUFSource:
         if expert:
             return self.file.expert(name, int(expert[2]))
         t = self.file.tensor(name)
+        if self._norm_plus_one and key.endswith("norm.weight") and isinstance(t, np.ndarray):
+            return (t.astype(np.float32) - np.float32(1.0)).astype(np.float32)
         if self._permuted and (".attn_q." in name or ".attn_k." in name):
             c = self.config
             heads = c.num_attention_heads if ".attn_q." in name else c.num_key_value_heads

@@ -36,6 +36,7 @@ slower by turning the residual stream into float64; constants here are made
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -44,7 +45,7 @@ from typing import Any
 import numpy as np
 
 from triollm.errors import ModelLoadError
-from triollm.model import kernels
+from triollm.model import gemma, kernels
 from triollm.model.config import ModelConfig
 from triollm.model.matmul import PreparedWeight, linear, prepare
 from triollm.model.moe import Expert, MoeBlock, expert_keys, router_key
@@ -127,6 +128,12 @@ class LlamaLayer:
     gate_up_proj: PreparedWeight | None  # [gate_proj; up_proj]: [2 * intermediate, hidden]
     down_proj: PreparedWeight | None  # [hidden, intermediate]
     moe: MoeBlock | None = None  # router + experts (moe.py)
+    # Gemma 3's sandwich (gemma.py): a norm on the attention's and the MLP's outputs,
+    # before each residual add. Gemma's checkpoint calls the first one
+    # post_attention_layernorm and the MLP's input norm pre_feedforward_layernorm;
+    # here post_attention_layernorm is always the MLP's input norm (Llama's meaning).
+    attn_out_norm: np.ndarray | None = None  # (hidden,) float32, 1 + w
+    mlp_out_norm: np.ndarray | None = None  # (hidden,) float32, 1 + w
 
 
 class _Scratch:
@@ -184,7 +191,7 @@ class LlamaModel:
             bias = c.attention_bias
             self.layers.append(
                 LlamaLayer(
-                    input_layernorm=self._vector(p + "input_layernorm.weight"),
+                    input_layernorm=self._norm(p + "input_layernorm.weight"),
                     qkv_proj=self._fused(
                         p + "self_attn.q_proj.weight",
                         p + "self_attn.k_proj.weight",
@@ -197,13 +204,13 @@ class LlamaModel:
                     o_proj_bias=(
                         self._vector(p + "self_attn.o_proj.bias") if c.o_proj_bias else None
                     ),
-                    q_norm=self._vector(p + "self_attn.q_norm.weight") if c.qk_norm else None,
-                    k_norm=self._vector(p + "self_attn.k_norm.weight") if c.qk_norm else None,
-                    post_attention_layernorm=self._vector(p + "post_attention_layernorm.weight"),
+                    q_norm=self._norm(p + "self_attn.q_norm.weight") if c.qk_norm else None,
+                    k_norm=self._norm(p + "self_attn.k_norm.weight") if c.qk_norm else None,
+                    **self._norms(i),  # post_attention_layernorm (+ Gemma's sandwich)
                     **self._mlp(i),  # gate_up_proj, down_proj, moe
                 )
             )
-        self.norm = self._vector("model.norm.weight")  # (hidden,) float32
+        self.norm = self._norm("model.norm.weight")  # (hidden,) float32
         if c.tie_word_embeddings:
             # The head is the embedding matrix. prepare() repacks it into column
             # panels (a new array); the embedding lookup then reads its rows from
@@ -217,8 +224,18 @@ class LlamaModel:
         del self._source, self._shapes
         # RoPE tables: (max_position_embeddings, head_dim // 2) float32 each
         self.rope_cos, self.rope_sin = rope_tables(c)
+        # per layer: (cos, sin, window); Gemma 3's sliding layers have their own RoPE
+        # base and window, its full layers the config's (gemma.py); others all alike
+        self._attention_kind = _attention_kinds(c, self.rope_cos, self.rope_sin)
+        g = c.gemma
+        # Gemma 3: the embedding row times sqrt(hidden), float32 (as transformers)
+        self.embed_scale = np.float32(c.hidden_size**0.5) if g is not None else None
+        self._activation = gemma.gelu_tanh_mul if g is not None else kernels.silu_mul
+        self.logit_cap = g.final_logit_softcapping if g is not None else None
         self.eps = np.float32(c.rms_norm_eps)
         self.scale = np.float32(1.0 / np.sqrt(np.float32(c.head_dim)))
+        if g is not None:  # transformers: query_pre_attn_scalar ** -0.5 in double, then float32
+            self.scale = np.float32(g.query_pre_attn_scalar**-0.5)
         self._scratch = _Scratch(c, 16)
         self._lock = threading.Lock()
 
@@ -257,6 +274,22 @@ class LlamaModel:
         return {
             "gate_up_proj": self._fused(p + "gate_proj.weight", p + "up_proj.weight"),
             "down_proj": self._linear(p + "down_proj.weight"),
+        }
+
+    def _norm(self, key: str) -> np.ndarray:
+        """An RMSNorm weight as the kernel's multiplier: Gemma's ``1 + w``, else ``w``."""
+        w = self._vector(key)
+        return gemma.norm_weight(w) if self.config.gemma is not None else w
+
+    def _norms(self, i: int) -> dict[str, Any]:
+        """Layer ``i``'s MLP input norm, and Gemma 3's two output norms."""
+        p = f"model.layers.{i}."
+        if self.config.gemma is None:
+            return {"post_attention_layernorm": self._norm(p + "post_attention_layernorm.weight")}
+        return {
+            "post_attention_layernorm": self._norm(p + "pre_feedforward_layernorm.weight"),
+            "attn_out_norm": self._norm(p + "post_attention_layernorm.weight"),
+            "mlp_out_norm": self._norm(p + "post_feedforward_layernorm.weight"),
         }
 
     def _vector(self, key: str) -> np.ndarray:
@@ -336,7 +369,8 @@ class LlamaModel:
         """``(k, hidden)`` final-normed hidden states -> ``(k, vocab)`` float32 logits.
 
         Needs no lock: it reads only the head's weights and writes a new array."""
-        return linear(h, self.lm_head)
+        logits = linear(h, self.lm_head)
+        return gemma.soft_cap(logits, self.logit_cap) if self.logit_cap is not None else logits
 
     def _forward(
         self, chunks: Sequence[ChunkPlan], kv: PagedKVCache
@@ -370,8 +404,11 @@ class LlamaModel:
             x[...] = table.rows(rows.tokens)
         else:
             x[...] = to_f32(table[rows.tokens])
+        if self.embed_scale is not None:
+            x *= self.embed_scale
 
         for i, layer in enumerate(self.layers):
+            cos, sin, window = self._attention_kind[i]
             # attention rmsnorm
             kernels.rms_norm(x, layer.input_layernorm, self.eps, xn)
             # q, k, v projections, one fused product (+ qwen2 / attention_bias biases).
@@ -395,8 +432,8 @@ class LlamaModel:
                 kernels.rms_norm(q_heads, layer.q_norm, self.eps, q_heads)
                 kernels.rms_norm(k_heads, layer.k_norm, self.eps, k_heads)
             # RoPE at each row's own position
-            kernels.rope(q3, rows.positions, self.rope_cos, self.rope_sin)
-            kernels.rope(k3, rows.positions, self.rope_cos, self.rope_sin)
+            kernels.rope(q3, rows.positions, cos, sin)
+            kernels.rope(k3, rows.positions, cos, sin)
             # write this step's K/V through the block tables, then attend over the pool
             kernels.write_kv(k3, v3, kv.k[i], kv.v[i], rows.block, rows.offset)
             kernels.paged_attention(
@@ -406,7 +443,7 @@ class LlamaModel:
                 rows.positions,
                 rows.chunk,
                 rows.tables,
-                rows.window,
+                window,
                 self.scale,
                 att3,
             )
@@ -414,6 +451,8 @@ class LlamaModel:
             linear(att, layer.o_proj, out=proj)
             if layer.o_proj_bias is not None:
                 proj += layer.o_proj_bias
+            if layer.attn_out_norm is not None:  # Gemma 3: norm the output, then add
+                kernels.rms_norm(proj, layer.attn_out_norm, self.eps, proj)
             x += proj
             # mlp rmsnorm
             kernels.rms_norm(x, layer.post_attention_layernorm, self.eps, xn)
@@ -423,14 +462,16 @@ class LlamaModel:
             elif layer.gate_up_proj is not None and layer.down_proj is not None:
                 # SwiGLU: down(silu(gate(x)) * up(x))
                 linear(xn, layer.gate_up_proj, out=gate_up)
-                kernels.silu_mul(gate_up, gate)
+                self._activation(gate_up, gate)  # SwiGLU's silu, Gemma's tanh GELU
                 linear(gate, layer.down_proj, out=proj)
+            if layer.mlp_out_norm is not None:  # Gemma 3: norm the output, then add
+                kernels.rms_norm(proj, layer.mlp_out_norm, self.eps, proj)
             x += proj  # residual
 
         # final norm + output head, only on the rows that are sampled
         h = x[rows.sampled]  # (n_sampled, hidden) float32, a copy
         kernels.rms_norm(h, self.norm, self.eps, h)
-        logits = linear(h, self.lm_head)  # (n_sampled, vocab) float32
+        logits = self.head(h)  # (n_sampled, vocab) float32 (Gemma: soft-capped)
         # final norm of the scored rows; the caller takes their head in slices
         scored = x[rows.scored]  # (n_scored, hidden) float32, a copy
         if len(scored):
@@ -551,6 +592,26 @@ def inverse_frequencies(config: ModelConfig) -> np.ndarray:
     smoothed = (np.float32(1.0) - smooth) * scaled / factor + smooth * scaled
     medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
     return np.where(medium, smoothed, scaled).astype(np.float32)
+
+
+def _attention_kinds(
+    config: ModelConfig, cos: np.ndarray, sin: np.ndarray
+) -> list[tuple[np.ndarray, np.ndarray, int]]:
+    """Each layer's RoPE tables and sliding window (0: none).
+
+    Every layer shares the config's unless it is Gemma 3, whose sliding layers
+    use ``local_rope_theta`` (unscaled) and ``sliding_window``, and whose full
+    layers the config's RoPE with no window (gemma.py).
+    """
+    g = config.gemma
+    if g is None:
+        return [(cos, sin, config.sliding_window or 0)] * config.num_hidden_layers
+    local = dataclasses.replace(config, rope_theta=g.local_rope_theta, rope_scaling=None)
+    local_cos, local_sin = rope_tables(local)
+    return [
+        (local_cos, local_sin, g.sliding_window) if sliding else (cos, sin, 0)
+        for sliding in g.layer_sliding
+    ]
 
 
 def rope_tables(config: ModelConfig) -> tuple[np.ndarray, np.ndarray]:

@@ -266,6 +266,9 @@ def expected_shapes(config: Any) -> dict[str, tuple[int, ...]]:
             shapes[p + "self_attn.q_norm.weight"] = (c.head_dim,)
             shapes[p + "self_attn.k_norm.weight"] = (c.head_dim,)
         shapes[p + "post_attention_layernorm.weight"] = (h,)
+        if c.gemma is not None:  # Gemma 3's sandwich: norms before and after the MLP too
+            shapes[p + "pre_feedforward_layernorm.weight"] = (h,)
+            shapes[p + "post_feedforward_layernorm.weight"] = (h,)
         if c.moe is not None and i in c.moe.sparse_layers:
             from triollm.model.moe import moe_shapes  # model/moe.py imports this module
 
