@@ -115,6 +115,11 @@ async def test_tokenize_and_detokenize_as_vllm_and_llama_server_offer_them(loade
         assert r.json()["prompt"] == r.json()["content"] == tok.decode(ids)
         r = await trio.to_thread.run_sync(post, "/detokenize", {"tokens": [10**9]})
         assert r.status_code == 400 and r.json()["error"]["param"] == "tokens"
+        # More ids than the context holds: refused, naming the limit. A 3.2 MB request
+        # came back as 137 MB (issue 28, N9).
+        r = await trio.to_thread.run_sync(post, "/detokenize", {"tokens": ids * 200})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "tokens"
+        assert "256" in r.json()["error"]["message"]
 
 
 @pytest.mark.parametrize(

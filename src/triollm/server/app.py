@@ -214,6 +214,16 @@ class Handlers:
 
     async def detokenize(self) -> Any:
         tokens = load_object(await _body()).get("tokens")
+        # No more ids than the largest request holds: no answer or prompt is longer, and
+        # uncapped, a 3.2 MB request came back as 137 MB (issue 28, N9). The text goes
+        # out under vLLM's key and llama-server's; the cap bounds both.
+        if isinstance(tokens, list) and len(tokens) > self.model.context_tokens:
+            raise ApiError(
+                400,
+                f"'tokens' holds {len(tokens)} ids, past the limit of "
+                f"{self.model.context_tokens} (this server's maximum context length)",
+                param="tokens",
+            )
         limit = self.model.vocab_limit
         if not isinstance(tokens, list) or not all(
             isinstance(t, int) and not isinstance(t, bool) and 0 <= t < limit for t in tokens
