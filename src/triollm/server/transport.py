@@ -36,6 +36,15 @@ still waits for its answer; stock hypercorn reports that EOF as a disconnect and
 the request is cancelled unanswered. The guard holds such an EOF back until the
 response has ended. Tests: tests/server/test_raw_sockets.py.
 
+A fifth: HTTP/2 in cleartext (h2c: an ``Upgrade: h2c`` header, or the HTTP/2 preface
+sent at once) is accepted by stock hypercorn, and none of the guards above reach it:
+an HTTP/2 stream waits for the client's flow-control window, not for a socket write,
+so a client that stops granting window held its connection 82 s and the drain for
+the whole grace (issue 28, N6). The guard keeps every connection on HTTP/1.1: an
+``Upgrade: h2c`` is ignored (the answer comes in HTTP/1.1, as RFC 9110 allows) and a
+prior-knowledge preface closes the connection. A deployment that wants HTTP/2 puts a
+proxy in front (Envoy speaks HTTP/1.1 to its upstreams by default).
+
 It also lets a deployment shrink the kernel's send buffer (``SO_SNDBUF``) so a
 stalled reader backs up into our bounded per-request channel after kilobytes
 rather than megabytes, and keeps a set of live connections so shutdown can
@@ -73,6 +82,7 @@ import hypercorn.trio.run as hypercorn_run
 import trio
 from hypercorn.config import Config
 from hypercorn.events import Closed, Event, RawData, Updated
+from hypercorn.protocol.h11 import H11Protocol
 from hypercorn.trio.tcp_server import MAX_RECV, TCPServer
 
 log = logging.getLogger("triollm.server")
@@ -89,6 +99,10 @@ CLOSE_BOUND_S = 5.0
 # whether the client has in fact gone (its RST). Cost: one getsockopt per period.
 HALF_CLOSE_POLL_S = 0.05
 TCP_CLOSE = 7  # tcp_info.tcpi_state of a connection the peer reset (linux/tcp_states.h)
+
+
+class _Http2Refused(Exception):
+    """A client opened with the HTTP/2 preface (prior knowledge)."""
 
 
 class GuardedTCPServer(TCPServer):
@@ -136,7 +150,30 @@ class GuardedTCPServer(TCPServer):
         except OSError:
             return True
 
+    def _http11_only(self) -> None:
+        """Keep this connection on HTTP/1.1 (hazard 5, module docstring)."""
+        inner = getattr(self.protocol, "protocol", None)
+        if not isinstance(inner, H11Protocol) or getattr(inner, "_triollm_http11", False):
+            return
+
+        async def check_protocol(event: h11.Request) -> None:
+            # An h2c Upgrade header is ignored (RFC 9110 lets a server answer in the
+            # protocol asked in); a prior-knowledge HTTP/2 preface ends the connection.
+            if event.method == b"PRI" and event.target == b"*":
+                raise _Http2Refused
+
+        inner._check_protocol = check_protocol  # type: ignore[method-assign]
+        inner._triollm_http11 = True  # type: ignore[attr-defined]
+
     async def _read_data(self) -> None:
+        self._http11_only()
+        try:
+            await self._read_data_http11()
+        except _Http2Refused:
+            log.info("refused an HTTP/2 connection (prior knowledge): this server speaks HTTP/1.1")
+            await self.abort(count=False)
+
+    async def _read_data_http11(self) -> None:
         # Hazard 4 (measured): a client that sends its whole request and then closes
         # its write half (``shutdown(SHUT_WR)``, ``nc -N``, scripted clients) still
         # waits for the answer. Stock hypercorn reports that EOF as a disconnect and
