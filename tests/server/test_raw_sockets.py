@@ -204,7 +204,13 @@ async def test_the_drain_waits_for_a_slow_readers_last_bytes_and_still_answers_n
     async with live_server(loaded, http={"grace_s": HANG_S, "send_buffer_bytes": 4096}) as live:
         service, app = live.service, live.stack.app
         slow = await raw_post(live.port, "/v1/completions", slow_body, rcvbuf=2048)
-        await service.wait_until(lambda: service.live_requests == 0 and app.in_flight == 1)
+        registry = live.stack.metrics.registry
+
+        def finished_but_still_writing() -> bool:
+            tokens = registry.get_sample_value("triollm:generation_tokens_total") or 0
+            return tokens >= 200 and service.live_requests == 0 and app.in_flight == 1
+
+        await service.wait_until(finished_but_still_writing)
         live.shutdown.set()
         await service.wait_until(lambda: service.closing)
 
@@ -304,3 +310,42 @@ async def test_headers_with_no_body_are_answered_408_after_the_body_timeout(load
         assert json.loads(body_of(raw))["error"]["code"] == "request_timeout"
         await s.aclose()
         assert live.pool_is_idle()
+
+
+async def test_a_half_body_at_sigterm_gets_the_drains_503_instead_of_holding_it(loaded):
+    # Headers and half a body, then nothing: the drain waited for its handler for the
+    # whole grace (issue 28, N5). Now it is answered as a newcomer would be.
+    async with live_server(loaded, http={"grace_s": 4 * HANG_S}) as live:
+        s = await connect(live.port)
+        data = request("/v1/completions", COMPLETION)
+        await s.send_all(data[: len(data) - 10])
+        await live.service.wait_until(lambda: live.stack.app.in_flight == 1)
+        live.shutdown.set()
+        raw = await read_to_eof(s)  # no fix: nothing until the grace (hang guard first)
+        assert status_of(raw) == 503
+        assert json.loads(body_of(raw))["error"]["code"] == "shutting_down"
+        assert header(raw, "connection") == "close"
+        await s.aclose()
+
+
+async def test_http2_is_not_spoken_so_its_flow_control_cannot_hold_a_connection(loaded):
+    # Over h2c a client that granted no flow-control window held its connection for 82 s
+    # and the drain for the whole grace (issue 28, N6): the write guard covers HTTP/1.1.
+    async with live_server(loaded) as live:
+        s = await connect(live.port)  # prior knowledge: the HTTP/2 preface at once
+        await s.send_all(
+            b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"
+        )
+        raw = await read_to_eof(s)
+        assert raw == b""  # no fix: an HTTP/2 SETTINGS frame
+        await s.aclose()
+        s = await connect(live.port)  # an upgrade: answered in HTTP/1.1
+        upgrade = {
+            "Connection": "Upgrade, HTTP2-Settings, close",
+            "Upgrade": "h2c",
+            "HTTP2-Settings": "AAMAAABkAAQCAAAAAAIAAAAA",
+        }
+        await s.send_all(request("/health", method="GET", headers=upgrade))
+        raw = await read_to_eof(s)
+        assert raw.startswith(b"HTTP/1.1 200")  # no fix: HTTP/1.1 101 Switching Protocols
+        await s.aclose()

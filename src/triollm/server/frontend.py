@@ -95,6 +95,11 @@ async def serve_http(
         async def watchdog() -> None:
             await shutdown.wait()
             service.begin_shutdown(config.grace_s)
+            # Requests not yet queued (a body still arriving: half a body and then
+            # nothing held the drain for the whole grace) get the drain's 503 now.
+            cut = app.cut_readers()
+            if cut:
+                log.info("shutdown: %d request(s) not yet queued answered 503", cut)
             deadline = trio.current_time() + config.grace_s
             with trio.move_on_at(deadline):
                 # Drained: no request left in the service, and no response still being

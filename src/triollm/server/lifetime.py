@@ -86,6 +86,8 @@ class Lifetime:
         self.metrics = metrics
         self.service = service
         self.in_flight = 0  # HTTP requests whose handler task has not ended
+        # The cancel scope of each request in flight, for cut_readers (keyed by id(life)).
+        self._scopes: dict[int, tuple[RequestLife, trio.CancelScope]] = {}
         # Where drainers of refused bodies run: they must outlive the request's own task.
         self.drain_nursery = drain_nursery
 
@@ -141,25 +143,54 @@ class Lifetime:
             await send(message)
 
         self.in_flight += 1
+        self.service.notify()  # wake whoever waits on in_flight (the drain; tests)
         try:
             if self.service.closing and scope["path"] not in DRAIN_OPEN_PATHS:
                 life.stage = Stage.REFUSED
-                await send_error(
-                    watched_send,
-                    503,
-                    "the server is shutting down; retry later",
-                    "shutting_down",
-                    type="service_unavailable",
-                    headers=[
-                        (b"retry-after", str(self.service.retry_after_s()).encode()),
-                        (b"connection", b"close"),
-                    ],
-                )
+                await self._refuse_draining(watched_send)
                 return
-            await self.app(scope, watched_receive, watched_send)
+            with trio.CancelScope() as cut:
+                self._scopes[id(life)] = (life, cut)
+                try:
+                    await self.app(scope, watched_receive, watched_send)
+                finally:
+                    del self._scopes[id(life)]
+            if cut.cancelled_caught and life.status is None:
+                # Cut by the drain before it was queued (cut_readers): the answer any
+                # newcomer gets. Its body may be unread: Connection: close follows.
+                life.stage = Stage.REFUSED
+                await self._refuse_draining(watched_send)
         finally:
             self.in_flight -= 1
             self._end(life)  # sync: we may be inside a cancelled scope
+
+    def cut_readers(self) -> int:
+        """At the start of the drain, end every request not yet queued (still reading its
+        body, parsing, tokenizing or compiling its grammar); each gets the drain's 503.
+
+        Such a request would be refused by the closed queue anyway, and one whose client
+        sent half a body and then nothing held the drain for the whole grace: the drain
+        waits for every handler (issue 28, N5). Probes are left to finish. Returns how
+        many were cut."""
+        cut = 0
+        for life, scope in list(self._scopes.values()):
+            if life.stage is Stage.READING and life.path not in DRAIN_OPEN_PATHS:
+                scope.cancel()
+                cut += 1
+        return cut
+
+    async def _refuse_draining(self, send: Any) -> None:
+        await send_error(
+            send,
+            503,
+            "the server is shutting down; retry later",
+            "shutting_down",
+            type="service_unavailable",
+            headers=[
+                (b"retry-after", str(self.service.retry_after_s()).encode()),
+                (b"connection", b"close"),
+            ],
+        )
 
     def _by_design(self, life: RequestLife) -> bool:
         """A 503 that is the server's lifecycle speaking, not a server error: a probe
