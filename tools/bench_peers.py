@@ -268,6 +268,9 @@ def convert(src: Path, hf: Path, outtype: str) -> Path:
     if out.exists():
         return out
     env = dict(os.environ, PYTHONPATH=str(src / "gguf-py"))
+    # the converter imports sentencepiece for any Llama-family vocabulary
+    if subprocess.run([sys.executable, "-c", "import sentencepiece"]).returncode:
+        run([sys.executable, "-m", "pip", "install", "sentencepiece"])
     tmp = out.with_suffix(".part")
     run(
         [
@@ -378,6 +381,9 @@ def write_ready(ms: dict[str, Model]) -> None:
 # ----------------------------------------------------------------------------- measure
 
 PARTS = ("decode", "prefill", "depth", "serve")
+# Cores other processes may use before a round counts as busy. A competing job takes a
+# whole core on a quiet machine; the system's own daemons use a few hundredths.
+QUIET_THRESHOLD = 0.15
 
 
 @dataclass(frozen=True)
@@ -584,14 +590,24 @@ def serve(system: str, m: Model, w: Workload, scratch: Path, port: int) -> list[
 
 def _side(system: str, fn, *args) -> list[dict]:
     """One system's part of a round; a failure is recorded, not fatal to the run."""
-    t = time.monotonic()
+    t, cpu = time.monotonic(), _children_cpu()
     try:
         recs = fn(*args)
     except Exception as e:  # any failure of a child: recorded, the run goes on
         log(f"{system} failed: {e}")
         recs = [{"error": str(e)[-2000:]}]
     wall = round(time.monotonic() - t, 1)
-    return [r | {"system": system, "wall_s": wall} for r in recs]
+    # CPU seconds of the children this side started (all threads): recorded beside the
+    # wall time (a spinning peer on a busy machine burns CPU without progress)
+    side = {"system": system, "wall_s": wall, "cpu_s": round(_children_cpu() - cpu, 1)}
+    return [r | side for r in recs]
+
+
+def _children_cpu() -> float:
+    import resource
+
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return ru.ru_utime + ru.ru_stime
 
 
 def round_groups(parts: list[str]) -> list[list[str]]:
@@ -616,18 +632,25 @@ def run_round(m: Model, group: list[str], w: Workload, scratch: Path) -> list[di
 
 # Seconds per round of each group for the 1.5B file at the default workload, on a quiet
 # 2-core machine (a guess refined by every run: `estimate` prefers the last run's times).
-GUESS_S = {"decode": 90.0, "prefill": 130.0, "depth": 110.0, "serve": 110.0}
-GUESS_FLOOR_S = {"decode": 15.0, "prefill": 10.0, "depth": 15.0, "serve": 30.0}
+# From what is known of the two systems on this file (llama.cpp: ~20 tok/s decode at
+# batch 1, ~400 tok/s prefill; triollm: about half the decode, a tenth of the prefill).
+GUESS_S = {"decode": 85.0, "prefill": 80.0, "depth": 25.0, "serve": 100.0}
+GUESS_FLOOR_S = {"decode": 15.0, "prefill": 8.0, "depth": 10.0, "serve": 30.0}
+WARM_S = 15.0  # the untimed load before a model's first round
 
 
 def _past_walls() -> dict[tuple[str, str, str], list[float]]:
-    """(model, group, workload json) -> the round times of earlier runs."""
+    """(model, group, workload json) -> the wall times of earlier runs' quiet rounds (a
+    busy round's time says how busy the machine was; its CPU time does not help either:
+    a peer's spinning threads burn CPU without progress)."""
     out: dict[tuple[str, str, str], list[float]] = {}
     for f in sorted(RESULTS.glob("*/rounds.jsonl")):
         for line in f.read_text().splitlines():
             r = json.loads(line)
-            key = (r["model"], ",".join(r["group"]), json.dumps(r.get("workload"), sort_keys=True))
-            out.setdefault(key, []).append(r["wall_s"])
+            wl = r.get("workload") or {}
+            key = (r["model"], ",".join(r["group"]), json.dumps(wl, sort_keys=True))
+            if not r["busy"]:
+                out.setdefault(key, []).append(r["wall_s"])
     return out
 
 
@@ -638,6 +661,7 @@ def estimate(ms: dict[str, Model], parts: list[str], rounds: int, w: Workload) -
     wj = json.dumps(w.as_json(), sort_keys=True)
     total = 0.0
     for m in ms.values():
+        total += WARM_S
         size = m.peer.stat().st_size if m.peer.exists() else 1e9
         for group in round_groups(parts):
             seen = past.get((m.key, ",".join(group), wj))
@@ -651,6 +675,17 @@ def estimate(ms: dict[str, Model], parts: list[str], rounds: int, w: Workload) -
             log(f"  {m.key} {'+'.join(group)}: ~{per:.0f} s per round x {rounds} ({how})")
             total += per * rounds
     return total
+
+
+def warm(m: Model, w: Workload) -> None:
+    """Before a model's first round, untimed: load it in triollm once, so that numba's
+    disk cache holds every kernel (a kernel changed since the last run compiles here,
+    not inside round 1) and the page cache holds the file for both systems."""
+    cmd = [sys.executable, REPO / "bench" / "bench_gguf.py", m.ours, "--workload", "decode",
+           "--batches", "1", "--prompt", 4, "--new", 1, "--threads", w.threads]  # fmt: skip
+    log(f"warming {m.key} (untimed): " + _cmd(cmd))
+    peerenv.run(cmd, env=triollm_env(w), capture_output=True, timeout=3600)
+    peerenv.run(["cat", m.peer], stdout=subprocess.DEVNULL)
 
 
 def measure(
@@ -685,6 +720,7 @@ def measure(
     (results / "meta.json").write_text(json.dumps(meta, indent=1))
     (RESULTS / "LATEST").write_text(results.name)
     for m in ms.values():
+        warm(m, w)
         for group in round_groups(parts):
             for rnd in range(rounds):
                 log(f"{m.key} {'+'.join(group)} round {rnd + 1}/{rounds}: guard")
@@ -700,6 +736,7 @@ def measure(
                     f" during" + (" -> BUSY" if busy else " (quiet)")
                 )
                 info = {"model": m.key, "round": rnd, "busy": busy}
+                cpu = round(sum({r["system"]: r["cpu_s"] for r in recs}.values()), 1)
                 _append(results / "records.jsonl", [r | info for r in recs])
                 _append(
                     results / "rounds.jsonl",
@@ -708,6 +745,7 @@ def measure(
                         | {
                             "group": group,
                             "wall_s": wall,
+                            "cpu_s": cpu,
                             "workload": w.as_json(),
                             "load_avg": loadavg(),
                             "date": now(),
@@ -779,13 +817,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--models", default=",".join(MODEL_KEYS), help="(%(default)s)")
     p.add_argument("--parts", default=",".join(PARTS), help="(%(default)s)")
     p.add_argument("--batches", default="1,4,8,16", help="decode batches (%(default)s)")
+    p.add_argument("--prompt", type=int, default=d.prompt, help="decode prompt tokens (32)")
     p.add_argument("--new", type=int, default=d.new, help="decode tokens per sequence (32)")
     p.add_argument("--prefill", default="512,2048", help="prefill prompt lengths (%(default)s)")
     p.add_argument("--depth", type=int, default=d.depth, help="context before decode (4096)")
+    p.add_argument("--depth-new", type=int, default=d.depth_new, help="tokens at depth (32)")
     p.add_argument("--concurrency", default="1,4,8", help="server streams (%(default)s)")
     p.add_argument("--serve-new", type=int, default=d.serve_new, help="tokens per request (32)")
     p.add_argument("--serve-requests", type=int, default=d.serve_requests, help="per level (8)")
-    p.add_argument("--quiet-threshold", type=float, default=0.25, help="cores (0.25)")
+    p.add_argument(
+        "--quiet-threshold",
+        type=float,
+        help="cores other processes may use before a round is busy (0.15); with `tables`: "
+        "judge the recorded rounds again at this threshold",
+    )
     p.add_argument("--quiet-wait", type=float, default=120, help="s before busy (120)")
     p.add_argument("--results", type=Path, help="`tables`: a results dir (default: latest)")
     p.add_argument("--no-doc", action="store_true", help="`tables`: print, leave the docs")
@@ -802,14 +847,17 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--rounds must be at least 1 (3 for a verdict)")
     w = Workload(
         batches=_ints(args.batches),
+        prompt=args.prompt,
         new=args.new,
+        depth_new=args.depth_new,
         prefill=_ints(args.prefill),
         depth=args.depth,
         concurrency=_ints(args.concurrency),
         serve_new=args.serve_new,
         serve_requests=args.serve_requests,
     )
-    guard = Guard(threshold=args.quiet_threshold, max_wait=args.quiet_wait, log=log)
+    threshold = QUIET_THRESHOLD if args.quiet_threshold is None else args.quiet_threshold
+    guard = Guard(threshold=threshold, max_wait=args.quiet_wait, log=log)
     if args.step in ("build", "all"):
         build(args.jobs)
     if args.step in ("models", "ready", "all"):
@@ -823,7 +871,9 @@ def main(argv: list[str] | None = None) -> int:
         from bench_peers_report import write_report  # tools/bench_peers_report.py
 
         write_report(
-            results or RESULTS / (RESULTS / "LATEST").read_text().strip(), doc=not args.no_doc
+            results or RESULTS / (RESULTS / "LATEST").read_text().strip(),
+            doc=not args.no_doc,
+            threshold=args.quiet_threshold if args.step == "tables" else None,
         )
     return 0
 

@@ -81,6 +81,26 @@ def summaries(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def rejudge(
+    records: list[dict[str, Any]], rounds: list[dict[str, Any]], threshold: float
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The busy marks judged again at ``threshold`` cores from the figures the guard
+    recorded (before and during each round): a run's marks can be re-read at another
+    threshold without measuring again; the header says which threshold was used."""
+    busy: dict[tuple[str, str, int], bool] = {}
+    new_rounds = []
+    for r in rounds:
+        b = max(r.get("others_cores_before", 0), r.get("others_cores_during", 0)) >= threshold
+        for part in r.get("group", []):
+            busy[(r["model"], part, r["round"])] = b
+        new_rounds.append(r | {"busy": b})
+    new_records = [
+        r | {"busy": busy.get((r["model"], r.get("part", ""), r["round"]), r.get("busy"))}
+        for r in records
+    ]
+    return new_records, new_rounds
+
+
 def _part_table(entries: list[dict[str, Any]]) -> list[str]:
     lines = [TABLE_HEAD]
     for e in sorted(entries, key=lambda e: _row_order(e["row"])):
@@ -115,9 +135,17 @@ def _commands(records: list[dict[str, Any]], model: str) -> list[str]:
     return [f"- {k}: `{v}`" for k, v in sorted(seen.items())]
 
 
-def _header(meta: dict[str, Any], rounds: list[dict[str, Any]], results: Path) -> list[str]:
+def _header(
+    meta: dict[str, Any], rounds: list[dict[str, Any]], results: Path, rejudged: float | None
+) -> list[str]:
     n_busy = sum(1 for r in rounds if r["busy"])
     g = meta["guard"]
+    judged = (
+        f" The busy marks were judged again at {rejudged} cores from the guard's recorded "
+        "figures (`tables --quiet-threshold`)."
+        if rejudged is not None
+        else ""
+    )
     others = [r["others_cores_during"] for r in rounds]
     w = meta["workload"]
     return [
@@ -141,7 +169,8 @@ def _header(meta: dict[str, Any], rounds: list[dict[str, Any]], results: Path) -
         + (", ".join(f"`{v}`" for v in meta["scrubbed_from_children"]) or "any threading variable")
         + (" (scrubbed from the harness's environment)" if meta["scrubbed_from_children"] else "")
         + f"; load average {meta['load_avg_start'][0]:.1f} at the start"
-        + (f", {meta['load_avg_end'][0]:.1f} at the end." if meta.get("load_avg_end") else "."),
+        + (f", {meta['load_avg_end'][0]:.1f} at the end." if meta.get("load_avg_end") else ".")
+        + judged,
         "",
         f"Workload: decode {w['prompt']}-token prompts then {w['new']} tokens per sequence "
         f"at batch {', '.join(map(str, w['batches']))}; prefill of "
@@ -158,13 +187,17 @@ def _header(meta: dict[str, Any], rounds: list[dict[str, Any]], results: Path) -
     ]
 
 
-def section(results: Path) -> tuple[list[str], list[dict[str, Any]]]:
+def section(
+    results: Path, threshold: float | None = None
+) -> tuple[list[str], list[dict[str, Any]]]:
     """The markdown lines of the results section, and summary.json's content."""
     meta = json.loads((results / "meta.json").read_text())
     records = read(results / "records.jsonl")
     rounds = read(results / "rounds.jsonl")
+    if threshold is not None:
+        records, rounds = rejudge(records, rounds, threshold)
     entries = summaries(records)
-    lines = [*_header(meta, rounds, results), ""]
+    lines = [*_header(meta, rounds, results, threshold), ""]
     for model, info in meta["models"].items():
         mine = [e for e in entries if e["model"] == model]
         if not mine and not any(r["model"] == model for r in records):
@@ -183,10 +216,10 @@ def section(results: Path) -> tuple[list[str], list[dict[str, Any]]]:
     return lines, summary
 
 
-def write_report(results: Path, *, doc: bool = True) -> None:
-    lines, summary = section(results)
+def write_report(results: Path, *, doc: bool = True, threshold: float | None = None) -> None:
+    lines, summary = section(results, threshold)
     (results / "summary.json").write_text(json.dumps(summary, indent=1))
-    drawn = plots(results) if doc else []
+    drawn = plots(results, threshold) if doc else []
     body = [BEGIN, "", *lines, *[f"![{alt}](img/{name})\n" for name, alt in drawn], END]
     print("\n".join(body))
     if doc:
@@ -201,7 +234,7 @@ def write_report(results: Path, *, doc: bool = True) -> None:
         DOC.write_text(head + "\n".join(body) + tail)
 
 
-def plots(results: Path) -> list[tuple[str, str]]:
+def plots(results: Path, threshold: float | None = None) -> list[tuple[str, str]]:
     """Decode tok/s against batch per model and the headline's server; every round a
     dot, the median a line. (file name, alt text) of each picture drawn."""
     try:
@@ -214,7 +247,10 @@ def plots(results: Path) -> list[tuple[str, str]]:
     import matplotlib.ticker
 
     meta = json.loads((results / "meta.json").read_text())
-    records = [r for r in read(results / "records.jsonl") if "error" not in r]
+    records = read(results / "records.jsonl")
+    if threshold is not None:
+        records, _ = rejudge(records, read(results / "rounds.jsonl"), threshold)
+    records = [r for r in records if "error" not in r]
     IMG.mkdir(parents=True, exist_ok=True)
     drawn = []
     styles = {"triollm": ("-o", "tab:blue"), "llama.cpp": ("--s", "tab:red")}

@@ -34,6 +34,7 @@ def test_others_cores_leave_out_our_tree_and_count_newcomers_whole() -> None:
         (20, 1, "job", 102.0),  # 2 s over 4 s: 0.5 cores
         (30, 1, "new", 1.0),  # started in the window: all of its 1 s
         (40, 1, "sleeper", 0.0),
+        (50, 2, "kworker/u8:1", 3.0),  # a kernel thread: not counted
     )
     cores, top = others_cores(before, after, 4.0, ours={10, 11})
     assert cores == pytest.approx(0.75)

@@ -127,3 +127,18 @@ def test_the_report_pairs_records_by_model_part_row_and_round(tmp_path: Path) ->
         "| llama.cpp faster |" in text  # fmt: skip
     assert "round 5, triollm: failed: `bench_gguf.py exited 1`" in text
     assert summary[0]["verdict"] == "llama.cpp faster" and summary[0]["quiet_rounds"] == 3
+
+
+def test_tables_can_judge_the_recorded_rounds_again_at_another_threshold() -> None:
+    report = _report()
+    records = [_rec("llama.cpp", 0, 20.0, busy=True), _rec("triollm", 0, 10.0, busy=True),
+               _rec("llama.cpp", 1, 20.0), _rec("triollm", 1, 12.0)]  # fmt: skip
+    rounds = [
+        {"model": "qwen1.5b", "group": ["decode"], "round": 0, "busy": True,
+         "others_cores_before": 0.2, "others_cores_during": 0.05},
+        {"model": "qwen1.5b", "group": ["decode"], "round": 1, "busy": False,
+         "others_cores_before": 0.01, "others_cores_during": 0.4},
+    ]  # fmt: skip
+    recs, rnds = report.rejudge(records, rounds, threshold=0.3)
+    assert [r["busy"] for r in rnds] == [False, True]
+    assert [r["busy"] for r in recs] == [False, False, True, True]

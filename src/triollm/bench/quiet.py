@@ -85,17 +85,23 @@ def tree(snap: dict[int, Proc], root: int) -> set[int]:
     return out
 
 
+KTHREADD = 2  # the parent of every kernel thread on Linux
+
+
 def others_cores(
     before: dict[int, Proc], after: dict[int, Proc], seconds: float, ours: set[int]
 ) -> tuple[float, list[tuple[str, int, float]]]:
     """Cores used between the snapshots by processes not in ``ours``, and the top users
     as (command, pid, cores). A process seen in both snapshots counts its difference;
-    one that started in between counts all its time (it all fell in the window)."""
+    one that started in between counts all its time (it all fell in the window).
+
+    Kernel threads are left out: on a quiet machine their work (page faults, writeback)
+    is mostly the benchmark's own, and it is the same for both systems."""
     if seconds <= 0:
         return 0.0, []
     users = []
     for pid, p in after.items():
-        if pid in ours:
+        if pid in ours or pid == KTHREADD or p.ppid == KTHREADD:
             continue
         b = before.get(pid)
         used = p.cpu_s - b.cpu_s if b is not None and b.comm == p.comm else p.cpu_s
@@ -109,13 +115,13 @@ def others_cores(
 class Guard:
     """Wait for a quiet machine before a round; say whether the round was busy.
 
-    ``threshold``: cores other processes may use (default 0.25 of a core: the
+    ``threshold``: cores other processes may use (default 0.15 of a core: the
     system's own daemons use a few hundredths; a competing job one whole core).
     ``window``: seconds each check measures over. ``max_wait``: seconds to wait
     for quiet before the round runs anyway, marked busy.
     """
 
-    threshold: float = 0.25
+    threshold: float = 0.15
     window: float = 3.0
     max_wait: float = 120.0
     log: Callable[[str], None] = print
