@@ -206,7 +206,7 @@ async def prefix(args: argparse.Namespace) -> Record:
         }
 
     out: Record = {"scenario": "prefix", "systems": args.systems}
-    for lb in ("round_robin", "prefix_hash"):
+    for lb in args.prefix_lbs.split(","):
         config = ClusterConfig(
             replicas=2,
             model=args.model,
@@ -275,12 +275,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--idle-timeout", type=float, default=60.0, help="a stream silent this long: hung"
     )
-    p.add_argument("--systems", type=int, default=6, help="prefix: distinct system prompts (6)")
-    p.add_argument("--system-sentences", type=int, default=40, help="prefix: their length (40)")
+    p.add_argument("--systems", type=int, default=8, help="prefix: distinct system prompts (8)")
+    p.add_argument("--system-sentences", type=int, default=24, help="prefix: their length (24)")
     p.add_argument(
         "--prefix-serve-args",
-        default="--kv-blocks 48",
+        default="--kv-blocks 64",
         help="prefix: the replicas' flags (a pool too small for every system prompt at once)",
+    )
+    p.add_argument(
+        "--prefix-lbs",
+        default="round_robin,prefix_hash",
+        help="prefix: the Envoy policies compared, in order (round_robin,prefix_hash)",
     )
     p.add_argument("--json", type=Path, help="append one JSON line per scenario")
     args = p.parse_args(argv)

@@ -65,15 +65,17 @@ def test_retries_go_to_another_host_on_the_failures_a_replica_can_have() -> None
     assert route["timeout"] == "0s"
 
 
-def test_health_checks_probe_ready_and_outliers_are_ejected_at_the_first_failure() -> None:
+def test_health_checks_probe_ready_and_a_dead_host_is_ejected_at_its_first_failure() -> None:
     cluster = _cluster(envoy_config(replica_endpoints(2)))
     check = cluster["health_checks"][0]
     assert check["http_health_check"]["path"] == "/ready"
     # triollm's DNS-rebinding guard refuses Envoy's default Host (the cluster's name).
     assert check["http_health_check"]["host"] == "127.0.0.1"
-    assert check["unhealthy_threshold"] == 1
+    # One slow answer on a loaded host must not take a live replica out.
+    assert check["unhealthy_threshold"] > 1
     assert cluster["outlier_detection"]["consecutive_gateway_failure"] == 1
-    assert cluster["common_lb_config"]["healthy_panic_threshold"]["value"] == 0
+    # Panic routing kept: a wrong health check cannot leave the pool empty.
+    assert "common_lb_config" not in cluster
     idle = cluster["typed_extension_protocol_options"][
         "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
     ]["common_http_protocol_options"]["idle_timeout"]
@@ -83,6 +85,9 @@ def test_health_checks_probe_ready_and_outliers_are_ejected_at_the_first_failure
 def test_prefix_hash_hashes_the_prompt_into_the_ring_key() -> None:
     config = envoy_config(replica_endpoints(2), lb="prefix_hash")
     assert _cluster(config)["lb_policy"] == "RING_HASH"
+    # Bounded loads: a hot prefix cannot pile every request onto one replica.
+    balance = _cluster(config)["common_lb_config"]["consistent_hashing_lb_config"]
+    assert 100 < balance["hash_balance_factor"] <= 200
     assert _route(config)["hash_policy"] == [{"header": {"header_name": PREFIX_HEADER}}]
     manager = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
     lua = manager["typed_config"]["http_filters"][0]["typed_config"]["default_source_code"]

@@ -3,10 +3,13 @@
 Each setting answers one way a replica can fail a request that another replica
 would have served (docs/scale-out.md walks through them):
 
-- **Active health checks on ``/ready``** (every second, one failure ejects, one
-  success brings back): a replica that is warming up or draining (SIGTERM) answers
-  503 there, so Envoy stops sending it new requests within a second; a restarted
-  replica rejoins at its first 200.
+- **Active health checks on ``/ready``** (every second, two failures in a row take
+  a host out, one success brings it back): a replica that is warming up or draining
+  (SIGTERM) answers 503 there, so Envoy stops sending it new requests within about
+  two seconds, and the requests that reach it in between get 503 ``shutting_down``,
+  which the retry below sends elsewhere; a restarted replica rejoins at its first
+  200. Two and not one: on a loaded host a busy replica can be slow to answer a
+  check, and one slow answer must not empty the pool.
 - **Retries to another host before the response headers**: ``connect-failure``
   (the process is gone: connection refused), ``reset`` (it died holding the
   request) and the statuses 429 (its queue is full) and 503 (it is draining, or
@@ -22,10 +25,12 @@ would have served (docs/scale-out.md walks through them):
 - **Upstream idle timeout below hypercorn's keep-alive (5 s)**: otherwise Envoy
   may reuse a pooled connection at the moment the replica closes it (a reset that
   only the retry would hide).
-- **Panic threshold 0**: Envoy's default sends traffic to *every* host, healthy or
-  not, once fewer than half are healthy; with two replicas, one dead one would then
-  take half the requests. With 0, requests go only to healthy hosts (and get a
-  503 ``no healthy upstream`` when none is).
+- **Envoy's panic threshold is kept** (50%): when fewer than half the hosts look
+  healthy Envoy sends to all of them, on the grounds that health checks are more
+  likely wrong than most replicas dead. With the retries above that is the right
+  bet: a request that lands on a dead host is retried on another. (With the panic
+  threshold at 0, a slow health check on the one live replica while the other was
+  dead answered five requests 503 ``no healthy upstream`` in a test run.)
 
 ``lb`` chooses how a host is picked: ``round_robin``, ``least_request`` (the host
 with fewer requests in flight: queue-aware with what Envoy itself sees), or
@@ -46,6 +51,7 @@ PREFIX_HEADER = "x-triollm-prefix"
 # makes two prompts that share only their first sentences land apart.
 PREFIX_BYTES = 512
 HEALTH_PATH = "/ready"
+BALANCE_FACTOR = 125  # prefix_hash: a host takes at most 1.25x the average load
 RETRIABLE_STATUSES = (429, 503)
 UPSTREAM_IDLE_S = 4  # below hypercorn's keep-alive timeout of 5 s
 
@@ -123,6 +129,11 @@ def envoy_config(
     http_filters: list[dict[str, Any]] = []
     if lb == "prefix_hash":
         route["hash_policy"] = [{"header": {"header_name": PREFIX_HEADER}}]
+        # Consistent hashing with bounded loads: a host already carrying more than
+        # BALANCE_FACTOR% of the average in-flight requests passes the key on to the
+        # next host of the ring. Without it, a few hot prefixes that hash to one
+        # replica pile onto it while the other idles (seen: 44 of 48 requests on one
+        # of two replicas with 8 system prompts).
         http_filters.append(
             {
                 "name": "envoy.filters.http.lua",
@@ -166,7 +177,6 @@ def envoy_config(
         "lb_policy": {"round_robin": "ROUND_ROBIN", "least_request": "LEAST_REQUEST"}.get(
             lb, "RING_HASH"
         ),
-        "common_lb_config": {"healthy_panic_threshold": {"value": 0}},
         "typed_extension_protocol_options": {
             "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
                 "@type": "type.googleapis.com/"
@@ -194,10 +204,10 @@ def envoy_config(
         },
         "health_checks": [
             {
-                "timeout": "1s",
+                "timeout": "2s",
                 "interval": _duration(health_interval_s),
                 "no_traffic_interval": _duration(health_interval_s),
-                "unhealthy_threshold": 1,
+                "unhealthy_threshold": 2,
                 "healthy_threshold": 1,
                 "http_health_check": {"path": HEALTH_PATH, "host": health_host},
             }
@@ -223,6 +233,10 @@ def envoy_config(
             ]
         },
     }
+    if lb == "prefix_hash":
+        cluster["common_lb_config"] = {
+            "consistent_hashing_lb_config": {"hash_balance_factor": BALANCE_FACTOR}
+        }
     return {
         "admin": {"address": {"socket_address": {"address": admin.host, "port_value": admin.port}}},
         "static_resources": {
