@@ -49,7 +49,7 @@ from triollm.cluster.load import (
     series,
     story_body,
 )
-from triollm.cluster.supervise import Cluster, ClusterConfig
+from triollm.cluster.supervise import Cluster, ClusterConfig, spawn, wait_for
 
 Record = dict[str, Any]
 
@@ -166,6 +166,54 @@ async def failover(args: argparse.Namespace, sig: signal.Signals) -> Record:
     }
 
 
+VLLM_ROUTER_PORT = 30000
+
+
+def moved(after: list[dict[str, float]], before: list[dict[str, float]], name: str) -> list[float]:
+    """How far series ``name`` moved on each replica between two scrapes."""
+    return [series(a, name) - series(b, name) for a, b in zip(after, before, strict=True)]
+
+
+async def start_vllm_router(cluster: Cluster, policy: str) -> tuple[Any, str]:
+    """vllm-router (the PyPI wheel's binary) on 127.0.0.1:30000 over the replicas;
+    returns the process and its URL once it answers."""
+    import shutil
+
+    binary = shutil.which("vllm-router")
+    if binary is None:
+        raise SystemExit("vllm-router is not installed (pip install vllm-router)")
+    assert cluster.log_dir is not None
+    log = open(cluster.log_dir / f"vllm-router-{policy}.log", "ab")  # noqa: SIM115
+    proc = spawn(
+        [
+            binary,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(VLLM_ROUTER_PORT),
+            "--policy",
+            policy,
+            "--worker-urls",
+            *(r.url for r in cluster.replicas),
+        ],
+        stdout=log,
+        stderr=log,
+    )
+    url = f"http://127.0.0.1:{VLLM_ROUTER_PORT}"
+    async with httpx.AsyncClient(timeout=2) as client:
+        for _ in range(240):  # bounded: two minutes
+            if proc.poll() is not None:
+                raise SystemExit(f"vllm-router exited {proc.returncode}; see {log.name}")
+            try:
+                if (await client.get(url + "/v1/models")).status_code == 200:
+                    return proc, url
+            except httpx.HTTPError:
+                pass
+            await trio.sleep(0.5)
+    proc.kill()
+    raise SystemExit(f"vllm-router did not answer in two minutes; see {log.name}")
+
+
 SYSTEM_TOPICS = (
     "a lighthouse keeper",
     "a baker in a mountain village",
@@ -207,11 +255,14 @@ async def prefix(args: argparse.Namespace) -> Record:
 
     out: Record = {"scenario": "prefix", "systems": args.systems}
     for lb in args.prefix_lbs.split(","):
+        # "vllm-router:POLICY": vllm-router (PyPI) in front of the replicas instead of
+        # Envoy, straight to their ports.
+        router_policy = lb.split(":", 1)[1] if lb.startswith("vllm-router:") else None
         config = ClusterConfig(
             replicas=2,
             model=args.model,
             threads=args.threads,
-            lb=lb,
+            lb="round_robin" if router_policy else lb,
             serve_args=tuple(args.prefix_serve_args.split()),
         )
         async with trio.open_nursery() as nursery:
@@ -219,29 +270,28 @@ async def prefix(args: argparse.Namespace) -> Record:
             for r in cluster.replicas:
                 await warm(r.url)
             pages = [await scrape(r.url) for r in cluster.replicas]
-            results, wall = await closed_loop(
-                cluster.url + "/v1/completions",
-                2 * args.concurrency,
-                2 * args.requests,
-                body,
-                seed=7,
-            )
+            url = cluster.url
+            router = None
+            if router_policy is not None:
+                router, url = await start_vllm_router(cluster, router_policy)
+            try:
+                results, wall = await closed_loop(
+                    url + "/v1/completions",
+                    2 * args.concurrency,
+                    2 * args.requests,
+                    body,
+                    seed=7,
+                )
+            finally:
+                if router is not None:
+                    router.terminate()
+                    await wait_for(router)
             after = [await scrape(r.url) for r in cluster.replicas]
             cluster.stop()
-        hits = sum(
-            series(a, "triollm:prefix_cache_hits_total")
-            - series(b, "triollm:prefix_cache_hits_total")
-            for a, b in zip(after, pages, strict=True)
-        )
-        queries = sum(
-            series(a, "triollm:prefix_cache_queries_total")
-            - series(b, "triollm:prefix_cache_queries_total")
-            for a, b in zip(after, pages, strict=True)
-        )
-        split = [
-            series(a, "triollm:request_success_total") - series(b, "triollm:request_success_total")
-            for a, b in zip(after, pages, strict=True)
-        ]
+
+        hits = sum(moved(after, pages, "triollm:prefix_cache_hits_total"))
+        queries = sum(moved(after, pages, "triollm:prefix_cache_queries_total"))
+        split = moved(after, pages, "triollm:request_success_total")
         ttfts = [r.ttft_s for r in results if r.ttft_s is not None]
         out[lb] = {
             "hit_rate": hits / queries if queries else 0.0,

@@ -13,6 +13,7 @@ names, since routers that hard-code them read nothing else.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import httpx
@@ -137,3 +138,40 @@ def test_an_unknown_naming_is_refused() -> None:
         assert "sglang" in str(exc)
     else:
         raise AssertionError("Metrics accepted names='sglang'")
+
+
+async def test_every_response_reports_its_cached_tokens(loaded: Any) -> None:
+    # The endpoint picker records usage.prompt_tokens_details.cached_tokens from
+    # responses: on completions and chat, whole and streamed (with include_usage).
+    prompt = "The lighthouse keeper counted the ships that passed the rocks at night. " * 2
+    chat = [{"role": "user", "content": prompt}]
+    async with (
+        live_server(loaded) as live,
+        httpx.AsyncClient(base_url=live.url, timeout=60) as http,
+    ):
+        seen: list[int] = []
+        for path, extra in (
+            ("/v1/completions", {"prompt": prompt}),
+            ("/v1/chat/completions", {"messages": chat}),
+        ):
+            for stream in (False, True, False):
+                body = {"max_tokens": 2, "temperature": 0, **extra}
+                if stream:
+                    body |= {"stream": True, "stream_options": {"include_usage": True}}
+                response = await http.post(path, json=body)
+                assert response.status_code == 200
+                if stream:
+                    events = [
+                        line[6:]
+                        for line in response.text.splitlines()
+                        if line.startswith("data: {")
+                    ]
+                    usage = [json.loads(e)["usage"] for e in events if json.loads(e).get("usage")]
+                    (usage_of,) = usage
+                else:
+                    usage_of = response.json()["usage"]
+                cached = usage_of["prompt_tokens_details"]["cached_tokens"]
+                assert 0 <= cached < usage_of["prompt_tokens"]
+                seen.append(cached)
+    # The same prompt again finds its blocks: the second and third asks of each path.
+    assert seen[1] > 0 and seen[2] > 0 and seen[4] > 0 and seen[5] > 0
