@@ -223,6 +223,14 @@ SYSTEM_TOPICS = (
     "a girl who talks to rivers",
     "a robot gardener",
     "a bear who cannot sleep",
+    "a tailor on a windy island",
+    "twin kites",
+    "a librarian of lost maps",
+    "a snail racing the seasons",
+    "a postman on the moon",
+    "a choir of frogs",
+    "a painter who sees sounds",
+    "a tugboat in the fog",
 )
 
 
@@ -325,11 +333,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--idle-timeout", type=float, default=60.0, help="a stream silent this long: hung"
     )
-    p.add_argument("--systems", type=int, default=8, help="prefix: distinct system prompts (8)")
+    p.add_argument("--systems", type=int, default=16, help="prefix: distinct system prompts (16)")
     p.add_argument("--system-sentences", type=int, default=24, help="prefix: their length (24)")
     p.add_argument(
         "--prefix-serve-args",
-        default="--kv-blocks 64",
+        default="--kv-blocks 96",
         help="prefix: the replicas' flags (a pool too small for every system prompt at once)",
     )
     p.add_argument(
