@@ -58,6 +58,28 @@ def loadavg() -> str:
     return " ".join(Path("/proc/loadavg").read_text().split()[:3])
 
 
+ENVOY_COUNTERS = (
+    "upstream_rq_retry",  # requests Envoy sent again
+    "upstream_rq_retry_success",  # ... and the retry answered
+    "upstream_rq_503",
+    "upstream_cx_connect_fail",
+    "outlier_detection.ejections_enforced_total",
+)
+
+
+async def envoy_counters(cluster: Cluster) -> dict[str, int]:
+    """Envoy's own counts for the replicas' cluster (its admin /stats)."""
+    async with httpx.AsyncClient(timeout=5) as client:
+        text = (await client.get(cluster.admin_url + "/stats?filter=^cluster.triollm.")).text
+    out = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(": ")
+        short = name.removeprefix("cluster.triollm.")
+        if short in ENVOY_COUNTERS:
+            out[short] = int(value)
+    return out
+
+
 def tokens_per_s(results: list[Result], wall: float) -> float:
     return sum(r.tokens for r in results if r.outcome == "ok") / wall
 
@@ -142,6 +164,7 @@ async def failover(args: argparse.Namespace, sig: signal.Signals) -> Record:
         )
         page = await scrape(victim.url)
         served_after = series(page, "triollm:request_success_total") - before
+        retries = await envoy_counters(cluster)
         cluster.stop()
     n = counts(results)
     cut_details = sorted({r.detail.split(":")[0] for r in results if r.outcome == "cut"})
@@ -159,6 +182,7 @@ async def failover(args: argparse.Namespace, sig: signal.Signals) -> Record:
             }
         ),
         "exit_codes": victim.exits,
+        "envoy": retries,
         "rejoined_after_s": rejoin_s,
         "after_rejoin_ok": counts(after_results)["ok"],
         "after_rejoin_requests": len(after_results),
