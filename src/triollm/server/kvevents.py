@@ -46,7 +46,7 @@ from __future__ import annotations
 import struct
 import time
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -115,6 +115,40 @@ def binds(endpoint: str, mode: str = "auto") -> bool:
     if mode != "auto":
         raise ValueError(f"mode must be auto, bind or connect, got {mode!r}")
     return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
+
+
+@dataclass(frozen=True)
+class KVEventsConfig:
+    """``triollm serve --kv-events-*``: where the events go and in which shape.
+
+    ``topic_prefix``: ``kv@<host>:<port>`` (the server's own address, llm-d's
+    convention); the served model's id is appended as ``@<model>``."""
+
+    endpoint: str
+    replay_endpoint: str | None = None
+    encoding: str = "array"
+    mode: str = "auto"
+    topic_prefix: str = "kv"
+
+    def __post_init__(self) -> None:
+        for name, value in (("endpoint", self.endpoint), ("replay-endpoint", self.replay_endpoint)):
+            if value is not None and not value.startswith(("tcp://", "ipc://", "inproc://")):
+                raise ValueError(
+                    f"--kv-events-{name} must be a ZMQ address (tcp://HOST:PORT, ipc://PATH), "
+                    f"got {value!r}"
+                )
+        if self.encoding not in ENCODINGS:
+            raise ValueError(f"--kv-events-encoding must be one of {ENCODINGS}")
+        binds(self.endpoint, self.mode)  # refuses an unknown mode
+
+    def publisher(self, model_id: str) -> KVEventPublisher:
+        return KVEventPublisher(
+            self.endpoint,
+            topic=f"{self.topic_prefix}@{model_id}",
+            replay_endpoint=self.replay_endpoint,
+            encoding=self.encoding,
+            mode=self.mode,
+        )
 
 
 @dataclass
@@ -188,8 +222,11 @@ class KVEventPublisher:
             self._pub.send_multipart(
                 (self._topic, _SEQ.pack(seq), payload), flags=self._zmq.NOBLOCK
             )
-        except self._zmq.Again:
-            self.dropped_batches += 1  # the gap in the sequence tells the subscriber
+        except self._zmq.ZMQError:
+            # Past the high-water mark (Again) or a socket gone: this runs inside the
+            # batch loop, where raising would fail every request. The batch stays in
+            # the replay buffer and the gap in the sequence tells the subscriber.
+            self.dropped_batches += 1
         self.published_events += len(events)
         return seq
 
@@ -222,6 +259,44 @@ class KVEventPublisher:
         if self._replay is not None:
             self._replay.close(linger=0)
         self._ctx.term()
+
+
+class KVEventsFeed:
+    """The service's observer with the KV events added: after every step the
+    manager's recorded events are drained and published as one batch.
+
+    The service calls its observer's ``step`` in the batch loop right after the
+    step's commit, so the events leave in the manager's order, from the task that
+    changed the cache, and the manager never sees the socket. Events recorded by an
+    admission (an eviction to make room) go out with the next step, which always
+    follows an admission, still in order. Every other hook goes to ``inner`` (the
+    metrics) unchanged."""
+
+    def __init__(
+        self, inner: Any, drain: Callable[[], Sequence[Any]], publisher: KVEventPublisher
+    ) -> None:
+        self.inner = inner
+        self.drain = drain
+        self.publisher = publisher
+
+    def flush(self) -> int | None:
+        return self.publisher.publish(self.drain())
+
+    def admitted(self, prompt_tokens: int, queue_seconds: float, choices: int = 1) -> None:
+        self.inner.admitted(prompt_tokens, queue_seconds, choices)
+
+    def token(self, first: bool, seconds_since_previous: float) -> None:
+        self.inner.token(first, seconds_since_previous)
+
+    def finished(self, reason: Any, e2e_seconds: float) -> None:
+        self.inner.finished(reason, e2e_seconds)
+
+    def ended_early(self, reason: Any) -> None:
+        self.inner.ended_early(reason)
+
+    def step(self, rows: int, width: int) -> None:
+        self.inner.step(rows, width)
+        self.flush()
 
 
 # ------------------------------------------------------------------- the reading side
