@@ -92,6 +92,30 @@ def configure(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="allow a non-loopback --host (add --api-key: there is no authentication otherwise)",
     )
+    ev = parser.add_argument_group("KV events for prefix-aware routers (docs/scale-out.md)")
+    ev.add_argument(
+        "--kv-events-endpoint",
+        metavar="ADDR",
+        help="publish KV events (vLLM's format) on this ZMQ PUB address, e.g. "
+        "tcp://127.0.0.1:5557 (needs the events extra; default: none)",
+    )
+    ev.add_argument(
+        "--kv-events-replay-endpoint",
+        metavar="ADDR",
+        help="serve missed events to late subscribers on this ZMQ ROUTER address (bound)",
+    )
+    ev.add_argument(
+        "--kv-events-encoding",
+        choices=("array", "map"),
+        default="array",
+        help="array: vLLM's positional events (llm-d); map: named fields (vllm-router)",
+    )
+    ev.add_argument(
+        "--kv-events-mode",
+        choices=("auto", "bind", "connect"),
+        default="auto",
+        help="auto (vLLM's rule): bind a wildcard or ipc address, connect to a named host",
+    )
     net.add_argument(
         "--metrics-names",
         choices=("triollm", "vllm"),
@@ -251,6 +275,7 @@ class Stack:
     warm_prompt: list[int]
     app: Lifetime | None = None  # set by serve_stack while it serves
     max_body_bytes: int = 0  # the body limit in force (413 past it)
+    kv_publisher: Any = None  # a kvevents.KVEventPublisher with --kv-events-endpoint
 
 
 # The configs name their own fields; a user typed flags. Longest names first, so
@@ -316,6 +341,7 @@ def build_stack(
     tool_call_parser: ToolCallFormat | None = None,
     door: DoorPolicy | None = None,
     metrics_names: str = "triollm",
+    kv_events: Any = None,
 ) -> Stack:
     """Scheduler + Batch + Service + app for ``loaded``, sized by ``sizing.py``.
 
@@ -353,13 +379,31 @@ def build_stack(
         sched_config.block_size, sched_config.num_blocks, sched_config.prefix_cache
     )
     tokenizer = loaded.tokenizer
+    observer: Any = metrics
+    publisher = None
+    if kv_events is not None:  # a kvevents.KVEventsConfig (issue 25)
+        from triollm.server.kvevents import KVEventsFeed
+
+        sched_config = dataclasses.replace(sched_config, kv_events=True)
+    scheduler = Scheduler(sched_config)
+    if kv_events is not None:
+        try:
+            publisher = kv_events.publisher(served_id)
+        except ImportError:
+            raise UserError(
+                "--kv-events-endpoint needs pyzmq and msgpack: pip install -e '.[events]'"
+            ) from None
+        # The first batch tells a router to forget what an earlier process on this
+        # address had cached (the manager records it; the first step publishes it).
+        scheduler.kv.clear_cache()
+        observer = KVEventsFeed(metrics, scheduler.kv.drain_events, publisher)
     service = Service(
-        Scheduler(sched_config),
+        scheduler,
         batch,
         detokenizer=partial(IncrementalDetokenizer, tokenizer),
         token_texts=tokenizer,
         config=service_config,
-        observer=metrics,
+        observer=observer,
     )
     metrics.bind(service.scheduler.statistics, lambda: service.internal_running)
     served = ServedModel(
@@ -407,7 +451,16 @@ def build_stack(
     def app_in(nursery: trio.Nursery) -> Lifetime:
         return make_app(drain_nursery=nursery)
 
-    return Stack(service, app_in, metrics, served, report, warm, max_body_bytes=max_body_bytes)
+    return Stack(
+        service,
+        app_in,
+        metrics,
+        served,
+        report,
+        warm,
+        max_body_bytes=max_body_bytes,
+        kv_publisher=publisher,
+    )
 
 
 async def serve_stack(
@@ -425,7 +478,14 @@ async def serve_stack(
     try:
         async with trio.open_nursery() as nursery:
             frontend = partial(serve_http, stack.service, stack.make_app, http, shutdown)
-            serving: Serving = await nursery.start(stack.service.run, frontend)
+
+            async def service(*, task_status: trio.TaskStatus[Serving]) -> None:
+                await stack.service.run(frontend, task_status=task_status)
+                nursery.cancel_scope.cancel()  # the KV events' replay server ends with it
+
+            if stack.kv_publisher is not None:
+                nursery.start_soon(stack.kv_publisher.serve_replay)
+            serving: Serving = await nursery.start(service)
             stack.app = serving.app
             await stack.service.warm_up(stack.warm_prompt, SamplingParams(temperature=0.0))
             task_status.started(serving.binds)
@@ -433,6 +493,8 @@ async def serve_stack(
         # The grammar sandbox's idle children (they would also exit with the process).
         if stack.served.grammars is not None:
             stack.served.grammars.close()
+        if stack.kv_publisher is not None:
+            stack.kv_publisher.close()
 
 
 async def _main(stack: Stack, http: HttpConfig) -> None:
@@ -506,6 +568,26 @@ def configs_from_args(args: argparse.Namespace) -> tuple[Capacity, ServiceConfig
     return capacity, service_config
 
 
+def _kv_events(args: argparse.Namespace) -> Any:
+    """The --kv-events-* flags as a kvevents.KVEventsConfig (None: no events)."""
+    if args.kv_events_endpoint is None:
+        if args.kv_events_replay_endpoint is not None:
+            raise UserError("--kv-events-replay-endpoint needs --kv-events-endpoint")
+        return None
+    from triollm.server.kvevents import KVEventsConfig
+
+    try:
+        return KVEventsConfig(
+            args.kv_events_endpoint,
+            args.kv_events_replay_endpoint,
+            encoding=args.kv_events_encoding,
+            mode=args.kv_events_mode,
+            topic_prefix=f"kv@{args.host}:{args.port}",
+        )
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+
+
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     if not _is_loopback(args.host) and not args.public:
@@ -540,6 +622,7 @@ def run(args: argparse.Namespace) -> int:
     if args.model_name is not None and not args.model_name:
         raise UserError("--model-name must not be empty")
     capacity, service_config = configs_from_args(args)
+    kv_events = _kv_events(args)  # refused before the model loads, not after
     from triollm.model.loader import load_model
 
     model_dir = _model_dir(args)
@@ -555,6 +638,7 @@ def run(args: argparse.Namespace) -> int:
         else (None if _chosen_model_dir(args) is not None else DEMO_MODEL_NAME),
         door=door,
         metrics_names=args.metrics_names,
+        kv_events=kv_events,
     )
     print(
         f"triollm: loaded {model_dir} in {time.monotonic() - started:.1f} s\n"
