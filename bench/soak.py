@@ -13,6 +13,10 @@
   invalid UTF-8, deep nesting, a non-JSON content type) that must get a 4xx;
 - ``big``: a prompt body just under the body limit, which cannot fit the context.
 
+Before the mix, bench/hostile.py's probes run at the issue's sizes (grammars, schemas,
+tools and prompts that crashed or froze the server), each beside a neighbour stream
+whose largest gap is printed (``--no-hostile`` skips them).
+
 It prints the outcomes, throughput, TTFT and inter-token latency (p50/p99) and the
 peak RSS, then checks, once the server is idle: every KV block back, no request
 and no task left, RSS growth within ``--rss-bound-mib``, the same greedy text as
@@ -38,6 +42,7 @@ from typing import Any
 import trio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import hostile
 from loadkit import (
     FIXTURE_MODEL,
     Reply,
@@ -231,9 +236,14 @@ async def soak(
     seed: int = 0,
     rss_bound_mib: float = 200.0,
     stack_kwargs: dict[str, Any] | None = None,
+    hostile_probes: bool = False,
     out: Any = sys.stdout,
 ) -> dict[str, Any]:
-    """Run the soak; returns the figures and the list of failed checks (``failures``)."""
+    """Run the soak; returns the figures and the list of failed checks (``failures``).
+
+    ``hostile_probes``: first run bench/hostile.py's probes at the issue's sizes, each
+    beside a neighbour stream (``just soak`` does; the CI soak leaves them to
+    tests/server/test_hostile_grammars.py, at small sizes)."""
     rng = random.Random(seed)
     tally = Tally()
     kwargs = {"slots": 4, "context_tokens": 256, "queue_depth_per_slot": 2} | (stack_kwargs or {})
@@ -241,6 +251,14 @@ async def soak(
         stack.served_body_limit = stack.max_body_bytes
         model = stack.served.id
         first = await greedy_text(stack.port, model)
+        probe_wrong: list[str] = []
+        if hostile_probes:
+            await trio.to_thread.run_sync(stack.served.grammars.start)  # as `serve` does
+            print("hostile probes (issue 28's sizes), each beside a neighbour stream:", file=out)
+            results = await hostile.run_all(stack.port, model, full=True)
+            probe_wrong = hostile.report(results, out)
+            gaps = [r.neighbour_gap_s * 1000 for r in results]
+            print(f"  neighbour's largest gap over all probes: {max(gaps):.0f} ms", file=out)
         # A first round of every kind settles the allocator and the caches; RSS is
         # measured from there, so growth means a leak, not warm-up.
         runner = Soak(stack, rng, tally)
@@ -278,7 +296,7 @@ async def soak(
         last = await greedy_text(stack.port, model)
         stats = stack.service.scheduler.statistics()
 
-    failures = list(tally.wrong)
+    failures = list(tally.wrong) + probe_wrong
     if tally.server_errors:
         failures.append(f"{len(tally.server_errors)} server errors: {tally.server_errors[:3]}")
     if stats.blocks_free != stats.blocks_total:
@@ -348,6 +366,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--clients", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--rss-bound-mib", type=float, default=200.0)
+    p.add_argument(
+        "--no-hostile", action="store_true", help="skip bench/hostile.py's probes at the start"
+    )
     args = p.parse_args(argv)
     figures = trio.run(
         lambda: soak(
@@ -357,6 +378,7 @@ def main(argv: list[str] | None = None) -> int:
             clients=args.clients,
             seed=args.seed,
             rss_bound_mib=args.rss_bound_mib,
+            hostile_probes=not args.no_hostile,
         )
     )
     return 1 if figures["failures"] else 0

@@ -553,6 +553,11 @@ class GrammarCache:
             while len(table) > size:
                 table.popitem(last=False)
 
+    def start(self) -> None:
+        """Start a sandbox child ahead of the first grammar (blocking: off the loop)."""
+        if self._sandbox is not None:
+            self._sandbox.start()
+
     def close(self) -> None:
         """Stop the sandbox's idle children (they also exit with this process)."""
         if self._sandbox is not None:

@@ -244,6 +244,23 @@ class GrammarSandbox:
             error = str(answer.get("error", "refused"))
             raise SandboxRefusal(f"is not supported: {error}", deterministic=True)
 
+    def start(self) -> None:
+        """Start one child now, so the first grammar does not wait for its start-up
+        (the interpreter, the library, the vocabulary: ~1 s on a busy 2-core machine).
+        Blocking: call it off the loop."""
+        with self._cond:
+            if self._idle or self._started >= self._workers:
+                return
+            self._started += 1
+        try:
+            child = _Child(self._setup)
+        except BaseException:
+            with self._cond:
+                self._started -= 1
+                self._cond.notify()
+            raise
+        self._give_back(child, keep=True)
+
     def _take(self) -> _Child:
         with self._cond:
             while not self._idle and self._started >= self._workers:

@@ -1,0 +1,39 @@
+"""Hostile grammars, schemas, tools and prompts against a live server (issue 28, N1-N3).
+
+bench/hostile.py's generator at sizes just past each limit: every probe gets a shaped
+4xx naming its field (or a 200 for the legitimate shapes: a recursive tree, a wide
+object), the server still answers /health, and a neighbour stream running beside
+each probe gets its usual greedy text. Before the fixes the first probe killed the
+process (SIGSEGV), so the server here runs in a subprocess-free trio run only because
+the fixes hold; tests/model/test_grammar_limits.py is the crash test in a subprocess.
+
+No timing is asserted beyond a liveness bound (bench/hostile.LIVENESS_S); the
+neighbour's largest gap is printed, and the soak reports it at full size.
+"""
+
+from __future__ import annotations
+
+import io
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+
+import hostile
+from loadkit import running_server
+
+
+async def test_hostile_constraints_and_prompts_are_refused_by_name_and_the_neighbour_streams_on():
+    async with running_server(slots=2) as stack:
+        results = await hostile.run_all(stack.port, stack.served.id, full=False)
+    out = io.StringIO()
+    wrong = hostile.report(results, out)
+    print(out.getvalue())
+    assert wrong == [], out.getvalue()
+    names = {r.probe.name for r in results}
+    assert {"schema: $ref chain", "grammar: rule chain", "tools: $ref chain"} <= names
+    assert {"prompt: empty messages", "schema: allOf of patterns"} <= names
+    fields = {r.probe.name: (r.error or {}).get("param") for r in results}
+    assert fields["schema: $ref chain"] == "response_format.json_schema.schema"
+    assert fields["grammar: rule chain"] == "guided_grammar"
+    assert fields["prompt: empty messages"] == "messages"
