@@ -525,6 +525,11 @@ async def _main(stack: Stack, http: HttpConfig) -> None:
         binds = await nursery.start(server)
         for bind in binds:
             print(f"triollm: serving {stack.served.id} on {bind} (ready)", file=sys.stderr)
+        if stack.served.grammars is not None:
+            # A grammar sandbox child now, so the first constrained request does not
+            # wait ~1 s for its start-up (model/grammar_sandbox.py). Not in serve_stack:
+            # the test suite's hundred servers would each start one.
+            await trio.to_thread.run_sync(stack.served.grammars.start)
 
 
 BIND_ERRNOS = frozenset({errno.EADDRINUSE, errno.EADDRNOTAVAIL, errno.EACCES})
