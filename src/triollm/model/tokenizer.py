@@ -693,24 +693,33 @@ class Tokenizer:
             template_kwargs=template_kwargs,
         )
         self._check_limit(text, limit)
-        forged = [
-            i
-            for i, m in enumerate(messages)
-            if isinstance(m.get("content"), str)
-            and self._control_re is not None
-            and self._control_re.search(m["content"])
-        ]
-        if not forged:
+        if self._control_re is None:
             return self.encode(text, add_special_tokens=True)  # limit checked above
-        spans = self._content_spans(messages, text, add_generation_prompt, tools, template_kwargs)
+        # Every string the client wrote (contents, names, tool calls and their
+        # arguments, tool definitions, template variables) that spells a control token
+        # is marked; without any, the text is tokenized as it is.
+        marks = _Marks(self._control_re)
+        marked_messages = [
+            {k: v if k == "role" else marks.mark(v, f"messages[{i}].{k}") for k, v in m.items()}
+            for i, m in enumerate(messages)
+        ]
+        marked_tools = None if tools is None else marks.mark(tools, "tools")
+        marked_kwargs = (
+            None
+            if template_kwargs is None
+            else {k: marks.mark(v, f"chat_template_kwargs.{k}") for k, v in template_kwargs.items()}
+        )
+        if not marks.originals:
+            return self.encode(text, add_special_tokens=True)  # limit checked above
+        spans = self._client_spans(
+            marks, text, marked_messages, add_generation_prompt, marked_tools, marked_kwargs
+        )
         if spans is None:
-            i = forged[0]
-            found = self._control_re.search(messages[i]["content"])  # type: ignore[union-attr]
+            where, found = marks.first
             raise UserError(
-                f"'messages[{i}].content' holds the control token "
-                f"{found.group(0) if found else ''!r}, and this model's chat template "
-                "changes the text it is given, so it cannot be kept as plain text: "
-                "remove it from the message"
+                f"'{where}' holds the control token {found!r}, and this model's chat "
+                "template changes the text it is given, so it cannot be kept as plain "
+                f"text: remove it from '{where}'"
             )
         enc = _encode(self._hf, text)
         ids: list[int] = []
@@ -740,49 +749,51 @@ class Tokenizer:
             self._plain = plain
         return self._plain
 
-    def _content_spans(
+    def _client_spans(
         self,
-        messages: list[dict[str, Any]],
+        marks: _Marks,
         text: str,
+        messages: list[dict[str, Any]],
         add_generation_prompt: bool,
-        tools: list[dict[str, Any]] | None = None,
-        template_kwargs: Mapping[str, Any] | None = None,
+        tools: Any,
+        template_kwargs: Mapping[str, Any] | None,
     ) -> list[tuple[int, int]] | None:
-        """Where each message's text sits in the rendered ``text``, as character spans;
-        None when the template does not copy the messages' text verbatim.
+        """Where the client's marked strings sit in the rendered ``text``, as character
+        spans; None when the template does not copy them recognizably.
 
-        Found by rendering again with each text replaced by a unique marker: if putting
-        the texts back in place of the markers gives ``text`` exactly, the spans are known.
+        Found by rendering again with each such string replaced by a unique marker: the
+        text between markers must be the same, and at each marker the text must hold the
+        string as it was (or as JSON spells it: a template writes tools with tojson).
         """
-        marks = [f"\ue000{i}\ue001" for i in range(len(messages))]
-        marked = [
-            {**m, "content": marks[i]} if isinstance(m.get("content"), str) else m
-            for i, m in enumerate(messages)
-        ]
         try:
             skeleton = self.apply_chat_template(
-                marked,
+                messages,
                 add_generation_prompt=add_generation_prompt,
                 tools=tools,
                 template_kwargs=template_kwargs,
             )
-        except (UserError, ChatTemplateError):
+        except (UserError, ChatTemplateError, FieldError):
             return None
-        pattern = re.compile("\ue000(\\d+)\ue001")
         spans: list[tuple[int, int]] = []
-        out: list[str] = []
-        pos = 0
-        length = 0
-        for m in pattern.finditer(skeleton):
-            out.append(skeleton[pos : m.start()])
-            length += m.start() - pos
-            content = messages[int(m.group(1))]["content"]
-            spans.append((length, length + len(content)))
-            out.append(content)
-            length += len(content)
-            pos = m.end()
-        out.append(skeleton[pos:])
-        return spans if "".join(out) == text else None
+        pos = 0  # in text
+        last = 0  # in skeleton
+        found = list(_MARK.finditer(skeleton))
+        for n, m in enumerate(found):
+            between = skeleton[last : m.start()]
+            if not text.startswith(between, pos):
+                return None
+            pos += len(between)
+            after = skeleton[m.end() : found[n + 1].start() if n + 1 < len(found) else None]
+            original = marks.originals[int(m.group(1))]
+            for form in _spellings(original):
+                if text.startswith(form, pos) and text.startswith(after, pos + len(form)):
+                    spans.append((pos, pos + len(form)))
+                    pos += len(form)
+                    break
+            else:
+                return None
+            last = m.end()
+        return spans if text[pos:] == skeleton[last:] else None
 
 
 def _encode(hf: _HFTokenizer, text: str) -> Any:
@@ -823,6 +834,43 @@ def _normalizer_bound(spec: Any) -> tuple[str | None, int]:
     if kind in _FORMS:
         return _FORMS[kind], 1
     return None, 2
+
+
+_MARK = re.compile("\ue000(\\d+)\ue001")
+
+
+class _Marks:
+    """Replaces each client string that spells a control token with a unique marker
+    (private-use characters no tokenizer merges with text), remembering the original
+    and where it came from (for the error that names it)."""
+
+    def __init__(self, control: re.Pattern[str]) -> None:
+        self.control = control
+        self.originals: list[str] = []
+        self.first: tuple[str, str] = ("", "")
+
+    def mark(self, value: Any, where: str) -> Any:
+        if isinstance(value, str):
+            found = self.control.search(value)
+            if found is None:
+                return value
+            if not self.originals:
+                self.first = (where, found.group(0))
+            self.originals.append(value)
+            return f"\ue000{len(self.originals) - 1}\ue001"
+        if isinstance(value, dict):
+            return {
+                self.mark(k, f"{where}.{k}"): self.mark(v, f"{where}.{k}") for k, v in value.items()
+            }
+        if isinstance(value, list | tuple):
+            return [self.mark(v, f"{where}[{i}]") for i, v in enumerate(value)]
+        return value
+
+
+def _spellings(text: str) -> list[str]:
+    """How a template may have written ``text``: as it is, or inside a JSON string."""
+    forms = [text, json.dumps(text, ensure_ascii=False)[1:-1], json.dumps(text)[1:-1]]
+    return list(dict.fromkeys(forms))
 
 
 def _cut(text: str, limit: int = 300) -> str:
