@@ -191,11 +191,32 @@ async def failover(args: argparse.Namespace, sig: signal.Signals) -> Record:
 
 
 VLLM_ROUTER_PORT = 30000
+KV_EVENTS_PORT = 5557  # each replica on its own address, so every one uses vLLM's port
+# Each replica substitutes its own address for {host} (ClusterConfig formats it).
+KV_EVENT_SERVE_ARGS = (
+    "--kv-events-endpoint",
+    f"tcp://{{host}}:{KV_EVENTS_PORT}",
+    "--kv-events-mode",
+    "bind",
+    "--kv-events-encoding",
+    "map",
+)
 
 
 def moved(after: list[dict[str, float]], before: list[dict[str, float]], name: str) -> list[float]:
     """How far series ``name`` moved on each replica between two scrapes."""
     return [series(a, name) - series(b, name) for a, b in zip(after, before, strict=True)]
+
+
+def kv_aware_args(cluster: Cluster, policy: str) -> list[str]:
+    """vllm-router's kv_aware flags: each replica's KV events address, the block
+    size and the model (the replicas' --kv-events-* flags are KV_EVENT_SERVE_ARGS)."""
+    if policy != "kv_aware":
+        return []
+    out = ["--kv-event-block-size", "32", "--kv-event-model", "triollm-demo"]
+    for r in cluster.replicas:
+        out += ["--kv-event-source", f"{r.url}=tcp://{r.endpoint.host}:{KV_EVENTS_PORT}"]
+    return out
 
 
 async def start_vllm_router(cluster: Cluster, policy: str) -> tuple[Any, str]:
@@ -219,6 +240,7 @@ async def start_vllm_router(cluster: Cluster, policy: str) -> tuple[Any, str]:
             policy,
             "--worker-urls",
             *(r.url for r in cluster.replicas),
+            *kv_aware_args(cluster, policy),
         ],
         stdout=log,
         stderr=log,
@@ -290,12 +312,15 @@ async def prefix(args: argparse.Namespace) -> Record:
         # "vllm-router:POLICY": vllm-router (PyPI) in front of the replicas instead of
         # Envoy, straight to their ports.
         router_policy = lb.split(":", 1)[1] if lb.startswith("vllm-router:") else None
+        serve_args = tuple(args.prefix_serve_args.split())
+        if router_policy == "kv_aware":  # vllm-router reads the map encoding
+            serve_args += KV_EVENT_SERVE_ARGS
         config = ClusterConfig(
             replicas=2,
             model=args.model,
             threads=args.threads,
             lb="round_robin" if router_policy else lb,
-            serve_args=tuple(args.prefix_serve_args.split()),
+            serve_args=serve_args,
         )
         async with trio.open_nursery() as nursery:
             cluster: Cluster = await nursery.start(Cluster(config).run)

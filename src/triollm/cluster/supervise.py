@@ -182,7 +182,8 @@ class Cluster:
             replica.endpoint.host,
             "--grace",
             f"{c.grace_s:g}",
-            *c.serve_args,
+            # "{host}" in a flag is this replica's address (e.g. its KV events socket).
+            *(a.replace("{host}", replica.endpoint.host) for a in c.serve_args),
         ]
         return argv
 
