@@ -37,3 +37,38 @@ async def test_hostile_constraints_and_prompts_are_refused_by_name_and_the_neigh
     assert fields["schema: $ref chain"] == "response_format.json_schema.schema"
     assert fields["grammar: rule chain"] == "guided_grammar"
     assert fields["prompt: empty messages"] == "messages"
+
+
+async def test_a_large_body_is_parsed_off_the_event_loop(monkeypatch):
+    # 20,000 empty messages (660 KB) took 0.3-0.7 s to parse, on the loop: every stream
+    # froze meanwhile (the largest neighbour gap of the hostile probes).
+    import threading
+
+    import httpx
+    import trio
+
+    from triollm.server import app as app_module
+
+    threads: list[str] = []
+    parse = app_module.parse_chat
+
+    def recording(raw: bytes) -> object:
+        threads.append(threading.current_thread().name)
+        return parse(raw)
+
+    monkeypatch.setattr(app_module, "parse_chat", recording)
+    async with running_server(slots=2) as stack:
+        body = {
+            "model": stack.served.id,
+            "max_tokens": 2,
+            "messages": [{"role": "user", "content": ""}] * 3000,
+        }
+        url = f"http://127.0.0.1:{stack.port}/v1/chat/completions"
+        r = await trio.to_thread.run_sync(lambda: httpx.post(url, json=body, timeout=60))
+        assert r.status_code == 400
+        small = body | {"messages": [{"role": "user", "content": "hi"}]}
+        r = await trio.to_thread.run_sync(lambda: httpx.post(url, json=small, timeout=60))
+        assert r.status_code == 200
+    main = threading.main_thread().name
+    assert threads[0] != main  # the large body: a worker thread
+    assert threads[1] == main  # a small one: not worth a thread
