@@ -11,7 +11,9 @@ that one to rejoin and serve again.
 
 from __future__ import annotations
 
+import random
 import signal
+import socket
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -32,6 +34,21 @@ from triollm.cluster.supervise import ClusterConfig
 ROOT = Path(__file__).resolve().parents[2]
 SHIPPED = ROOT / "deploy" / "envoy" / "envoy.yaml"
 FIXTURE_MODEL = ROOT / "tests" / "fixtures" / "models" / "llama-gqa-f32"
+
+
+def free_port(*hosts: str) -> int:
+    """A port free on every one of ``hosts`` now (the OS picks it on the first)."""
+    while True:
+        with socket.socket() as first:
+            first.bind((hosts[0], 0))
+            port = first.getsockname()[1]
+            try:
+                for host in hosts[1:]:
+                    with socket.socket() as other:
+                        other.bind((host, port))
+            except OSError:
+                continue
+            return port
 
 
 def _route(config: dict[str, Any]) -> dict[str, Any]:
@@ -116,18 +133,22 @@ async def test_a_replica_sigtermed_then_one_sigkilled_under_load() -> None:
     from triollm.cluster.load import closed_loop, counts, story_body
     from triollm.cluster.supervise import Cluster
 
+    # Ports the OS hands out, on addresses drawn at random: another suite running the
+    # same test on this host at the same time (a shared CI runner, two worktrees)
+    # must not collide with this one, nor with a developer's cluster on 8080/9901.
+    first = random.randrange(20, 200)
+    replica_port = free_port(f"127.0.0.{first}", f"127.0.0.{first + 1}")
     config = ClusterConfig(
         replicas=2,
         model=str(FIXTURE_MODEL),
         threads=1,
         grace_s=30,
-        # Ports away from a developer's own cluster on 8080/9901.
-        listen=Endpoint("127.0.0.1", 18080),
-        admin=Endpoint("127.0.0.1", 19901),
-        replica_port=18000,
-        first_octet=41,
+        listen=Endpoint("127.0.0.1", free_port("127.0.0.1")),
+        admin=Endpoint("127.0.0.1", free_port("127.0.0.1")),
+        replica_port=replica_port,
+        first_octet=first,
     )
-    url = "http://127.0.0.1:18080/v1/completions"
+    url = f"http://127.0.0.1:{config.listen.port}/v1/completions"
     with trio.fail_after(280):
         async with trio.open_nursery() as nursery:
             cluster: Cluster = await nursery.start(Cluster(config).run)
