@@ -32,6 +32,7 @@ from typing import Any
 
 from triollm.errors import FieldError
 from triollm.kv import blocks_for
+from triollm.model.kvcache import DEFAULT_KV_DTYPE, KVDtype
 from triollm.policies import Policy, SchedulingPolicy
 from triollm.scheduler import SchedulerConfig
 
@@ -75,6 +76,9 @@ class Capacity:
     # opening (docs/prefix-cache.md); results are bit-identical either way. A bare
     # SchedulerConfig leaves it off. ``--prefix-cache off`` restores the plain pool.
     prefix_cache: bool = True
+    # The KV cache's element type (model/kvcache.py): the pool's bytes per position,
+    # so how many blocks a --kv-memory budget holds, follow it.
+    kv_dtype: KVDtype = DEFAULT_KV_DTYPE
 
     def resolve(self, max_positions: int, bytes_per_position: int) -> SchedulerConfig:
         """The scheduler config for a model of ``max_positions`` whose K/V takes
@@ -141,6 +145,7 @@ class MemoryReport:
     kv_bytes_per_position: int
     scheduler: SchedulerConfig
     lines: tuple[str, ...] = field(default=())  # the caller's own lines (queue, step budget)
+    kv_dtype: KVDtype = DEFAULT_KV_DTYPE  # the element type kv_bytes_per_position counts
 
     @property
     def pool_positions(self) -> int:
@@ -154,7 +159,7 @@ class MemoryReport:
             [
                 f"weights: {self.weight_bytes / mib:.1f} MiB",
                 f"KV cache: {self.kv_bytes_per_position} bytes per position"
-                " (float32 K+V, all layers)",
+                f" ({self.kv_dtype.value} K+V, all layers)",
                 f"pool: {s.num_blocks} blocks x {s.block_size} positions = "
                 f"{self.pool_positions} positions = {kv_total / mib:.1f} MiB",
                 f"slots: {s.slots}; context: {s.context_tokens} positions per sequence",

@@ -16,6 +16,7 @@ import pytest
 from fixture_models import loaded
 
 from triollm.batch import BadChunks, Batch
+from triollm.model.kvcache import DEFAULT_KV_DTYPE, KVDtype
 from triollm.model.loader import LoadedModel
 from triollm.model.sampling import SamplingParams
 from triollm.plan import ChunkPlan, StepPlan
@@ -94,8 +95,10 @@ class Driver:
             self.step += 1
 
 
-def run_alone(model: LoadedModel, s: Seq, poison: float | None = None) -> list[int]:
-    batch = Batch(model, num_blocks=NUM_BLOCKS, block_size=BLOCK)
+def run_alone(
+    model: LoadedModel, s: Seq, poison: float | None = None, kv_dtype: KVDtype = DEFAULT_KV_DTYPE
+) -> list[int]:
+    batch = Batch(model, num_blocks=NUM_BLOCKS, block_size=BLOCK, kv_dtype=kv_dtype)
     if poison is not None:
         batch.kv.k[:] = poison
         batch.kv.v[:] = poison
@@ -148,10 +151,14 @@ def test_a_seeded_sample_is_the_same_whatever_shares_the_batch() -> None:
 
 
 def test_positions_outside_a_sequence_are_never_read() -> None:
-    """A pool full of NaN: unused blocks and the reserved tail of a table are never read."""
+    """A pool full of NaN: unused blocks and the reserved tail of a table are never read.
+
+    A float32 pool: NaN is a float32 value (16-bit caches widen NaN bits to a
+    finite number, which would hide a read)."""
     model = loaded("qwen2-bias-f32")
     target = Seq(1, prompt(2, 33), chunk=33, want=20)
-    assert run_alone(model, target, poison=np.nan) == run_alone(model, target)
+    poisoned = run_alone(model, target, poison=np.nan, kv_dtype=KVDtype.F32)
+    assert poisoned == run_alone(model, target, kv_dtype=KVDtype.F32)
 
 
 def test_a_neighbours_kv_cannot_reach_another_sequence() -> None:
@@ -194,11 +201,18 @@ def test_add_remove_and_sizes() -> None:
     model = loaded("llama-gqa-f32")
     batch = Batch(model, num_blocks=4, block_size=16)
     c = model.config
+    per_value = {KVDtype.F16: 2, KVDtype.BF16: 2, KVDtype.F32: 4}[DEFAULT_KV_DTYPE]
     assert (
         batch.kv_bytes_per_position
-        == 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * 4
+        == 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * per_value
     )
     assert batch.kv_bytes_total == batch.kv_bytes_per_position * 4 * 16
+    q8 = Batch(model, num_blocks=4, block_size=16, kv_dtype=KVDtype.Q8_0)
+    scales = -(-c.head_dim // 32) * 2  # one f16 scale per 32 values
+    assert q8.kv_bytes_per_position == 2 * c.num_hidden_layers * c.num_key_value_heads * (
+        c.head_dim + scales
+    )
+    assert q8.kv_bytes_total == q8.kv_bytes_per_position * 4 * 16
     batch.add(1, GenerationSpec([1, 2], GREEDY))
     with pytest.raises(ValueError, match="already"):
         batch.add(1, GenerationSpec([1, 2], GREEDY))

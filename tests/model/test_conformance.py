@@ -6,7 +6,9 @@ f16, mistral sliding window f32, qwen3_moe f32/bf16 and mixtral f32/f16
 mixtures of experts, gemma3 f32/bf16), transformers' greedy continuation of three
 prompts (one of ~290 tokens) and its logits. These tests need no torch: they
 load the directories with ``load_model`` and run them through a ``Batch``, the
-same path the server takes.
+same path the server takes. They keep the float32 KV cache: token-exact
+agreement is a claim about the arithmetic, and a 16-bit cache rounds each K/V
+(``test_kv_dtype.py`` holds those to the float32 cache instead).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import pytest
 from fixture_models import loaded
 
 from triollm.batch import Batch
+from triollm.model.kvcache import KVDtype
 from triollm.model.loader import LoadedModel
 from triollm.model.sampling import SamplingParams
 from triollm.plan import ChunkPlan, StepPlan
@@ -55,7 +58,7 @@ def rel_err(got: np.ndarray, want: np.ndarray) -> float:
 def generate_greedy(model: LoadedModel, prompt: list[int], n: int) -> tuple[list[int], list]:
     """Prefill in one chunk, then n-1 decode steps; return tokens and each step's logits."""
     table = tuple(range(-(-(len(prompt) + n) // BLOCK)))
-    batch = Batch(model, num_blocks=len(table), block_size=BLOCK)
+    batch = Batch(model, num_blocks=len(table), block_size=BLOCK, kv_dtype=KVDtype.F32)
     chunks = [ChunkPlan(0, tuple(prompt), 0, table, sample=True, prefill=True)]
     tokens: list[int] = []
     logits = []
@@ -88,7 +91,7 @@ def test_greedy_through_batch_run_matches_transformers(name: str) -> None:
     ids = prompt["prompt_ids"]
     n = summary["greedy_tokens"]
     table = tuple(range(-(-(len(ids) + n) // BLOCK)))
-    batch = Batch(model, num_blocks=len(table) + 3, block_size=BLOCK)
+    batch = Batch(model, num_blocks=len(table) + 3, block_size=BLOCK, kv_dtype=KVDtype.F32)
     batch.add(7, GenerationSpec(ids, SamplingParams(temperature=0.0)))
     chunk = ChunkPlan(7, tuple(ids), 0, table, sample=True, prefill=True)
     got: list[int] = []

@@ -6,7 +6,9 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from triollm.model import kernels
+from triollm.model import attention, kernels
+from triollm.model.config import ModelConfig
+from triollm.model.kvcache import KVDtype, PagedKVCache
 
 SETTINGS = settings(max_examples=40, deadline=None)
 
@@ -90,12 +92,13 @@ def test_silu_mul_gives_a_row_the_same_bits_alone_and_in_a_batch(f: int, seed: i
 
 @SETTINGS
 @given(
-    lens=st.lists(st.integers(1, 40), min_size=1, max_size=4),
+    lens=st.lists(st.integers(1, 100), min_size=1, max_size=4),
     n_kv=st.integers(1, 3),
     group=st.integers(1, 3),
     head_dim=st.sampled_from([2, 4, 8, 16]),
     block_size=st.sampled_from([1, 3, 4, 8]),
     window=st.sampled_from([0, 1, 5, 16]),
+    segment=st.sampled_from([32, 64, 1024]),
     seed=st.integers(0, 2**32 - 1),
 )
 def test_paged_attention_equals_dense_numpy(
@@ -105,13 +108,27 @@ def test_paged_attention_equals_dense_numpy(
     head_dim: int,
     block_size: int,
     window: int,
+    segment: int,
     seed: int,
 ) -> None:
     """Sequences of random lengths in shuffled blocks; each queried at random positions.
 
     The reference lays each sequence out densely, so a wrong block/offset lookup,
     a wrong GQA head, a leak across sequences or a wrong window bound all differ.
+    Short segments split these short contexts into several partial softmaxes,
+    so the merge is checked too.
     """
+    saved = attention.SEGMENT_POSITIONS
+    attention.SEGMENT_POSITIONS = segment
+    try:
+        _attention_equals_dense(lens, n_kv, group, head_dim, block_size, window, seed)
+    finally:
+        attention.SEGMENT_POSITIONS = saved
+
+
+def _attention_equals_dense(
+    lens: list[int], n_kv: int, group: int, head_dim: int, block_size: int, window: int, seed: int
+) -> None:
     rng = rng_for(seed)
     n_heads = n_kv * group
     blocks_per_seq = [-(-length // block_size) for length in lens]
@@ -130,6 +147,7 @@ def test_paged_attention_equals_dense_numpy(
         dense_k.append(k_cache[tables[s, p // block_size], :, p % block_size])
         dense_v.append(v_cache[tables[s, p // block_size], :, p % block_size])
     rows = [(s, int(pos)) for s in range(len(lens)) for pos in rng.integers(0, lens[s], 2)]
+    rows += [(s, lens[s] - 1) for s in range(len(lens))]  # each sequence's last position
     q = f32(rng, len(rows), n_heads, head_dim)
     positions = np.array([pos for _, pos in rows], dtype=np.int64)
     row_chunk = np.array([s for s, _ in rows], dtype=np.int64)
@@ -151,24 +169,43 @@ def test_paged_attention_equals_dense_numpy(
 @given(
     window=st.sampled_from([0, 50]),
     head_dim=st.sampled_from([16, 64, 128]),
+    segment=st.sampled_from([64, 1024]),
+    dtype=st.sampled_from(list(KVDtype)),
     seed=st.integers(0, 2**32 - 1),
 )
 def test_paged_attention_gives_a_row_the_same_bits_alone_and_in_a_batch(
-    window: int, head_dim: int, seed: int
+    window: int, head_dim: int, segment: int, dtype: KVDtype, seed: int
 ) -> None:
-    """16 rows of one sequence at once, and each alone: identical bits (batch invariance)."""
+    """16 rows of one sequence at once, and each alone: identical bits (batch invariance).
+
+    The rows share query blocks and segments in the batch and have them to
+    themselves alone; the tiles, segments and merge order follow the row's own
+    position only, in every storage type of the cache.
+    """
+    saved = attention.SEGMENT_POSITIONS
+    attention.SEGMENT_POSITIONS = segment
+    try:
+        _row_alone_and_in_a_batch(window, head_dim, dtype, seed)
+    finally:
+        attention.SEGMENT_POSITIONS = saved
+
+
+def _row_alone_and_in_a_batch(window: int, head_dim: int, dtype: KVDtype, seed: int) -> None:
     rng = rng_for(seed)
     n_kv, group, block_size, length = 3, 3, 4, 300
     n_blocks = length // block_size
-    k_cache = f32(rng, n_blocks, n_kv, block_size, head_dim)
-    v_cache = f32(rng, n_blocks, n_kv, block_size, head_dim)
+    k_cache, v_cache, k_scale, v_scale = stored_cache(
+        rng, dtype, n_blocks, n_kv, block_size, head_dim
+    )
     tables = rng.permutation(n_blocks).astype(np.int64).reshape(1, n_blocks)
     positions = np.sort(rng.integers(200, length, 16)).astype(np.int64)
     row_chunk = np.zeros(16, np.int64)
     q = f32(rng, 16, n_kv * group, head_dim)
     scale = np.float32(0.25)
     batch = np.empty_like(q)
-    kernels.paged_attention(q, k_cache, v_cache, positions, row_chunk, tables, window, scale, batch)
+    kernels.paged_attention(
+        q, k_cache, v_cache, positions, row_chunk, tables, window, scale, batch, k_scale, v_scale
+    )
     for i in range(16):
         alone = np.empty_like(q[i : i + 1])
         kernels.paged_attention(
@@ -181,8 +218,89 @@ def test_paged_attention_gives_a_row_the_same_bits_alone_and_in_a_batch(
             window,
             scale,
             alone,
+            k_scale,
+            v_scale,
         )
         np.testing.assert_array_equal(alone[0], batch[i])
+
+
+def stored_cache(
+    rng: np.random.Generator, dtype: KVDtype, n_blocks: int, n_kv: int, bs: int, hd: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Random K and V for one layer, stored the way ``PagedKVCache.encode`` stores them."""
+    config = tiny_config(n_kv, hd)
+    kv = PagedKVCache(config, n_blocks, bs, dtype)
+    for cache, scales in ((kv.k, kv.k_scale), (kv.v, kv.v_scale)):
+        x = f32(rng, n_blocks * bs, n_kv, hd)
+        values, s = kv.encode(x)
+        cache[0] = values.reshape(n_blocks, bs, n_kv, hd).transpose(0, 2, 1, 3)
+        if s is not None:
+            scales[0] = s.reshape(n_blocks, bs, n_kv, -1).transpose(0, 2, 1, 3)
+    return kv.k[0], kv.v[0], kv.k_scale[0], kv.v_scale[0]
+
+
+def widened(cache: np.ndarray, scales: np.ndarray, dtype: KVDtype) -> np.ndarray:
+    """The float32 values a stored cache means (numpy's own conversions)."""
+    if dtype is KVDtype.F32:
+        return cache
+    if dtype is KVDtype.F16:
+        return cache.view(np.float16).astype(np.float32)
+    if dtype is KVDtype.BF16:
+        return (cache.astype(np.uint32) << np.uint32(16)).view(np.float32)
+    d = scales.view(np.float16).astype(np.float32)  # (..., head_dim // 32)
+    return cache.astype(np.float32) * np.repeat(d, 32, axis=-1)[..., : cache.shape[-1]]
+
+
+def tiny_config(n_kv: int, head_dim: int) -> ModelConfig:
+    return ModelConfig.from_dict(
+        {
+            "model_type": "llama",
+            "hidden_size": 8,
+            "intermediate_size": 8,
+            "num_hidden_layers": 1,
+            "num_attention_heads": n_kv,
+            "num_key_value_heads": n_kv,
+            "head_dim": head_dim,
+            "vocab_size": 8,
+            "max_position_embeddings": 64,
+        },
+        source="<test>",
+    )
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    dtype=st.sampled_from(list(KVDtype)),
+    head_dim=st.sampled_from([32, 64, 128]),
+    length=st.integers(1, 200),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_each_cache_type_attends_over_the_values_it_stores(
+    dtype: KVDtype, head_dim: int, length: int, seed: int
+) -> None:
+    """The kernel's widening (f16 bits, bf16 bits, q8_0 blocks) equals numpy's."""
+    rng = rng_for(seed)
+    n_kv, group, bs = 2, 2, 8
+    n_blocks = -(-length // bs)
+    k_cache, v_cache, k_scale, v_scale = stored_cache(rng, dtype, n_blocks, n_kv, bs, head_dim)
+    k = widened(k_cache, k_scale, dtype)  # (n_blocks, n_kv, bs, head_dim) float32
+    v = widened(v_cache, v_scale, dtype)
+    tables = np.arange(n_blocks, dtype=np.int64).reshape(1, n_blocks)
+    q = f32(rng, 1, n_kv * group, head_dim)
+    out = np.empty_like(q)
+    pos = np.array([length - 1], np.int64)
+    scale = np.float32(1 / np.sqrt(head_dim))
+    kernels.paged_attention(
+        q, k_cache, v_cache, pos, np.zeros(1, np.int64), tables, 0, scale, out, k_scale, v_scale
+    )
+    dense_k = k.transpose(0, 2, 1, 3).reshape(-1, n_kv, head_dim)[:length].astype(np.float64)
+    dense_v = v.transpose(0, 2, 1, 3).reshape(-1, n_kv, head_dim)[:length].astype(np.float64)
+    for h in range(n_kv * group):
+        scores = dense_k[:, h // group] @ q[0, h] * scale
+        p = np.exp(scores - scores.max())
+        np.testing.assert_allclose(
+            out[0, h], (p / p.sum()) @ dense_v[:, h // group], rtol=1e-4, atol=1e-5
+        )
 
 
 @SETTINGS
@@ -210,7 +328,9 @@ def test_kernels_release_the_gil_and_are_cached() -> None:
         kernels.rope,
         kernels.silu_mul,
         kernels.write_kv,
-        kernels.paged_attention,
+        attention._plan,
+        attention._attend,
+        attention._merge,
     ):
         assert kernel.targetoptions["nogil"] is True, kernel
         assert kernel._cache.__class__.__name__ == "FunctionCache", kernel

@@ -10,6 +10,7 @@ import pytest
 
 from triollm.errors import ModelLoadError
 from triollm.model.config import ModelConfig
+from triollm.model.kvcache import KVDtype
 from triollm.model.llama import LlamaModel, PagedKVCache, inverse_frequencies
 from triollm.model.matmul import PreparedWeight
 from triollm.model.weights import Checkpoint, expected_shapes, f32_to_bf16_bits
@@ -110,7 +111,10 @@ def test_every_parameter_buffer_and_output_is_float32() -> None:
         for key, buf in vars(model._scratch).items():
             if isinstance(buf, np.ndarray):
                 assert buf.dtype == np.float32, key
-        assert kv.k.dtype == np.float32 and kv.v.dtype == np.float32
+        # the cache stores its own element type (16-bit f16 bits by default)
+        assert kv.k.dtype == kv.dtype.storage and kv.v.dtype == kv.dtype.storage
+        f32_kv = PagedKVCache(model.config, num_blocks=4, block_size=32, dtype=KVDtype.F32)
+        assert f32_kv.k.dtype == np.float32 and f32_kv.v.dtype == np.float32
 
 
 def test_inverse_frequencies_are_float32_and_llama3_scales_only_low_frequencies() -> None:

@@ -18,6 +18,7 @@ from fixture_models import loaded
 from triollm import batch as batch_module
 from triollm.batch import BadChunks, Batch
 from triollm.kv import blocks_for
+from triollm.model.kvcache import KVDtype
 from triollm.model.loader import LoadedModel
 from triollm.model.sampling import SamplingParams, log_softmax
 from triollm.plan import ChunkPlan, PromptScores, SampledToken, StepPlan
@@ -25,6 +26,7 @@ from triollm.spec import GenerationSpec
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 MODEL_NAMES = sorted(p.name for p in (FIXTURES / "models").iterdir())
+F32 = KVDtype.F32  # every Batch here: scores are compared at TOL
 BLOCK = 8
 # Scored rows and sampled rows are the same float32 hidden states through the same
 # head, but a chunk's rows and one-row steps run attention in other orders: measured
@@ -56,8 +58,11 @@ def scored_chunks(seq_id: int, ids: list[int], chunk: int, table: tuple[int, ...
 
 
 def score(model: LoadedModel, ids: list[int], chunk: int, top_n: int = 0) -> list[PromptScores]:
-    """Score ``ids`` alone in chunks of ``chunk`` rows (max_tokens 0: nothing sampled)."""
-    batch = Batch(model, num_blocks=blocks_for(len(ids), BLOCK), block_size=BLOCK)
+    """Score ``ids`` alone in chunks of ``chunk`` rows (max_tokens 0: nothing sampled).
+
+    float32 KV cache here and below: these scores are held to transformers' and to
+    each other at TOL, which a 16-bit cache's rounding would exceed."""
+    batch = Batch(model, num_blocks=blocks_for(len(ids), BLOCK), block_size=BLOCK, kv_dtype=F32)
     batch.add(0, GenerationSpec(ids, SamplingParams(temperature=0.0, logprobs=top_n)))
     out = []
     for step, c in enumerate(scored_chunks(0, ids, chunk, table_for(len(ids)), sample=False)):
@@ -78,7 +83,7 @@ def flat(scores: list[PromptScores]) -> tuple[np.ndarray, list]:
 def sampled_logits(model: LoadedModel, ids: list[int]) -> np.ndarray:
     """The logits after each prefix of ``ids`` the way a decode step gets them: one
     token per step, the row sampled. ``(len(ids) - 1, vocab)`` float32."""
-    batch = Batch(model, num_blocks=blocks_for(len(ids), BLOCK), block_size=BLOCK)
+    batch = Batch(model, num_blocks=blocks_for(len(ids), BLOCK), block_size=BLOCK, kv_dtype=F32)
     table = table_for(len(ids))
     rows = []
     for p in range(len(ids) - 1):
@@ -119,7 +124,7 @@ def test_a_greedy_continuation_scores_what_the_decode_path_gave_each_token() -> 
     model = loaded("llama-tied-llama3-bf16")
     ids = prompt(5, 30)
     n = 12
-    batch = Batch(model, num_blocks=blocks_for(len(ids) + n, BLOCK), block_size=BLOCK)
+    batch = Batch(model, num_blocks=blocks_for(len(ids) + n, BLOCK), block_size=BLOCK, kv_dtype=F32)
     batch.add(0, GenerationSpec(ids, SamplingParams(temperature=0.0, logprobs=1)))
     table = table_for(len(ids) + n)
     chunk = ChunkPlan(0, tuple(ids), 0, table, sample=True, prefill=True)
@@ -143,7 +148,7 @@ def test_a_greedy_continuation_scores_what_the_decode_path_gave_each_token() -> 
 def run_neighbour(model: LoadedModel, beside: str) -> list[SampledToken]:
     """A seeded, logprob-returning neighbour B over 14 steps, beside request A's prompt
     (``beside``: "none", "plain" or "scored"). B's tokens, with their logprobs."""
-    batch = Batch(model, num_blocks=40, block_size=BLOCK)
+    batch = Batch(model, num_blocks=40, block_size=BLOCK, kv_dtype=F32)
     b_ids, a_ids = prompt(8, 21), prompt(9, 60)
     params = SamplingParams(temperature=1.5, top_p=0.95, seed=77, logprobs=5)
     batch.add(1, GenerationSpec(b_ids, params))
@@ -204,7 +209,7 @@ def test_a_neighbour_s_tokens_and_logprobs_are_bit_identical_beside_a_scored_pro
 
 def test_a_chunk_with_bad_score_ids_is_refused_before_anything_runs() -> None:
     model = loaded("llama-gqa-f32")
-    batch = Batch(model, num_blocks=4, block_size=BLOCK)
+    batch = Batch(model, num_blocks=4, block_size=BLOCK, kv_dtype=F32)
     batch.add(0, GenerationSpec([5, 6, 7], SamplingParams(temperature=0.0)))
     table = table_for(3)
     too_many = ChunkPlan(0, (5, 6), 0, table, False, True, score_ids=(6, 7, 8))

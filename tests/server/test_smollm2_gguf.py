@@ -40,7 +40,7 @@ def smollm2() -> Any:
 
 def greedy_together(loaded: Any, prompts: list[list[int]], lengths: list[int]) -> list[list[int]]:
     """Greedy continuations of every prompt, all sequences in each step (a ragged batch)."""
-    from triollm.model.llama import PagedKVCache
+    from triollm.model.kvcache import KVDtype, PagedKVCache
 
     eos = loaded.tokenizer.eos_token_ids
     tables, start = [], 0
@@ -48,7 +48,7 @@ def greedy_together(loaded: Any, prompts: list[list[int]], lengths: list[int]) -
         blocks = -(-(len(p) + n) // BLOCK)
         tables.append(tuple(range(start, start + blocks)))
         start += blocks
-    kv = PagedKVCache(loaded.config, start, BLOCK)
+    kv = PagedKVCache(loaded.config, start, BLOCK, KVDtype.F32)  # exact: vs transformers
     out: list[list[int]] = [[] for _ in prompts]
     live = list(range(len(prompts)))
     chunks = {

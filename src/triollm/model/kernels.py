@@ -25,6 +25,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
+from triollm.model.attention import paged_attention
 from triollm.model.threads import start_parallel_runtime
 
 start_parallel_runtime()  # passive OpenMP workers, before the first prange (threads.py)
@@ -105,9 +106,11 @@ def write_kv(
 ) -> None:
     """Store each row's K and V at its block and offset in one layer's pool.
 
-    k, v: (n, n_kv_heads, head_dim) float32; k_cache, v_cache:
-    (num_blocks, n_kv_heads, block_size, head_dim) float32; row_block,
-    row_offset: (n,) int64, already resolved through the block table.
+    k, v: (n, n_kv_heads, width), already in the pool's storage dtype
+    (``PagedKVCache.encode``); k_cache, v_cache: (num_blocks, n_kv_heads,
+    block_size, width) of that dtype. The same kernel stores q8_0's scales
+    (width head_dim // 32). row_block, row_offset: (n,) int64, already
+    resolved through the block table.
     Trap: no bounds checks here; the caller validates block ids first.
     """
     n, n_kv, head_dim = k.shape
@@ -118,95 +121,6 @@ def write_kv(
             for j in range(head_dim):
                 k_cache[b, h, o, j] = k[i, h, j]
                 v_cache[b, h, o, j] = v[i, h, j]
-
-
-@njit(cache=True, nogil=True, fastmath=True, parallel=True)
-def paged_attention(
-    q: np.ndarray,
-    k_cache: np.ndarray,
-    v_cache: np.ndarray,
-    positions: np.ndarray,
-    row_chunk: np.ndarray,
-    block_tables: np.ndarray,
-    window: int,
-    scale: np.float32,
-    out: np.ndarray,
-) -> None:
-    """Causal attention of every row over its own sequence's cached positions.
-
-    q: (n, n_heads, head_dim) float32, RoPE applied; k_cache, v_cache:
-    (num_blocks, n_kv_heads, block_size, head_dim) float32, already holding
-    this step's K/V; positions: (n,) int64; row_chunk: (n,) int64, the row's
-    index into block_tables: (n_chunks, max_blocks) int64; window: 0, or
-    attend only to the last ``window`` positions (mistral); out: (n, n_heads,
-    head_dim) float32.
-
-    Row i sees positions ``lo .. positions[i]`` of its sequence and nothing
-    else: the block table is the only way in, so another sequence's blocks are
-    unreachable, and positions past the row's own are never read (they may hold
-    a reservation's stale data). Work is split over (row, KV head) pairs; the
-    query heads of one GQA group share each K/V vector they load (the hot spot:
-    the K and V reads). Softmax is two-pass over a per-pair score buffer.
-
-    The pairs run in parallel (``prange``). Batch invariance holds because a
-    pair's arithmetic never depends on which thread runs it or what else is in
-    the batch: each (row, KV head) pair sums its own positions in the same
-    order, into its own buffer; threads only decide *when* a pair runs.
-    Hazard: this kernel was serial once because a ``prange`` version measured
-    15x slower when numba's OpenMP workers spin-waited on the shared 2-core
-    machine; ``threads.py`` starts the runtime with passive workers, and
-    docs/performance.md has the re-measurement.
-    """
-    n, n_heads, head_dim = q.shape
-    n_kv = k_cache.shape[1]
-    block_size = k_cache.shape[2]
-    group = n_heads // n_kv
-    for item in prange(n * n_kv):
-        i = item // n_kv
-        kvh = item % n_kv
-        p = positions[i]
-        lo = 0
-        if window > 0 and p - window + 1 > 0:
-            lo = p - window + 1
-        n_ctx = p + 1 - lo
-        table = block_tables[row_chunk[i]]
-        scores = np.empty((group, n_ctx), dtype=np.float32)
-        # pass 1: scores = q . k * scale, and each head's max
-        for t in range(n_ctx):
-            pos = lo + t
-            b = table[pos // block_size]
-            o = pos % block_size
-            for g in range(group):
-                h = kvh * group + g
-                s = np.float32(0.0)
-                for j in range(head_dim):
-                    s += q[i, h, j] * k_cache[b, kvh, o, j]
-                scores[g, t] = s * np.float32(scale)
-        for g in range(group):
-            m = scores[g, 0]
-            for t in range(1, n_ctx):
-                m = max(m, scores[g, t])
-            total = np.float32(0.0)
-            for t in range(n_ctx):
-                e = np.exp(scores[g, t] - m)
-                scores[g, t] = e
-                total += e
-            inv = np.float32(1.0) / total
-            for t in range(n_ctx):
-                scores[g, t] *= inv
-            h = kvh * group + g
-            for j in range(head_dim):
-                out[i, h, j] = np.float32(0.0)
-        # pass 2: out = sum_t p_t * v_t
-        for t in range(n_ctx):
-            pos = lo + t
-            b = table[pos // block_size]
-            o = pos % block_size
-            for g in range(group):
-                h = kvh * group + g
-                w = scores[g, t]
-                for j in range(head_dim):
-                    out[i, h, j] += w * v_cache[b, kvh, o, j]
 
 
 def warm_up() -> float:
@@ -227,10 +141,22 @@ def warm_up() -> float:
     x2 = x.reshape(2, 8)
     rms_norm(x2, np.ones(8, dtype=np.float32), np.float32(1e-6), x2)
     silu_mul(np.ones((2, 16), dtype=np.float32), x2)
-    cache = np.zeros((1, 2, 4, 4), dtype=np.float32)
-    write_kv(x, x, cache, cache, pos, pos)
     tables = np.zeros((1, 1), dtype=np.int64)
-    paged_attention(x, cache, cache, pos, pos, tables, 0, np.float32(0.5), np.empty_like(x))
+    for storage in (np.float32, np.int16, np.uint16, np.int8):  # the KV cache's types
+        cache = np.zeros((1, 2, 4, 4), dtype=storage)
+        write_kv(x.astype(storage), x.astype(storage), cache, cache, pos, pos)
+        scales = np.zeros((1, 2, 4, 1), dtype=np.int16)
+        paged_attention(
+            x, cache, cache, pos, pos, tables, 0, np.float32(0.5), np.empty_like(x), scales, scales
+        )
+    write_kv(
+        pos.astype(np.int16).reshape(2, 1, 1),
+        pos.astype(np.int16).reshape(2, 1, 1),
+        scales,
+        scales,
+        pos,
+        pos,
+    )
     return time.perf_counter() - t0
 
 

@@ -47,6 +47,7 @@ import numpy as np
 from triollm.errors import ModelLoadError
 from triollm.model import gemma, kernels
 from triollm.model.config import ModelConfig
+from triollm.model.kvcache import PagedKVCache
 from triollm.model.matmul import PreparedWeight, linear, prepare
 from triollm.model.moe import Expert, MoeBlock, expert_keys, router_key
 from triollm.model.quant import QuantizedTensor, stack_rows
@@ -57,44 +58,6 @@ from triollm.model.weights import (
     expected_shapes,
 )
 from triollm.plan import ChunkPlan
-
-
-class PagedKVCache:
-    """The K and V of every cached position, in blocks, for all layers.
-
-    ``k[layer, block, kv_head, offset, :]`` is the key of the position stored
-    at ``offset`` of ``block``; a sequence's position ``p`` lives in block
-    ``block_table[p // block_size]`` at offset ``p % block_size``. The layout
-    puts the positions of one block and head next to each other, so attention
-    streams a block's keys contiguously.
-
-    Allocated once, zeroed, at the size the scheduler's pool was given. The
-    cache does not know which sequence owns a block: ownership is the block
-    pool's (``kv.py``); the cache is only storage.
-    """
-
-    def __init__(self, config: ModelConfig, num_blocks: int, block_size: int) -> None:
-        if num_blocks <= 0:
-            raise ValueError(f"num_blocks must be positive, got {num_blocks}")
-        if block_size <= 0:
-            raise ValueError(f"block_size must be positive, got {block_size}")
-        self.num_blocks = num_blocks
-        self.block_size = block_size
-        shape = (
-            config.num_hidden_layers,
-            num_blocks,
-            config.num_key_value_heads,
-            block_size,
-            config.head_dim,
-        )
-        # (n_layers, num_blocks, n_kv_heads, block_size, head_dim) float32
-        self.k = np.zeros(shape, dtype=np.float32)
-        # (n_layers, num_blocks, n_kv_heads, block_size, head_dim) float32
-        self.v = np.zeros(shape, dtype=np.float32)
-
-    @property
-    def nbytes(self) -> int:
-        return int(self.k.nbytes + self.v.nbytes)
 
 
 @dataclass(eq=False)
@@ -435,7 +398,14 @@ class LlamaModel:
             kernels.rope(q3, rows.positions, cos, sin)
             kernels.rope(k3, rows.positions, cos, sin)
             # write this step's K/V through the block tables, then attend over the pool
-            kernels.write_kv(k3, v3, kv.k[i], kv.v[i], rows.block, rows.offset)
+            # (in the cache's element type: kvcache.py rounds, attention widens)
+            k_store, k_scales = kv.encode(k3)
+            v_store, v_scales = kv.encode(v3)
+            kernels.write_kv(k_store, v_store, kv.k[i], kv.v[i], rows.block, rows.offset)
+            if k_scales is not None and v_scales is not None:  # q8_0's per-32 scales
+                kernels.write_kv(
+                    k_scales, v_scales, kv.k_scale[i], kv.v_scale[i], rows.block, rows.offset
+                )
             kernels.paged_attention(
                 q3,
                 kv.k[i],
@@ -446,6 +416,8 @@ class LlamaModel:
                 window,
                 self.scale,
                 att3,
+                kv.k_scale[i],
+                kv.v_scale[i],
             )
             # output projection + residual
             linear(att, layer.o_proj, out=proj)

@@ -1,0 +1,152 @@
+"""The paged KV cache's storage: its element type, its size, and how K/V go in.
+
+K and V are computed in float32 and stored in one of four element types
+(:class:`KVDtype`); attention (``attention.py``) widens each tile it loads back
+to float32. The cache is the largest thing a long conversation holds: the
+Qwen2.5-Coder-1.5B shape keeps 28 layers x 2 KV heads x 128 x 2 (K and V)
+values per position, 57 KiB in float32, 28 KiB in 16 bits, 15 KiB in q8_0.
+
+- ``f16`` (the default): IEEE half, llama.cpp's default cache type, the same
+  28 KiB per position. 10 mantissa bits; |K|, |V| above 65504 saturate.
+- ``bf16``: the top half of a float32; float32's range, 7 mantissa bits.
+- ``f32``: exact; the conformance fixtures (token-exact against transformers)
+  keep it.
+- ``q8_0``: llama.cpp's ``--cache-type-k/-v q8_0``: blocks of 32 values along
+  the head, an f16 scale ``d = max|x| / 127`` and 32 int8 ``round(x / d)``.
+
+The measured accuracy of each against float32 is in docs/engine.md ("The KV
+cache's element type"); ``tests/model/test_kv_dtype.py`` holds the 16-bit
+caches to the float32 cache's greedy answers on the fixture models.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+
+import numpy as np
+
+from triollm.model.config import ModelConfig
+
+Q8_BLOCK = 32  # values per q8_0 scale, along head_dim (llama.cpp's QK8_0)
+_F16_MAX = np.float32(65504.0)
+
+
+class KVDtype(Enum):
+    """The cache's element type; the value is the CLI spelling (``--kv-cache-dtype``)."""
+
+    F16 = "f16"
+    BF16 = "bf16"
+    F32 = "f32"
+    Q8_0 = "q8_0"
+
+    @property
+    def storage(self) -> type:
+        """The numpy dtype of the stored values (f16/bf16 as raw bits, like matmul.py)."""
+        return {"f16": np.int16, "bf16": np.uint16, "f32": np.float32, "q8_0": np.int8}[self.value]
+
+
+# 16 bits: half the float32 cache and llama.cpp's default size; f16 over bf16
+# because its 3 extra mantissa bits measured closer to the float32 cache
+# (docs/engine.md) and K/V values of these models stay far below 65504.
+DEFAULT_KV_DTYPE = KVDtype.F16
+
+
+def kv_bytes_per_position(config: ModelConfig, dtype: KVDtype) -> int:
+    """Bytes of K and V that one position occupies, over all layers, in ``dtype``."""
+    per_head = config.head_dim * np.dtype(dtype.storage).itemsize
+    if dtype is KVDtype.Q8_0:
+        per_head += 2 * _scale_count(config.head_dim)
+    return 2 * config.num_hidden_layers * config.num_key_value_heads * per_head
+
+
+def _scale_count(head_dim: int) -> int:
+    return -(-head_dim // Q8_BLOCK)
+
+
+class PagedKVCache:
+    """The K and V of every cached position, in blocks, for all layers.
+
+    ``k[layer, block, kv_head, offset, :]`` is the key of the position stored
+    at ``offset`` of ``block``; a sequence's position ``p`` lives in block
+    ``block_table[p // block_size]`` at offset ``p % block_size``. The layout
+    puts the positions of one block and head next to each other, so attention
+    streams a block's keys contiguously. ``k_scale``/``v_scale`` hold q8_0's
+    per-32 f16 scales, (..., head_dim // 32), and are a 1-element placeholder
+    for the other types.
+
+    Allocated once, zeroed, at the size the scheduler's pool was given. The
+    cache does not know which sequence owns a block: ownership is the block
+    pool's (``kv.py``); the cache is only storage.
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        num_blocks: int,
+        block_size: int,
+        dtype: KVDtype = DEFAULT_KV_DTYPE,
+    ) -> None:
+        if num_blocks <= 0:
+            raise ValueError(f"num_blocks must be positive, got {num_blocks}")
+        if block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.dtype = dtype
+        self.bytes_per_position = kv_bytes_per_position(config, dtype)
+        shape = (
+            config.num_hidden_layers,
+            num_blocks,
+            config.num_key_value_heads,
+            block_size,
+            config.head_dim,
+        )
+        # (n_layers, num_blocks, n_kv_heads, block_size, head_dim) storage dtype
+        self.k: np.ndarray = np.zeros(shape, dtype=dtype.storage)
+        self.v: np.ndarray = np.zeros(shape, dtype=dtype.storage)
+        scales = (*shape[:-1], _scale_count(config.head_dim))
+        if dtype is not KVDtype.Q8_0:
+            scales = (config.num_hidden_layers, 1, 1, 1, 1)
+        # (n_layers, num_blocks, n_kv_heads, block_size, head_dim // 32) int16 f16 bits
+        self.k_scale = np.zeros(scales, dtype=np.int16)
+        self.v_scale = np.zeros(scales, dtype=np.int16)
+
+    @property
+    def nbytes(self) -> int:
+        scales = self.k_scale.nbytes + self.v_scale.nbytes if self.dtype is KVDtype.Q8_0 else 0
+        return int(self.k.nbytes + self.v.nbytes + scales)  # the placeholders do not count
+
+    def encode(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+        """``(n, n_kv_heads, head_dim)`` float32 -> (values, scales or None) to store.
+
+        Rounded to nearest even in every type. Hazard: f16 saturates at
+        +-65504 instead of turning into inf (an inf key would make a NaN score).
+        """
+        d = self.dtype
+        if d is KVDtype.F32:
+            return x, None
+        if d is KVDtype.F16:
+            return np.clip(x, -_F16_MAX, _F16_MAX).astype(np.float16).view(np.int16), None
+        if d is KVDtype.BF16:
+            u = x.view(np.uint32)
+            return ((u + np.uint32(0x7FFF) + ((u >> 16) & np.uint32(1))) >> 16).astype(
+                np.uint16
+            ), None
+        return _q8_0(x)
+
+
+def _q8_0(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """q8_0 blocks along the last axis: int8 values and f16 scales (as int16 bits)."""
+    n, h, hd = x.shape
+    nb = _scale_count(hd)
+    padded = np.zeros((n, h, nb * Q8_BLOCK), np.float32)
+    padded[..., :hd] = x
+    blocks = padded.reshape(n, h, nb, Q8_BLOCK)
+    d16 = (np.abs(blocks).max(axis=-1) / np.float32(127)).astype(np.float16)
+    d = d16.astype(np.float32)
+    inv = np.divide(np.float32(1), d, out=np.zeros_like(d), where=d > 0)
+    q = np.clip(np.rint(blocks * inv[..., None]), -127, 127).astype(np.int8)
+    return np.ascontiguousarray(q.reshape(n, h, -1)[..., :hd]), d16.view(np.int16)
+
+
+__all__ = ["DEFAULT_KV_DTYPE", "KVDtype", "PagedKVCache", "kv_bytes_per_position"]
