@@ -47,7 +47,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 
 from triollm.model.constrained import MaskFiller, MatcherFailed, SequenceMatcher
-from triollm.model.llama import LlamaModel, PagedKVCache
+from triollm.model.kvcache import DEFAULT_KV_DTYPE, KVDtype, PagedKVCache
+from triollm.model.llama import LlamaModel
 from triollm.model.loader import LoadedModel
 from triollm.model.sampling import Sample, SequenceSampler, token_logprobs
 from triollm.plan import (
@@ -86,8 +87,10 @@ class Batch:
     """Runs StepPlans: a ragged forward pass plus per-sequence sampling.
 
     ``num_blocks`` and ``block_size`` must equal the scheduler's pool, since
-    the block ids in the plans index this cache. ``loaded`` may also be a bare
-    :class:`LlamaModel` (the benchmark builds one without a directory).
+    the block ids in the plans index this cache; ``kv_dtype`` is its element
+    type (``kvcache.py``: 16-bit f16 by default, f32 for exact conformance).
+    ``loaded`` may also be a bare :class:`LlamaModel` (the benchmark builds one
+    without a directory).
 
     Trap: :meth:`add` a sequence before the first plan that samples it;
     :meth:`remove` it once the scheduler reports it finished or cancelled (a
@@ -102,11 +105,12 @@ class Batch:
         num_blocks: int,
         block_size: int,
         overlap_masks: bool = True,
+        kv_dtype: KVDtype = DEFAULT_KV_DTYPE,
     ):
         self.model = loaded if isinstance(loaded, LlamaModel) else loaded.model
         self.config = self.model.config
-        self.kv = PagedKVCache(self.config, num_blocks, block_size)
-        self.kv_bytes_per_position = self.config.kv_bytes_per_position()
+        self.kv = PagedKVCache(self.config, num_blocks, block_size, kv_dtype)
+        self.kv_bytes_per_position = self.kv.bytes_per_position
         self.kv_bytes_total = self.kv.nbytes
         self._samplers: dict[int, SequenceSampler] = {}  # seq_id -> its sampling state
         # Invariant: a key of _matchers is a key of _samplers (added and removed together).

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 from triollm.batch import Batch
 from triollm.model.constrained import MatcherFailed
+from triollm.model.kvcache import kv_bytes_per_position
 from triollm.model.loader import LoadedModel
 from triollm.model.sampling import SamplingParams
 from triollm.plan import Finished, FinishReason, SampledToken
@@ -63,7 +64,8 @@ def engine_config(
         chunk_tokens=OFFLINE_CHUNK_TOKENS,
     )
     cfg = loaded.config
-    return capacity.resolve(cfg.max_position_embeddings, cfg.kv_bytes_per_position())
+    per_position = kv_bytes_per_position(cfg, capacity.kv_dtype)  # Batch's default type
+    return capacity.resolve(cfg.max_position_embeddings, per_position)
 
 
 @dataclass(frozen=True, slots=True)
