@@ -17,6 +17,7 @@ from serverkit import MODEL_DIR, MODEL_ID, stack_for
 
 from triollm import cli
 from triollm.errors import UserError
+from triollm.model.kvcache import DEFAULT_KV_DTYPE, KVDtype, kv_bytes_per_position
 from triollm.policies import Policy
 from triollm.server.command import parse_policy, parse_size
 from triollm.sizing import DEFAULT_CONTEXT_CAP
@@ -108,13 +109,25 @@ def test_sizes():
 
 def test_the_startup_report_is_the_memory_arithmetic(loaded):
     stack = stack_for(loaded, slots=2, block_size=16, context_tokens=128, kv_memory_bytes=2**20)
-    per_position = loaded.config.kv_bytes_per_position()
+    per_position = kv_bytes_per_position(loaded.config, DEFAULT_KV_DTYPE)
     blocks = 2**20 // (per_position * 16)
     text = stack.report.describe()
-    assert f"{per_position} bytes per position" in text
+    assert f"{per_position} bytes per position ({DEFAULT_KV_DTYPE.value} K+V" in text
     assert f"pool: {blocks} blocks x 16 positions = {blocks * 16} positions" in text
     assert f"prompt + max_tokens <= {min(128, blocks * 16)} positions" in text
     assert stack.service.scheduler.config.num_blocks == blocks
+    # the budget follows the element type: a q8_0 cache fits about twice the f16 blocks
+    q8 = stack_for(
+        loaded,
+        slots=2,
+        block_size=16,
+        context_tokens=128,
+        kv_memory_bytes=2**20,
+        kv_dtype=KVDtype.Q8_0,
+    )
+    q8_position = kv_bytes_per_position(loaded.config, KVDtype.Q8_0)
+    assert q8.service.scheduler.config.num_blocks == 2**20 // (q8_position * 16)
+    assert f"{q8_position} bytes per position (q8_0 K+V" in q8.report.describe()
 
 
 def test_a_missing_model_directory_is_one_clear_line(capsys, tmp_path):

@@ -37,6 +37,7 @@ from typing import Any
 import trio
 
 from triollm.errors import UserError
+from triollm.model.kvcache import DEFAULT_KV_DTYPE, KVDtype, kv_bytes_per_position
 from triollm.policies import Claim, Policy, SchedulingPolicy, load_policy, policy_name
 from triollm.request import ServedModel
 from triollm.scheduler import Scheduler
@@ -157,6 +158,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     cap.add_argument(
         "--block-size", type=int, help=f"positions per KV block ({default_of('block_size')})"
+    )
+    cap.add_argument(
+        "--kv-cache-dtype",
+        choices=[d.value for d in KVDtype],
+        default=DEFAULT_KV_DTYPE.value,
+        help=f"KV cache element type ({DEFAULT_KV_DTYPE.value}; f32 is exact, q8_0 a quarter)",
     )
     cap.add_argument(
         "--context",
@@ -354,14 +361,17 @@ def build_stack(
 
     refuse_policy(capacity.policy)
     cfg = loaded.config
-    per_position = cfg.kv_bytes_per_position()
+    per_position = kv_bytes_per_position(cfg, capacity.kv_dtype)
     try:
         sched_config = capacity.resolve(cfg.max_position_embeddings, per_position)
     except ValueError as exc:  # FieldError or the SchedulerConfig's own refusal
         raise UserError(flag_names(str(exc))) from None
     try:
         batch = Batch(
-            loaded, num_blocks=sched_config.num_blocks, block_size=sched_config.block_size
+            loaded,
+            num_blocks=sched_config.num_blocks,
+            block_size=sched_config.block_size,
+            kv_dtype=capacity.kv_dtype,
         )
     except MemoryError:
         s = sched_config
@@ -424,6 +434,7 @@ def build_stack(
     report = MemoryReport(
         weight_bytes=loaded.weight_bytes,
         kv_bytes_per_position=per_position,
+        kv_dtype=capacity.kv_dtype,
         scheduler=sched_config,
         lines=(
             f"queue: {sc.slots} slots x {q.queue_depth_per_slot} = "
@@ -560,6 +571,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[Capacity, ServiceConfig
         step_rows=args.step_rows,
         policy=parse_policy(args.policy),
         prefix_cache=args.prefix_cache == "on",
+        kv_dtype=KVDtype(args.kv_cache_dtype),
     )
     try:
         service_config = ServiceConfig(
