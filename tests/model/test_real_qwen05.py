@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 from triollm.bench import realmodels
-from triollm.model.llama import PagedKVCache
+from triollm.model.kvcache import KVDtype, PagedKVCache
 from triollm.plan import ChunkPlan
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -64,7 +64,7 @@ def greedy_together(loaded: Any, prompts: list[list[int]], lengths: list[int]) -
         blocks = -(-(len(p) + n) // BLOCK)
         tables.append(tuple(range(start, start + blocks)))
         start += blocks
-    kv = PagedKVCache(loaded.config, start, BLOCK)
+    kv = PagedKVCache(loaded.config, start, BLOCK, KVDtype.F32)  # exact: vs transformers
     out: list[list[int]] = [[] for _ in prompts]
     live = list(range(len(prompts)))
     chunks = {

@@ -45,6 +45,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from triollm.model.kvcache import DEFAULT_KV_DTYPE, kv_bytes_per_position
     from triollm.model.llama import LlamaModel, PagedKVCache
     from triollm.model.synthetic import (
         decode_weight_bytes,
@@ -58,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
     model = LlamaModel(config, random_weights(config, args.dtype))
     w = decode_weight_bytes(model)
     beta, _ = measure_bandwidth(gib=0.5, reps=5)
-    per_pos = config.kv_bytes_per_position()
+    per_pos = kv_bytes_per_position(config, DEFAULT_KV_DTYPE)  # PagedKVCache's default type
     print(
         f"SmolLM2-135M's shape, {config.num_hidden_layers} layers, {args.dtype}: "
         f"W = {w / 1e6:.0f} MB a step; A = {per_pos * CONTEXT / 1e6:.1f} MB a sequence "

@@ -37,8 +37,9 @@ between a decode row and a prefill row at the same position: there is one
 kernel. ``tests/model/test_kernels.py`` checks it.
 
 Hazard: numba here has no SVML, so ``np.exp`` is a scalar libm call per
-element that no loop vectorises, one per score; :func:`_exp` is a vectorisable Cody-Waite + polynomial exp, exact at
-0 (``_exp(0) == 1``, so a single segment merges without changing a bit).
+element that no loop vectorises, one per score; :func:`_exp` is a vectorisable
+Cody-Waite + polynomial exp, exact at 0 (``_exp(0) == 1``, so a single segment
+merges without changing a bit).
 """
 
 from __future__ import annotations
