@@ -29,6 +29,7 @@ from test_conformance import BLOCK, generate_greedy
 from test_gguf import make
 
 from triollm.batch import Batch
+from triollm.model.kvcache import KVDtype
 from triollm.model.loader import LoadedModel, load_model
 from triollm.plan import ChunkPlan
 
@@ -42,7 +43,8 @@ CACHE = Path(os.path.expanduser("~/.cache/triollm"))
 def forced_logits(model: LoadedModel, prompt: list[int], ids: list[int]) -> np.ndarray:
     """The logits before each of ``ids``, the prompt prefilled and ``ids`` fed one by one."""
     table = tuple(range(-(-(len(prompt) + len(ids)) // BLOCK)))
-    batch = Batch(model, num_blocks=len(table), block_size=BLOCK)
+    # the exact side (test_conformance.generate_greedy) keeps the f32 cache: so does this
+    batch = Batch(model, num_blocks=len(table), block_size=BLOCK, kv_dtype=KVDtype.F32)
     chunks = [ChunkPlan(0, tuple(prompt), 0, table, sample=True, prefill=True)]
     out = []
     for step, token in enumerate(ids):
