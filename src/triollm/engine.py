@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 from triollm.batch import Batch
 from triollm.model.constrained import MatcherFailed
-from triollm.model.kvcache import kv_bytes_per_position
+from triollm.model.kvcache import DEFAULT_KV_DTYPE, KVDtype, kv_bytes_per_position
 from triollm.model.loader import LoadedModel
 from triollm.model.sampling import SamplingParams
 from triollm.plan import Finished, FinishReason, SampledToken
@@ -46,6 +46,7 @@ def engine_config(
     slots: int = 1,
     context_tokens: int | None = None,
     block_size: int | None = None,
+    kv_dtype: KVDtype = DEFAULT_KV_DTYPE,
 ) -> SchedulerConfig:
     """A scheduler config whose pool holds ``slots`` sequences of the whole context.
 
@@ -54,7 +55,8 @@ def engine_config(
     ``sizing.DEFAULT_CONTEXT_CAP``, and the pool holds every slot's whole context, so
     the reserve policy can admit every slot at once: offline there is no queue of
     strangers to be fair to, only the caller's own prompts. The one offline choice is
-    the longer prefill chunk (``sizing.OFFLINE_CHUNK_TOKENS``). Raises
+    the longer prefill chunk (``sizing.OFFLINE_CHUNK_TOKENS``). ``kv_dtype`` must be
+    the one the :class:`Engine` is given (the pool's blocks are sized by it). Raises
     :class:`~triollm.errors.FieldError` (``context_tokens``) for a context out of range.
     """
     capacity = Capacity(
@@ -62,9 +64,10 @@ def engine_config(
         block_size=block_size,
         context_tokens=context_tokens,
         chunk_tokens=OFFLINE_CHUNK_TOKENS,
+        kv_dtype=kv_dtype,
     )
     cfg = loaded.config
-    per_position = kv_bytes_per_position(cfg, capacity.kv_dtype)  # Batch's default type
+    per_position = kv_bytes_per_position(cfg, capacity.kv_dtype)
     return capacity.resolve(cfg.max_position_embeddings, per_position)
 
 
@@ -125,11 +128,15 @@ class Engine:
     :meth:`generate_many` call) at a time.
     """
 
-    def __init__(self, loaded: LoadedModel, config: SchedulerConfig) -> None:
+    def __init__(
+        self, loaded: LoadedModel, config: SchedulerConfig, kv_dtype: KVDtype = DEFAULT_KV_DTYPE
+    ) -> None:
         self.loaded = loaded
         self.config = config
         self.scheduler = Scheduler(config)
-        self.batch = Batch(loaded, num_blocks=config.num_blocks, block_size=config.block_size)
+        self.batch = Batch(
+            loaded, num_blocks=config.num_blocks, block_size=config.block_size, kv_dtype=kv_dtype
+        )
 
     def submit(self, spec: GenerationSpec) -> int:
         """Queue a request (``spec.n`` 1) in the scheduler and the batch; returns its

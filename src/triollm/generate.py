@@ -32,6 +32,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, TextIO
 
 from triollm.errors import FieldError, UserError
+from triollm.model.kvcache import DEFAULT_KV_DTYPE, KVDtype  # numpy only, no numba
 from triollm.plan import FinishReason, SampledToken
 from triollm.textstream import TextStream
 
@@ -82,6 +83,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ignore-eos", action="store_true", help="do not stop at EOS")
     parser.add_argument("--chat", action="store_true", help="wrap the prompt as a user message")
     parser.add_argument("--json", action="store_true", help="print one JSON object at the end")
+    parser.add_argument(
+        "--kv-cache-dtype",
+        choices=[d.value for d in KVDtype],
+        default=DEFAULT_KV_DTYPE.value,
+        help=f"KV cache element type ({DEFAULT_KV_DTYPE.value}; f32 is exact)",
+    )
     # One string per --stop (repeat the flag): nargs="+" would swallow a MODEL_DIR
     # written after it.
     parser.add_argument(
@@ -108,10 +115,12 @@ def run(args: argparse.Namespace) -> int:
     loaded = load_model(resolve_model_dir(args.model_dir), exact_activations=args.exact_activations)
     tok = loaded.tokenizer
     try:
-        config = engine_config(loaded, slots=1, context_tokens=args.context)
+        config = engine_config(
+            loaded, slots=1, context_tokens=args.context, kv_dtype=KVDtype(args.kv_cache_dtype)
+        )
     except FieldError as exc:  # the one field the user sets here is the context
         raise UserError(f"--context: {exc}") from None
-    engine = Engine(loaded, config)
+    engine = Engine(loaded, config, KVDtype(args.kv_cache_dtype))
     served = ServedModel(
         id="generate",
         tokenizer=tok,

@@ -8,12 +8,12 @@ agree until the first step where they differ, and there the float32 run's own
 logits had the two tokens within ``NEAR_TIE`` of each other. The divergence
 point is printed (``pytest -s``) and named in a failure.
 
-Measured at the time of writing (max |logit error| / max |logit| over the steps
-before any divergence, docs/engine.md): f16 2e-4..2.2e-3, never diverged; bf16
-1e-3..1.7e-2, one divergence at token 31 (margin 1.8e-3); q8_0 5.8e-3..3.2e-2,
-five divergences in 15 continuations (margins 1e-4..4.3e-3). The four mixture-of-experts
-fixtures: f16 never diverges, bf16 4 and q8_0 5 times in 12, each at a near-tie
-(margin <= 1e-2), and their logits may jump where the router flips an expert.
+Measured at the time of writing on the 7 dense fixtures (21 continuations; max
+|logit error| / max |logit| before any divergence, docs/engine.md): f16 <= 6.0e-3,
+one divergence (gemma3-bf16 at token 28, margin 3.6e-4); bf16 <= 3.5e-2, five;
+q8_0 <= 6.0e-2, eleven (margins <= 1.8e-2). The four mixture-of-experts fixtures:
+f16 never diverges, bf16 4 and q8_0 5 times in 12, each at a near-tie, and their
+logits may jump where the router flips an expert.
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ from triollm.plan import ChunkPlan
 
 # The largest logit error relative to max |logit| each type may show, and so the
 # largest f32 margin between two tokens that still counts as a tie: about twice
-# the worst measured error above.
-NEAR_TIE = {KVDtype.F16: 5e-3, KVDtype.BF16: 3e-2, KVDtype.Q8_0: 6e-2}
+# the worst measured error above (gemma3's, the largest).
+NEAR_TIE = {KVDtype.F16: 1.2e-2, KVDtype.BF16: 7e-2, KVDtype.Q8_0: 1.2e-1}
 
 
 def greedy(
