@@ -3,9 +3,13 @@
     python tools/make_real_reference.py [NAME]   (needs the `fixtures` extra: torch, transformers)
 
 ``NAME`` is a :mod:`triollm.bench.realmodels` name (default: Qwen2.5-Coder-0.5B-Instruct
-Q4_K_M). transformers' GGUF loader (``from_pretrained(dir, gguf_file=...)``) dequantizes
-the same file to float32 and runs its own model; this records, for a few chat prompts
-and one tool-calling conversation:
+Q4_K_M), or ``gemma3-270m``: Gemma 3 270M base Q4_K_M (``tools/gemma3_270m.py``), a
+base model with no chat template, continued from plain-text prompts (``COMPLETIONS``;
+each record's ``prompt`` is the prompt, ``text`` the continuation).
+
+transformers' GGUF loader (``from_pretrained(dir, gguf_file=...)``) dequantizes the
+same file to float32 and runs its own model; this records, for a few chat prompts
+and one tool-calling conversation (or the completion prompts):
 
 - the prompt ids (the file's chat template rendered and tokenized by transformers'
   tokenizer built from the same file; the tool prompt with ``tools=``);
@@ -46,6 +50,13 @@ WEATHER_TOOL = {
     },
 }
 
+COMPLETIONS: list[dict[str, Any]] = [
+    {"text": "The capital of France is", "max_new": 24},
+    {"text": "def fibonacci(n):\n", "max_new": 32},
+    {"text": "Once upon a time, in a small village by the sea,", "max_new": 32},
+    {"text": "The three primary colors are", "max_new": 24},
+]
+
 CASES: list[dict[str, Any]] = [
     {"messages": [{"role": "user", "content": "What is the capital of France?"}], "max_new": 24},
     {
@@ -76,7 +87,13 @@ def main() -> int:
     from triollm.bench import realmodels
 
     name = sys.argv[1] if len(sys.argv) > 1 else realmodels.QWEN_05B
-    path = realmodels.fetch(name)
+    if name == "gemma3-270m":
+        sys.path.insert(0, str(ROOT / "tools"))
+        from gemma3_270m import SHA256, fetch
+
+        path, sha, cases = fetch(), SHA256, COMPLETIONS
+    else:
+        path, sha, cases = realmodels.fetch(name), realmodels.MODELS[name].sha256, CASES
     torch.set_num_threads(2)
     tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     model = AutoModelForCausalLM.from_pretrained(
@@ -85,13 +102,16 @@ def main() -> int:
     model.eval()
     eos = model.generation_config.eos_token_id
     records = []
-    for case in CASES:
-        ids = tok.apply_chat_template(
-            case["messages"],
-            tools=case.get("tools"),
-            add_generation_prompt=True,
-            tokenize=True,
-        )
+    for case in cases:
+        if "text" in case:  # a base model: the text as the tokenizer encodes it (BOS first)
+            ids = tok(case["text"])["input_ids"]
+        else:
+            ids = tok.apply_chat_template(
+                case["messages"],
+                tools=case.get("tools"),
+                add_generation_prompt=True,
+                tokenize=True,
+            )
         if hasattr(ids, "input_ids"):
             ids = ids["input_ids"]
         ids = [int(i) for i in ids]
@@ -113,7 +133,9 @@ def main() -> int:
             gaps.append(round(float(top[0] - top[1]), 5))
         records.append(
             {
-                **case,
+                **(
+                    {"prompt": case["text"], "max_new": case["max_new"]} if "text" in case else case
+                ),
                 "prompt_ids": ids,
                 "greedy_ids": new,
                 "text": tok.decode(new, skip_special_tokens=False),
@@ -121,11 +143,11 @@ def main() -> int:
                 "min_gap": min(gaps),
             }
         )
-        asked = case["messages"][-1]["content"]
+        asked = case["text"] if "text" in case else case["messages"][-1]["content"]
         print(f"{asked!r} -> {records[-1]['text']!r} (min gap {min(gaps):.4f})")
     summary = {
         "model": name,
-        "sha256": realmodels.MODELS[name].sha256,
+        "sha256": sha,
         "reference": "transformers GGUF loader, float32, greedy, explicit attention_mask",
         "records": records,
     }
