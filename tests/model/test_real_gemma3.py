@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from triollm.model.llama import PagedKVCache
+from triollm.model.kvcache import KVDtype, PagedKVCache
 from triollm.plan import ChunkPlan
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -81,7 +81,7 @@ def test_greedy_continuations_equal_transformers_token_for_token(
         blocks = -(-(len(p) + n) // BLOCK)
         tables.append(tuple(range(start, start + blocks)))
         start += blocks
-    kv = PagedKVCache(gemma.config, start, BLOCK)
+    kv = PagedKVCache(gemma.config, start, BLOCK, KVDtype.F32)  # exact: vs transformers
     got: list[list[int]] = [[] for _ in prompts]
     chunks = [
         ChunkPlan(i, tuple(p), 0, tables[i], sample=True, prefill=True)
