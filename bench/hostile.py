@@ -153,6 +153,7 @@ def probes(model: str, *, full: bool) -> list[Probe]:
             "/v1/chat/completions",
             tool(ref_chain(deep, "#/properties/arguments")),
         ),
+        Probe("tools: nested parameters", "/v1/chat/completions", tool(nested(deep // 2 + 80))),
         Probe(
             "prompt: empty messages",
             "/v1/chat/completions",

@@ -37,6 +37,9 @@ async def test_hostile_constraints_and_prompts_are_refused_by_name_and_the_neigh
     assert fields["schema: $ref chain"] == "response_format.json_schema.schema"
     assert fields["grammar: rule chain"] == "guided_grammar"
     assert fields["prompt: empty messages"] == "messages"
+    # A chain whose pointers resolve only inside the forced call's grammar: found there.
+    assert fields["tools: $ref chain"] == "tools"
+    assert fields["tools: nested parameters"] == "tools[0].function.parameters"
 
 
 async def test_a_large_body_is_parsed_off_the_event_loop(monkeypatch):
