@@ -43,7 +43,13 @@ from typing import Any, Literal
 import trio
 
 from triollm.errors import FieldError, UserError
-from triollm.model.constrained import JSON_OPTIONS, GrammarCache, GrammarKind, GrammarSpec
+from triollm.model.constrained import (
+    JSON_OPTIONS,
+    GrammarCache,
+    GrammarKind,
+    GrammarSpec,
+    check_limits,
+)
 from triollm.model.sampling import SamplingParams
 from triollm.model.tokenizer import ChatTemplateError, Tokenizer, TooManyTokens
 from triollm.scheduler import Infeasible, Scheduler
@@ -61,6 +67,7 @@ __all__ = [
     "ServedModel",
     "TemplateBroken",
     "answer_budget",
+    "check_limits",
     "eos_token_ids",
 ]
 

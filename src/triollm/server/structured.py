@@ -31,7 +31,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from triollm.errors import FieldError
-from triollm.request import GrammarKind, GrammarSpec
+from triollm.request import GrammarKind, GrammarSpec, check_limits
 from triollm.toolcalls import ToolChoice, Tools
 
 # The top-level vLLM fields, and the keys of structured_outputs, with what they hold.
@@ -162,6 +162,11 @@ def _tool(index: int, item: Any) -> dict[str, Any]:
             f"{field}.function.parameters",
             f"'{field}.function.parameters' must be a JSON Schema object",
         )
+    if params is not None:
+        # A schema like any other: its depth, size and patterns are bounded before a
+        # forced call compiles it, or the template renders it (a 1,000-deep $ref chain
+        # here crashed the grammar compiler; issue 28).
+        check_limits(GrammarSpec(GrammarKind.JSON_SCHEMA, params, f"{field}.function.parameters"))
     return {"type": "function", "function": fn}
 
 
