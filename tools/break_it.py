@@ -180,7 +180,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "src/triollm/scheduler.py",
         "n = min(cfg.chunk_tokens, len(seq.token_ids) - self.kv.computed(seq.seq_id), left)",
         "n = min(len(seq.token_ids) - self.kv.computed(seq.seq_id), left)",
-        ("tests/test_scheduler.py", "tests/test_engine.py", "tests/mechanisms", "property_tests"),
+        ("tests/test_scheduler.py", "tests/test_offline.py", "tests/mechanisms", "property_tests"),
     ),
     Mutation(
         "no-utf8-holdback",

@@ -1,7 +1,7 @@
 """``triollm generate``: complete one prompt from a model directory, streamed to stdout.
 
 The same path as the server, without HTTP: ``load_model`` -> tokenize (optionally
-through the chat template) -> :class:`~triollm.engine.Engine` (the real Scheduler and
+through the chat template) -> :class:`~triollm.offline.Engine` (the real Scheduler and
 Batch) -> :class:`~triollm.textstream.TextStream` (the server's text rules) -> stdout,
 one flushed write per piece of complete text.
 
@@ -103,8 +103,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     # Imported here so `triollm generate --help` answers without loading numba.
     from triollm.demo import resolve_model_dir
-    from triollm.engine import Engine, engine_config
     from triollm.model.loader import load_model
+    from triollm.offline import Engine, engine_config
     from triollm.request import Preparer, ServedModel, eos_token_ids
     from triollm.scheduler import Infeasible
 

@@ -1,7 +1,7 @@
 """The memory arithmetic: how big the KV pool is, how long a context, and why.
 
 One owner for the sizing rules that ``triollm serve`` (``server/command.py``'s
-``build_stack``) and ``triollm generate`` (``engine.py``'s ``engine_config``) share:
+``build_stack``) and ``triollm generate`` (``offline.py``'s ``engine_config``) share:
 
 1. **The context** is the model's ``max_position_embeddings`` capped at
    :data:`DEFAULT_CONTEXT_CAP`, unless asked; asking for more than the model's limit,

@@ -20,9 +20,9 @@ import pytest
 
 from triollm.demo import default_model_dir
 from triollm.demo import grammar as g
-from triollm.engine import Engine, engine_config
 from triollm.model.loader import LoadedModel, load_model
 from triollm.model.sampling import SamplingParams
+from triollm.offline import Engine, engine_config
 from triollm.spec import GenerationSpec
 
 REFERENCE = json.loads((Path(__file__).parent / "reference.json").read_text())

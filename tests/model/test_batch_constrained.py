@@ -19,7 +19,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from triollm.batch import Batch
-from triollm.engine import Engine, engine_config
 from triollm.model.constrained import (
     ConstraintTokenizer,
     Grammar,
@@ -30,6 +29,7 @@ from triollm.model.constrained import (
 from triollm.model.loader import LoadedModel, load_model
 from triollm.model.sampling import SamplingParams
 from triollm.model.tokenizer import Tokenizer
+from triollm.offline import Engine, engine_config
 from triollm.plan import ChunkPlan, FinishReason, StepPlan
 from triollm.policies import Policy
 from triollm.scheduler import SchedulerConfig

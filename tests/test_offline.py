@@ -9,10 +9,10 @@ from typing import Any
 
 import pytest
 
-from triollm.engine import Engine, engine_config
 from triollm.model.kvcache import KVDtype
 from triollm.model.loader import LoadedModel, load_model
 from triollm.model.sampling import SamplingParams
+from triollm.offline import Engine, engine_config
 from triollm.plan import FinishReason
 from triollm.scheduler import Infeasible, SchedulerConfig
 from triollm.spec import GenerationSpec

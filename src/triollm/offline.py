@@ -17,7 +17,7 @@ One turn, as in ``plan.py``'s theory of operation::
 
 Because nothing here is a simplified copy of the server's path, a test that runs
 several prompts through :meth:`Engine.generate_many` and compares them with each prompt
-run alone checks the real batching (``tests/test_engine.py``).
+run alone checks the real batching (``tests/test_offline.py``).
 
 Trap: an empty plan while sequences are still live means no sequence can make
 progress; offline there is nobody to free capacity, so :meth:`Engine._steps` raises
