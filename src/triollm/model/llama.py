@@ -57,7 +57,7 @@ from triollm.model.weights import (
     bf16_bits_to_f32,
     expected_shapes,
 )
-from triollm.plan import ChunkPlan
+from triollm.plan import ChunkPlan, chunk_problems
 
 
 @dataclass(eq=False)
@@ -471,6 +471,17 @@ class _RowIndex:
         if not chunks:
             raise ValueError("forward needs at least one chunk (an empty plan is not run)")
         bs = kv.block_size
+        # The kernels do no bounds checks: refuse what cannot run (plan.chunk_problems,
+        # the one statement of it, which Batch.check raises as BadChunks).
+        bad = chunk_problems(
+            chunks,
+            vocab_size=c.vocab_size,
+            block_size=bs,
+            num_blocks=kv.num_blocks,
+            max_positions=c.max_position_embeddings,
+        )
+        if bad:
+            raise ValueError("; ".join(f"sequence {s}: {why}" for s, why in bad.items()))
         max_blocks = max(len(ch.block_table) for ch in chunks)
         tables = np.zeros((len(chunks), max(max_blocks, 1)), dtype=np.int64)
         lengths = [len(ch.token_ids) for ch in chunks]
@@ -482,23 +493,7 @@ class _RowIndex:
         row = 0
         for ci, ch in enumerate(chunks):
             m = lengths[ci]
-            if m < 1:
-                raise ValueError(f"chunk of sequence {ch.seq_id} has no tokens")
             end = ch.start + m
-            if ch.start < 0 or end > len(ch.block_table) * bs:
-                raise ValueError(
-                    f"sequence {ch.seq_id}: positions {ch.start}..{end - 1} need "
-                    f"{-(-end // bs)} blocks of {bs}, block table has {len(ch.block_table)}"
-                )
-            if end > c.max_position_embeddings:
-                raise ValueError(
-                    f"sequence {ch.seq_id}: position {end - 1} is past the model's "
-                    f"max_position_embeddings ({c.max_position_embeddings})"
-                )
-            if len(ch.score_ids) > m:
-                raise ValueError(
-                    f"sequence {ch.seq_id}: {len(ch.score_ids)} scored tokens for {m} rows"
-                )
             tables[ci, : len(ch.block_table)] = ch.block_table
             positions[row : row + m] = np.arange(ch.start, end)
             chunk_of_row[row : row + m] = ci
@@ -506,13 +501,7 @@ class _RowIndex:
             row += m
             if ch.sample:
                 sampled.append(row - 1)
-        if tables.size and (tables.min() < 0 or tables.max() >= kv.num_blocks):
-            raise ValueError(
-                f"a block table names a block outside the pool (0..{kv.num_blocks - 1})"
-            )
         tokens = np.fromiter((t for ch in chunks for t in ch.token_ids), dtype=np.int64, count=n)
-        if tokens.min() < 0 or tokens.max() >= c.vocab_size:
-            raise ValueError(f"a token id is outside the vocabulary (0..{c.vocab_size - 1})")
         block = tables[chunk_of_row, positions // bs]
         return _RowIndex(
             n=n,
