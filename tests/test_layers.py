@@ -15,6 +15,7 @@ loads at run time; this one checks who may name whom.
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -141,3 +142,19 @@ def test_nothing_below_the_edge_imports_it() -> None:
             continue
         found = reaches(imports(path), ("server",))
         assert not found, f"{name} imports {found}"
+
+
+def test_the_core_of_the_book_names_real_files_at_about_their_size() -> None:
+    """docs/architecture.md lists the files a learner reads first, with line counts:
+    each must exist, and its count must be within a fifth (or 40 lines) of the file."""
+    page = (SRC.parents[1] / "docs" / "architecture.md").read_text(encoding="utf-8")
+    section = page.split("## The core of the book", 1)[1].split("\n## ", 1)[0]
+    rows = re.findall(r"^\| `src/triollm/([^`]+)` \| (\d+) \|", section, re.M)
+    assert len(rows) >= 10, "the core of the book lists its files"
+    for path, stated in rows:
+        file = SRC / path
+        assert file.is_file(), f"{path} is listed but does not exist"
+        lines = len(file.read_text(encoding="utf-8").splitlines())
+        assert abs(lines - int(stated)) <= max(40, lines // 5), (
+            f"{path}: the page says {stated} lines, the file has {lines}"
+        )
