@@ -24,16 +24,30 @@ def test_ratios_are_ours_over_the_peers_medians_of_the_alternating_rounds() -> N
     assert "itl_ms.p99" not in entry  # neither side measured it
 
 
-def test_the_table_shows_both_figures_and_the_ratio() -> None:
+def test_the_table_shows_both_figures_the_ratio_and_every_repeat() -> None:
     table = ratio_table(
-        [{"row": "decode b=1 16-bit", "tok_s": 30.0}],
-        [{"row": "decode b=1 16-bit", "tok_s": 100.0}],
+        [{"row": "decode b=1 16-bit", "tok_s": t} for t in (30.0, 20.0, 40.0)],
+        [{"row": "decode b=1 16-bit", "tok_s": t} for t in (100.0, 100.0, 80.0)],
         ENGINE_METRICS,
         ours_name="triollm",
         peer_name="llama.cpp",
     )
-    assert table.splitlines()[0] == "| row | triollm tok/s | llama.cpp tok/s | ratio |"
-    assert table.splitlines()[2] == "| decode b=1 16-bit | 30.0 | 100 | 0.30x |"
+    assert table.splitlines()[0].startswith("| row | triollm | llama.cpp | ratio (median) |")
+    assert table.splitlines()[2] == (
+        "| decode b=1 16-bit tok/s | 30.0 | 100 | 0.30x | 0.20-0.50 | 0.30, 0.20, 0.50 "
+        "| llama.cpp faster |"
+    )
+
+
+def test_one_repeat_or_repeats_on_both_sides_of_one_establish_nothing() -> None:
+    one = ratio_table([serve("c=1", 50, 80)], [serve("c=1", 100, 40)], SERVE_METRICS)
+    assert "not established: 1 quiet round(s) of the 3 needed" in one
+    split = ratio_table(
+        [serve("c=1", t, 1) for t in (90, 110, 95)],
+        [serve("c=1", 100, 1) for _ in range(3)],
+        SERVE_METRICS[:1],
+    )
+    assert split.splitlines()[2].endswith("| not established: the rounds disagree |")
 
 
 def test_a_results_file_that_is_not_json_lines_names_the_line(tmp_path) -> None:

@@ -106,14 +106,6 @@ def ratios(
     return out
 
 
-def _fmt(v: float | None) -> str:
-    if v is None:
-        return "—"
-    if abs(v) >= 100:
-        return f"{v:.0f}"
-    return f"{v:.1f}" if abs(v) >= 1 else f"{v:.2f}"
-
-
 def ratio_table(
     ours: Sequence[dict[str, Any]],
     peer: Sequence[dict[str, Any]],
@@ -122,24 +114,37 @@ def ratio_table(
     ours_name: str = "triollm",
     peer_name: str = "peer",
 ) -> str:
-    """A markdown table: per row and metric, ours, the peer's and ours / peer."""
-    table = ratios(ours, peer, metrics)
-    if not table:
-        return f"(no row of {ours_name}'s results matches a row of {peer_name}'s)"
-    head = ["row"]
-    for m in metrics:
-        head += [f"{ours_name} {m.label}", f"{peer_name} {m.label}", "ratio"]
-    lines = ["| " + " | ".join(head) + " |", "| --- |" + " ---: |" * (len(head) - 1)]
-    for e in table:
-        cells = [e["row"]]
+    """A markdown table, one line per row and metric: each side's median, the median of
+    the per-repeat ratios ours / peer, every repeat's ratio, and a verdict.
+
+    Repeats pair by their order in each file (the i-th run of ours with the i-th of the
+    peer's: alternating runs append in that order). A ratio without its repeats is not
+    a claim (CONVENTIONS rule 17), so a single repeat, or repeats on both sides of 1.0,
+    say "not established" (``rounds.Summary``). Rows or metrics only one side measured
+    are left out.
+    """
+    from triollm.bench.rounds import Summary, pair_rounds, table_row
+
+    a, b = _by_row(ours), _by_row(peer)
+    head = f"| row | {ours_name} | {peer_name} | ratio (median) | spread | per repeat | verdict |"
+    lines = [head, "| --- | ---: | ---: | ---: | ---: | --- | --- |"]
+    for row in [r for r in a if r in b]:
         for m in metrics:
-            cell = e.get(m.path)
-            if cell is None:
-                cells += ["—", "—", "—"]
+            va = [v for r in a[row] if (v := m.of(r)) is not None]
+            vb = [v for r in b[row] if (v := m.of(r)) is not None]
+            if not va or not vb:
                 continue
-            r = cell["ratio"]
-            cells += [_fmt(cell["ours"]), _fmt(cell["peer"]), f"{r:.2f}x" if r else "—"]
-        lines.append("| " + " | ".join(cells) + " |")
+            if len(va) != len(vb):  # unpaired repeats: the medians' ratio, as one repeat
+                va, vb = [_median(va)], [_median(vb)]
+            s = Summary(
+                pair_rounds(dict(enumerate(va)), dict(enumerate(vb)), ()),
+                m.higher_is_better,
+                ours_name=ours_name,
+                peer_name=peer_name,
+            )
+            lines.append(table_row(f"{row} {m.label}", s))
+    if len(lines) == 2:
+        return f"(no row of {ours_name}'s results matches a row of {peer_name}'s)"
     return "\n".join(lines)
 
 
