@@ -41,10 +41,9 @@ cluster *ARGS:
 bench-cluster *ARGS:
     python bench/bench_cluster.py {{ARGS}}
 
-# triollm vs llama.cpp (not in CI; ~35 min): build llama.cpp (cached), fetch the models, 3
-# guarded alternating rounds, write docs/performance.md's results section and plots.
-# Steps: build models ready guard run tables all; a subset: `just bench-peers run --models
-# qwen1.5b --parts decode,serve` then `just bench-peers tables`
+# Steps: build models ready guard run tables all (default: all). A subset: `just bench-peers
+# run --models qwen1.5b --parts decode,serve`, then `just bench-peers tables`.
+# triollm vs llama.cpp, 3 guarded alternating rounds, writes performance.md (~35 min, not CI)
 bench-peers *ARGS:
     python tools/bench_peers.py {{ARGS}}
 

@@ -617,11 +617,20 @@ def round_groups(parts: list[str]) -> list[list[str]]:
     return [g for g in (engine, ["serve"] if "serve" in parts else []) if g]
 
 
+def free_port() -> int:
+    """A port nothing listens on now (a fixed one may be held by a frozen process)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 def run_round(m: Model, group: list[str], w: Workload, scratch: Path) -> list[dict]:
     """A (llama.cpp) then B (triollm) on the same file and workload."""
     if group == ["serve"]:
-        return _side("llama.cpp", serve, "llama.cpp", m, w, scratch, 8090) + _side(
-            "triollm", serve, "triollm", m, w, scratch, 8091
+        return _side("llama.cpp", serve, "llama.cpp", m, w, scratch, free_port()) + _side(
+            "triollm", serve, "triollm", m, w, scratch, free_port()
         )
     peer: list[dict] = []
     for part, fn in (("decode", llama_decode), ("prefill", llama_prefill), ("depth", llama_depth)):
@@ -670,7 +679,7 @@ def estimate(ms: dict[str, Model], parts: list[str], rounds: int, w: Workload) -
             else:
                 scale = size / realmodels.MODELS[realmodels.QWEN_15B].size
                 per = sum(max(GUESS_FLOOR_S[p], GUESS_S[p] * scale) for p in group)
-                how = "guess"
+                how = "guess" if w == Workload() else "guess for the default workload"
             per += Guard().window  # the guard's check before each round
             log(f"  {m.key} {'+'.join(group)}: ~{per:.0f} s per round x {rounds} ({how})")
             total += per * rounds
