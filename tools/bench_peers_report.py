@@ -125,14 +125,15 @@ def _errors(records: list[dict[str, Any]], model: str) -> list[str]:
 
 
 def _commands(records: list[dict[str, Any]], model: str) -> list[str]:
-    seen: dict[str, str] = {}
+    seen: dict[tuple[str, str], list[str]] = {}  # (system, command) -> its parts
     for r in records:
         if r["model"] != model or "error" in r:
             continue
         cmd = r.get("command") or r.get("server_command")
-        if cmd:
-            seen.setdefault(f"{r['system']} {r['part']}", cmd)
-    return [f"- {k}: `{v}`" for k, v in sorted(seen.items())]
+        parts = seen.setdefault((r["system"], cmd), []) if cmd else []
+        if cmd and r["part"] not in parts:
+            parts.append(r["part"])
+    return [f"- {sys} {', '.join(parts)}: `{cmd}`" for (sys, cmd), parts in seen.items()]
 
 
 def _header(
