@@ -28,13 +28,31 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any
 
 from triollm.errors import FieldError
 from triollm.kv import blocks_for
-from triollm.model.kvcache import DEFAULT_KV_DTYPE, KVDtype
 from triollm.policies import Policy, SchedulingPolicy
 from triollm.scheduler import SchedulerConfig
+
+
+class KVDtype(Enum):
+    """The KV cache's element type; the value is the CLI spelling (``--kv-cache-dtype``).
+
+    Here, not in ``model/kvcache.py`` (which stores it), because the memory
+    arithmetic depends on it and this module stays free of numpy."""
+
+    F16 = "f16"
+    BF16 = "bf16"
+    F32 = "f32"
+    Q8_0 = "q8_0"
+
+
+# 16 bits: half the float32 cache and llama.cpp's default size; f16 over bf16
+# because its 3 extra mantissa bits measured closer to the float32 cache
+# (docs/engine.md) and K/V values of these models stay far below 65504.
+DEFAULT_KV_DTYPE = KVDtype.F16
 
 # The default context cap. A long-context model's own limit (Llama-3.1: 131072
 # positions) would make the default pool slots x 131072 x 128 KiB = 64+ GiB; 4096

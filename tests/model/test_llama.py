@@ -10,7 +10,7 @@ import pytest
 
 from triollm.errors import ModelLoadError
 from triollm.model.config import ModelConfig
-from triollm.model.kvcache import KVDtype
+from triollm.model.kvcache import STORAGE, KVDtype
 from triollm.model.llama import LlamaModel, PagedKVCache, inverse_frequencies
 from triollm.model.matmul import PreparedWeight
 from triollm.model.weights import Checkpoint, expected_shapes, f32_to_bf16_bits
@@ -112,7 +112,7 @@ def test_every_parameter_buffer_and_output_is_float32() -> None:
             if isinstance(buf, np.ndarray):
                 assert buf.dtype == np.float32, key
         # the cache stores its own element type (16-bit f16 bits by default)
-        assert kv.k.dtype == kv.dtype.storage and kv.v.dtype == kv.dtype.storage
+        assert kv.k.dtype == STORAGE[kv.dtype] and kv.v.dtype == STORAGE[kv.dtype]
         f32_kv = PagedKVCache(model.config, num_blocks=4, block_size=32, dtype=KVDtype.F32)
         assert f32_kv.k.dtype == np.float32 and f32_kv.v.dtype == np.float32
 

@@ -21,39 +21,27 @@ caches to the float32 cache's greedy answers on the fixture models.
 
 from __future__ import annotations
 
-from enum import Enum
-
 import numpy as np
 
 from triollm.model.config import ModelConfig
+from triollm.sizing import DEFAULT_KV_DTYPE, KVDtype  # the type itself is pure (sizing.py)
 
 Q8_BLOCK = 32  # values per q8_0 scale, along head_dim (llama.cpp's QK8_0)
 _F16_MAX = np.float32(65504.0)
 
 
-class KVDtype(Enum):
-    """The cache's element type; the value is the CLI spelling (``--kv-cache-dtype``)."""
-
-    F16 = "f16"
-    BF16 = "bf16"
-    F32 = "f32"
-    Q8_0 = "q8_0"
-
-    @property
-    def storage(self) -> type:
-        """The numpy dtype of the stored values (f16/bf16 as raw bits, like matmul.py)."""
-        return {"f16": np.int16, "bf16": np.uint16, "f32": np.float32, "q8_0": np.int8}[self.value]
-
-
-# 16 bits: half the float32 cache and llama.cpp's default size; f16 over bf16
-# because its 3 extra mantissa bits measured closer to the float32 cache
-# (docs/engine.md) and K/V values of these models stay far below 65504.
-DEFAULT_KV_DTYPE = KVDtype.F16
+# numpy's dtype of the stored values (f16/bf16 as raw bits, like matmul.py)
+STORAGE: dict[KVDtype, type] = {
+    KVDtype.F16: np.int16,
+    KVDtype.BF16: np.uint16,
+    KVDtype.F32: np.float32,
+    KVDtype.Q8_0: np.int8,
+}
 
 
 def kv_bytes_per_position(config: ModelConfig, dtype: KVDtype) -> int:
     """Bytes of K and V that one position occupies, over all layers, in ``dtype``."""
-    per_head = config.head_dim * np.dtype(dtype.storage).itemsize
+    per_head = config.head_dim * np.dtype(STORAGE[dtype]).itemsize
     if dtype is KVDtype.Q8_0:
         per_head += 2 * _scale_count(config.head_dim)
     return 2 * config.num_hidden_layers * config.num_key_value_heads * per_head
@@ -102,8 +90,8 @@ class PagedKVCache:
             config.head_dim,
         )
         # (n_layers, num_blocks, n_kv_heads, block_size, head_dim) storage dtype
-        self.k: np.ndarray = np.zeros(shape, dtype=dtype.storage)
-        self.v: np.ndarray = np.zeros(shape, dtype=dtype.storage)
+        self.k: np.ndarray = np.zeros(shape, dtype=STORAGE[dtype])
+        self.v: np.ndarray = np.zeros(shape, dtype=STORAGE[dtype])
         scales = (*shape[:-1], _scale_count(config.head_dim))
         if dtype is not KVDtype.Q8_0:
             scales = (config.num_hidden_layers, 1, 1, 1, 1)
@@ -149,4 +137,4 @@ def _q8_0(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return np.ascontiguousarray(q.reshape(n, h, -1)[..., :hd]), d16.view(np.int16)
 
 
-__all__ = ["DEFAULT_KV_DTYPE", "KVDtype", "PagedKVCache", "kv_bytes_per_position"]
+__all__ = ["DEFAULT_KV_DTYPE", "STORAGE", "KVDtype", "PagedKVCache", "kv_bytes_per_position"]
