@@ -245,6 +245,23 @@ class Handlers:
         text = await self.preparer.decode(tokens)
         return {"prompt": text, "content": text}  # vLLM's key, llama-server's key
 
+    async def completions_render(self) -> Any:
+        # llm-d's precise prefix routing (and vllm-router's kv_aware, before it falls
+        # back to /tokenize) hashes a request's exact token ids to find the replica that
+        # holds its blocks: the ids this server would run, one entry per prompt (vLLM's
+        # and llm-d's simulator's shape). Nothing is generated and nothing queues.
+        return [{"token_ids": await self._render(parse_completion)}]
+
+    async def chat_completions_render(self) -> Any:
+        # The same for a conversation: the ids after the chat template, as one object.
+        return {"token_ids": await self._render(parse_chat)}
+
+    async def _render(self, parse: Callable[[bytes], GenerationRequest]) -> list[int]:
+        req = parse(await _body())
+        self._check_model(req.model)
+        with _refusals():
+            return await self.preparer.tokenize(req)
+
     # -- generation -------------------------------------------------------------------
 
     async def completions(self) -> Response:
@@ -371,6 +388,8 @@ def create_app(
         ("GET", "/v1/models/<path:model_id>", h.model_by_id),
         ("POST", "/v1/completions", h.completions),
         ("POST", "/v1/chat/completions", h.chat_completions),
+        ("POST", "/v1/completions/render", h.completions_render),
+        ("POST", "/v1/chat/completions/render", h.chat_completions_render),
         ("POST", "/tokenize", h.tokenize),
         ("POST", "/detokenize", h.detokenize),
     ]
