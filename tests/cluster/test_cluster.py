@@ -15,6 +15,7 @@ import random
 import signal
 import socket
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +36,7 @@ from triollm.cluster.supervise import ClusterConfig
 ROOT = Path(__file__).resolve().parents[2]
 SHIPPED = ROOT / "deploy" / "envoy" / "envoy.yaml"
 FIXTURE_MODEL = ROOT / "tests" / "fixtures" / "models" / "llama-gqa-f32"
+WARM_UP = (sys.executable, "-m", "triollm.cli", "generate")
 
 
 def free_port(*hosts: str) -> int:
@@ -173,6 +175,15 @@ async def test_a_replica_sigtermed_then_one_sigkilled_under_load() -> None:
         first_octet=first,
     )
     url = f"http://127.0.0.1:{config.listen.port}/v1/completions"
+    # Compile the kernels once, here, into numba's disk cache, which the replicas then
+    # load: on a fresh clone both replicas compiled a cold cache at once (the attention
+    # kernel alone ~100 s) and this test failed there while it passed warm.
+    subprocess.run(
+        [*WARM_UP, str(FIXTURE_MODEL), "--prompt", "Once", "--max-tokens", "2"],
+        check=True,
+        capture_output=True,
+        timeout=900,
+    )
     with trio.fail_after(280):
         async with trio.open_nursery() as nursery:
             cluster: Cluster = await nursery.start(Cluster(config).run)
