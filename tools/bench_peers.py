@@ -771,7 +771,23 @@ def measure(
 def machine_info() -> dict:
     from triollm.bench.command import machine
 
-    return machine() | {"sgemm_gflops": sgemm_gflops()}
+    return machine() | {"sgemm_gflops": sgemm_gflops(), "commit": commit()}
+
+
+def commit() -> str:
+    """The triollm commit measured, "+dirty" when the tree had uncommitted changes."""
+    try:
+        head = subprocess.run(
+            ["git", "-C", str(REPO), "rev-parse", "--short=10", "HEAD"],
+            capture_output=True, text=True, check=True,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True, text=True, check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return ""
+    return head + ("+dirty" if dirty else "")
 
 
 SGEMM = """
@@ -841,7 +857,10 @@ def main(argv: list[str] | None = None) -> int:
         "judge the recorded rounds again at this threshold",
     )
     p.add_argument("--quiet-wait", type=float, default=120, help="s before busy (120)")
-    p.add_argument("--results", type=Path, help="`tables`: a results dir (default: latest)")
+    p.add_argument(
+        "--results",
+        help="`tables`: results dirs, comma-separated, oldest first (default: the latest run)",
+    )
     p.add_argument("--no-doc", action="store_true", help="`tables`: print, leave the docs")
     args = p.parse_args(argv)
     keys = tuple(k for k in args.models.split(",") if k)
@@ -873,14 +892,14 @@ def main(argv: list[str] | None = None) -> int:
         write_ready(models(keys))
     if args.step == "guard":
         show_guard(guard)
-    results = args.results
+    runs = [Path(d) for d in args.results.split(",") if d] if args.results else []
     if args.step in ("run", "all"):
-        results = measure(keys, parts, args.rounds, w, guard)
+        runs = [measure(keys, parts, args.rounds, w, guard)]
     if args.step in ("tables", "all"):
         from bench_peers_report import write_report  # tools/bench_peers_report.py
 
         write_report(
-            results or RESULTS / (RESULTS / "LATEST").read_text().strip(),
+            runs or [RESULTS / (RESULTS / "LATEST").read_text().strip()],
             doc=not args.no_doc,
             threshold=args.quiet_threshold if args.step == "tables" else None,
         )

@@ -1,12 +1,15 @@
-"""docs/performance.md's results section and its plots, from one `bench_peers.py run`.
+"""docs/performance.md's results section and its plots, from one or more `bench_peers.py run`s.
 
-    python tools/bench_peers.py tables [--results DIR] [--no-doc]
+    python tools/bench_peers.py tables [--results DIR[,DIR...]] [--no-doc]
 
 reads ``DIR/records.jsonl``, ``DIR/rounds.jsonl`` and ``DIR/meta.json`` (default: the
 latest run under ~/.cache/triollm/peers/results), writes ``DIR/summary.json``, prints
 the tables, replaces the text between the ``bench-peers`` markers in
 docs/performance.md and draws docs/img/peers-decode.png and docs/img/peers-serve.png
-(matplotlib: the ``plots`` extra). The section holds nothing but what this run
+(matplotlib: the ``plots`` extra). Several runs (one model re-measured after a change,
+the others from an earlier quiet run) give one part per run, each with its own header: its
+date, command, load and triollm commit, so no figure is read as newer than it is; the plots
+take each model from the last run that measured it. The section holds nothing but what the runs
 measured: every ratio with its per-round values, busy rounds marked, the verdict
 "not established" where the quiet rounds disagree (``triollm.bench.rounds``).
 """
@@ -153,6 +156,7 @@ def _header(
         f"Command: `{meta['command']}`, then `python tools/bench_peers.py tables`; "
         f"{meta['date']} to {meta.get('date_end', '(unfinished)')}. Machine: {meta['cpu']}, "
         f"{meta['cores']} cores"
+        + (f"; triollm at commit `{meta['commit']}`" if meta.get("commit") else "")
         + (f", sgemm {meta['sgemm_gflops']:.0f} GFLOP/s" if meta.get("sgemm_gflops") else "")
         + f"; every system gets {w['threads']} threads. Results: "
         f"`~/.cache/triollm/peers/results/{results.name}/`.",
@@ -217,11 +221,17 @@ def section(
     return lines, summary
 
 
-def write_report(results: Path, *, doc: bool = True, threshold: float | None = None) -> None:
-    lines, summary = section(results, threshold)
-    (results / "summary.json").write_text(json.dumps(summary, indent=1))
-    drawn = plots(results, threshold) if doc else []
-    body = [BEGIN, "", *lines, *[f"![{alt}](img/{name})\n" for name, alt in drawn], END]
+def write_report(runs: list[Path], *, doc: bool = True, threshold: float | None = None) -> None:
+    body = [BEGIN, ""]
+    for results in runs:
+        lines, summary = section(results, threshold)
+        (results / "summary.json").write_text(json.dumps(summary, indent=1))
+        if len(runs) > 1:
+            meta = json.loads((results / "meta.json").read_text())
+            body += [f"### Run of {meta['date'][:16].replace('T', ' ')} UTC", ""]
+        body += lines
+    drawn = plots(runs, threshold) if doc else []
+    body += [*[f"![{alt}](img/{name})\n" for name, alt in drawn], END]
     print("\n".join(body))
     if doc:
         # a picture this run did not draw would show an older run's figures
@@ -235,7 +245,26 @@ def write_report(results: Path, *, doc: bool = True, threshold: float | None = N
         DOC.write_text(head + "\n".join(body) + tail)
 
 
-def plots(results: Path, threshold: float | None = None) -> list[tuple[str, str]]:
+def merged(
+    runs: list[Path], threshold: float | None
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """One meta and one record list over several runs: each model's records come from the
+    last run that measured it (a re-measured model replaces its earlier figures)."""
+    meta: dict[str, Any] = {}
+    records: list[dict[str, Any]] = []
+    for results in runs:
+        m = json.loads((results / "meta.json").read_text())
+        rs = read(results / "records.jsonl")
+        if threshold is not None:
+            rs, _ = rejudge(rs, read(results / "rounds.jsonl"), threshold)
+        measured = {r["model"] for r in rs}
+        records = [r for r in records if r["model"] not in measured] + rs
+        models = {k: v for k, v in meta.get("models", {}).items() if k not in measured}
+        meta = m | {"models": models | {k: v for k, v in m["models"].items() if k in measured}}
+    return meta, records
+
+
+def plots(runs: list[Path], threshold: float | None = None) -> list[tuple[str, str]]:
     """Decode tok/s against batch per model and the headline's server; every round a
     dot, the median a line. (file name, alt text) of each picture drawn."""
     try:
@@ -247,10 +276,7 @@ def plots(results: Path, threshold: float | None = None) -> list[tuple[str, str]
     import matplotlib.pyplot as plt
     import matplotlib.ticker
 
-    meta = json.loads((results / "meta.json").read_text())
-    records = read(results / "records.jsonl")
-    if threshold is not None:
-        records, _ = rejudge(records, read(results / "rounds.jsonl"), threshold)
+    meta, records = merged(runs, threshold)
     records = [r for r in records if "error" not in r]
     IMG.mkdir(parents=True, exist_ok=True)
     drawn = []

@@ -142,3 +142,29 @@ def test_tables_can_judge_the_recorded_rounds_again_at_another_threshold() -> No
     recs, rnds = report.rejudge(records, rounds, threshold=0.3)
     assert [r["busy"] for r in rnds] == [False, True]
     assert [r["busy"] for r in recs] == [False, False, True, True]
+
+
+def test_tables_over_several_runs_take_each_model_from_the_last_run_that_measured_it(
+    tmp_path: Path,
+) -> None:
+    """A model re-measured after a change replaces its earlier figures in the plots; a model
+    only the earlier run measured keeps them (each run's own header says when and at which
+    commit)."""
+    report = _report()
+    runs = []
+    for name, models, tok in (("a", ("qwen1.5b", "smollm2"), 10.0), ("b", ("qwen1.5b",), 30.0)):
+        d = tmp_path / name
+        d.mkdir()
+        meta = {"date": name, "commit": f"c-{name}",
+                "models": {m: {"title": m, "pairing": "same"} for m in models}}  # fmt: skip
+        (d / "meta.json").write_text(json.dumps(meta))
+        recs = [{"model": m, "part": "decode", "system": "triollm", "round": 0, "tok_s": tok}
+                for m in models]  # fmt: skip
+        (d / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+        (d / "rounds.jsonl").write_text("")
+        runs.append(d)
+    meta, records = report.merged(runs, None)
+    assert sorted(meta["models"]) == ["qwen1.5b", "smollm2"] and meta["commit"] == "c-b"
+    by_model = {r["model"]: r["tok_s"] for r in records}
+    assert by_model == {"qwen1.5b": 30.0, "smollm2": 10.0}
+    assert len(records) == 2
