@@ -54,13 +54,15 @@ def rope(x: np.ndarray, positions: np.ndarray, cos: np.ndarray, sin: np.ndarray)
     """Rotate ``x`` in place by each row's position, the Hugging Face way.
 
     x: (n, n_heads, head_dim) float32; positions: (n,) int64;
-    cos, sin: (max_positions, head_dim // 2) float32 tables.
-    "Rotate half": dimension j pairs with j + head_dim/2 (not with j+1 as in the
+    cos, sin: (max_positions, rotary_dim // 2) float32 tables.
+    "Rotate half": dimension j pairs with j + rotary_dim/2 (not with j+1 as in the
     original RoPE paper's interleaved layout; HF checkpoints have their q/k
     weights permuted for this convention, so the other one gives garbage).
+    rotary_dim is head_dim except for partial rotary (Phi-4-mini: 3/4 of it): the
+    tables' width says how many pairs turn; dimensions past rotary_dim pass through.
     """
-    n, n_heads, head_dim = x.shape
-    half = head_dim // 2
+    n, n_heads, _ = x.shape
+    half = cos.shape[1]  # rotary_dim // 2; head_dim // 2 unless partial rotary
     for i in range(n):
         p = positions[i]
         for h in range(n_heads):
