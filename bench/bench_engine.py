@@ -247,7 +247,6 @@ def run(args: argparse.Namespace) -> int:
         f"GB/s, median {med_bw / 1e9:.1f} GB/s\n"
     )
 
-    kv_pos = config.kv_bytes_per_position()
     rows_md = []
     records: list[dict[str, Any]] = []  # one JSON line per case (--json, --peer)
     profiles: list[tuple[str, dict[str, float]]] = []
@@ -284,7 +283,8 @@ def run(args: argparse.Namespace) -> int:
             med = statistics.median(times)
             cpu_med = statistics.median(cpu_times)
             # floor: W once per step, plus each sequence's K/V read once
-            ctx_bytes = sum(ch.start + ch.n_rows for ch in chunks) * kv_pos
+            # the cache's own element size (f16 by default), not float32's
+            ctx_bytes = sum(ch.start + ch.n_rows for ch in chunks) * kv.bytes_per_position
             floor = (w_bytes + ctx_bytes) / best_bw
             # weight-product arithmetic: every layer for every row, the head for sampled rows
             flops = 2 * (layer_params * case.rows + head_params * len(chunks))
