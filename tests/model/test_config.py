@@ -11,6 +11,7 @@ import pytest
 
 from triollm.errors import ModelLoadError, UserError
 from triollm.model.config import ModelConfig, RopeScaling
+from triollm.model.kvcache import KVDtype, kv_bytes_per_position
 from triollm.model.loader import load_model
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "models"
@@ -53,7 +54,11 @@ def test_defaults_and_derived_fields() -> None:
     c = ModelConfig.from_dict(base(num_key_value_heads=None, head_dim=None, eos_token_id=None))
     assert c.num_key_value_heads == 4 and c.head_dim == 16 and c.eos_token_ids == frozenset()
     assert c.rope_theta == 10000.0 and c.rope_scaling is None and c.rms_norm_eps == 1e-6
-    assert c.kv_bytes_per_position() == 2 * 2 * 4 * 16 * 4
+    # the pool's bytes per position follow the cache's element type (kvcache.py owns the
+    # rule; the config no longer counts float32 behind the default f16 cache's back)
+    assert not hasattr(c, "kv_bytes_per_position")
+    assert kv_bytes_per_position(c, KVDtype.F32) == 2 * 2 * 4 * 16 * 4
+    assert kv_bytes_per_position(c, KVDtype.F16) == 2 * 2 * 4 * 16 * 2
 
 
 def test_linear_rope_scaling_and_the_legacy_type_key() -> None:

@@ -130,10 +130,6 @@ class ModelConfig:
         """Query heads per KV head (1 without GQA)."""
         return self.num_attention_heads // self.num_key_value_heads
 
-    def kv_bytes_per_position(self) -> int:
-        """Bytes of float32 K and V that one position occupies, over all layers."""
-        return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * 4
-
     @classmethod
     def from_dir(cls, model_dir: str | os.PathLike[str]) -> ModelConfig:
         """Read ``model_dir/config.json``; ModelLoadError if missing or invalid."""
