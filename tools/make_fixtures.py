@@ -6,7 +6,7 @@ Run with the `fixtures` extra installed (torch==2.13.0, transformers):
 
 It writes, deterministically (fixed seeds):
 
-- ``tests/fixtures/models/<name>/``: five complete Hugging Face model
+- ``tests/fixtures/models/<name>/``: complete Hugging Face model
   directories (config.json, safetensors weights, tokenizer.json,
   tokenizer_config.json with a chat template), one per family and dtype the
   engine supports. They are small (hidden 64, 2 layers, vocab 400) and random,
@@ -15,7 +15,9 @@ It writes, deterministically (fixed seeds):
   sliding window shorter than the long prompt, one checkpoint sharded.
 - ``tests/fixtures/reference/<name>.json``: the prompts (as token ids), the
   greedy continuation transformers produces (32 tokens, EOS ignored) and the
-  smallest top-1/top-2 logit gap seen on the way.
+  smallest top-1/top-2 logit gap seen on the way (LongRoPE fixtures: with the long
+  factors, and, for a prompt that stays within the training length, also with the
+  short ones as ``short_greedy_ids`` / ``short_first_<i>``).
 - ``tests/fixtures/reference/<name>.npz``: transformers' logits at the last
   prompt position (``first_<i>``) and at the last generated position
   (``last_<i>``), computed in float32 from the stored weights (bf16/f16 are
@@ -49,6 +51,7 @@ from transformers import (
     LlamaConfig,
     MistralConfig,
     MixtralConfig,
+    Phi3Config,
     Qwen2Config,
     Qwen3Config,
     Qwen3MoeConfig,
@@ -240,6 +243,29 @@ SPECS: dict[str, tuple[Any, torch.dtype, str, bool, bool]] = {
                          query_pre_attn_scalar=16, bos_token_id=BOS, eos_token_id=EOS),
         torch.bfloat16, "llama", False, False,
     ),
+    # Phi-3 (model/phi3.py): qkv_proj and gate_up_proj fused in the checkpoint.
+    # LongRoPE with half of each head rotated, its training length (36) between the
+    # short prompt's greedy run (35 positions) and the others: the reference turns with
+    # the long factors, as a server whose context exceeds 36 does, and the short
+    # prompt is also recorded with the short ones (see force_long_rope)
+    "phi3-longrope-f32": (
+        Phi3Config(**COMMON, num_key_value_heads=2, original_max_position_embeddings=36,
+                   rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                                    "partial_rotary_factor": 0.5,
+                                    "short_factor": [1.0, 1.3, 1.9, 2.6],
+                                    "long_factor": [1.1, 2.5, 5.0, 9.0]},
+                   tie_word_embeddings=False, bos_token_id=BOS, eos_token_id=EOS),
+        torch.float32, "llama", False, False,
+    ),
+    # Phi-4-mini's shape: 3/4 of each head rotated, tied head; no GQA, as Phi-3-mini;
+    # a sliding window (Phi-3-mini-4k has one) far shorter than the long prompt
+    "phi3-window-bf16": (
+        Phi3Config(**COMMON, num_key_value_heads=4, sliding_window=48,
+                   rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                    "partial_rotary_factor": 0.75},
+                   tie_word_embeddings=True, bos_token_id=BOS, eos_token_id=EOS),
+        torch.bfloat16, "llama", False, False,
+    ),
 }  # fmt: skip
 
 
@@ -278,6 +304,28 @@ def to_classic_config(path: Path) -> None:
     if "dtype" in d:
         d["torch_dtype"] = d.pop("dtype")
     path.write_text(json.dumps(d, indent=2, sort_keys=True) + "\n")
+
+
+def is_longrope(model: Any) -> bool:
+    return (model.config.rope_parameters or {}).get("rope_type") == "longrope"
+
+
+@torch.no_grad()
+def force_long_rope(model: Any) -> None:
+    """Make transformers turn every sequence with LongRoPE's long factors.
+
+    transformers picks the list per forward call, by the longest position in it;
+    the engine picks once per model, by its context (model/phi3.py). The fixture's
+    reference is what transformers computes with the list the engine's default
+    context (the model's max_position_embeddings, > the training length) selects:
+    transformers' own long frequencies, put in place of its short ones."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    rotary = model.model.rotary_emb
+    orig = model.config.rope_parameters["original_max_position_embeddings"]
+    long, _ = ROPE_INIT_FUNCTIONS["longrope"](model.config, seq_len=orig + 1)
+    rotary.original_inv_freq.copy_(long)
+    rotary.inv_freq.copy_(long)
 
 
 @torch.no_grad()
@@ -322,6 +370,15 @@ def make(name: str, tok: Tokenizer, seed: int) -> dict[str, Any]:
     if dtype != torch.float32:
         native = AutoModelForCausalLM.from_pretrained(out, dtype=dtype, attn_implementation="eager")
         native.eval()
+    short = None  # LongRoPE: transformers as it is, short factors while within the training length
+    if is_longrope(ref):
+        short = AutoModelForCausalLM.from_pretrained(
+            out, dtype=torch.float32, attn_implementation="eager"
+        )
+        short.eval()
+        for m in (ref, native):
+            if m is not None:
+                force_long_rope(m)
     encoder = Tokenizer.from_file(str(out / "tokenizer.json"))
     records = []
     arrays: dict[str, np.ndarray] = {}
@@ -331,6 +388,12 @@ def make(name: str, tok: Tokenizer, seed: int) -> dict[str, Any]:
         records.append({"text": text, "prompt_ids": prompt, "greedy_ids": ids, "min_gap": gap})
         arrays[f"first_{i}"] = first.astype(np.float32)
         arrays[f"last_{i}"] = last.astype(np.float32)
+        orig = short.config.rope_parameters["original_max_position_embeddings"] if short else 0
+        if short is not None and len(prompt) + GREEDY_TOKENS - 1 <= orig:
+            # every step's sequence within the training length: the short list throughout
+            s_ids, s_gap, s_first, _ = greedy(short, prompt)
+            records[-1] |= {"short_greedy_ids": s_ids, "short_min_gap": s_gap}
+            arrays[f"short_first_{i}"] = s_first.astype(np.float32)
         if native is not None:
             with torch.no_grad():
                 nl = native(torch.tensor([prompt])).logits[0, -1].float().numpy()

@@ -30,6 +30,7 @@ ARCH = {
     "qwen3_moe": gguf.MODEL_ARCH.QWEN3MOE,
     "mixtral": gguf.MODEL_ARCH.LLAMA,  # llama.cpp writes Mixtral as llama + experts
     "gemma3_text": gguf.MODEL_ARCH.GEMMA3,
+    "phi3": gguf.MODEL_ARCH.PHI3,  # qkv_proj -> attn_qkv, gate_up_proj -> ffn_up
 }
 # one expert's projection, by HF key -> (the key of the layer's 3-D tensor, expert index)
 EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(\w+)\.weight$")
@@ -172,6 +173,38 @@ def llama3_rope_factors(config: Mapping[str, Any]) -> np.ndarray | None:
     return np.asarray(out, np.float32)
 
 
+def _phi3_rope(config: Mapping[str, Any]) -> Mapping[str, Any]:
+    return config.get("rope_parameters") or config.get("rope_scaling") or {}
+
+
+def _phi3_metadata(writer: gguf.GGUFWriter, config: Mapping[str, Any]) -> None:
+    """What llama.cpp's converter (Phi3MiniModel) writes beside the common keys:
+    the rotated dimensions, the window (0: none), the training length, and for
+    LongRoPE the attention factor it computes as transformers does."""
+    rope = _phi3_rope(config)
+    partial = rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
+    heads = config["num_attention_heads"]
+    writer.add_rope_dimension_count(int(partial * config["hidden_size"]) // heads)
+    writer.add_sliding_window(config.get("sliding_window") or 0)
+    orig = config.get("original_max_position_embeddings", config["max_position_embeddings"])
+    writer.add_rope_scaling_orig_ctx_len(orig)
+    if rope.get("rope_type", rope.get("type")) in ("longrope", "su"):
+        scale = config["max_position_embeddings"] / orig
+        attn = math.sqrt(1 + math.log(scale) / math.log(orig)) if scale > 1.0 else 1.0
+        writer.add_rope_scaling_attn_factors(attn)
+
+
+def phi3_rope_factors(config: Mapping[str, Any]) -> dict[str, np.ndarray]:
+    """LongRoPE's two factor lists as the converter's F32 tensors (none for other RoPE)."""
+    rope = _phi3_rope(config) if config["model_type"] == "phi3" else {}
+    if rope.get("rope_type", rope.get("type")) not in ("longrope", "su"):
+        return {}
+    return {
+        "rope_factors_long.weight": np.asarray(rope["long_factor"], np.float32),
+        "rope_factors_short.weight": np.asarray(rope["short_factor"], np.float32),
+    }
+
+
 def write_gguf(
     path: Path,
     config: Mapping[str, Any],
@@ -226,6 +259,8 @@ def write_gguf(
         writer.add_rope_freq_base_swa(float(local))
         rope = config["rope_parameters"]["full_attention"]
         writer.add_rope_freq_base(float(rope["rope_theta"]))
+    if model_type == "phi3":
+        _phi3_metadata(writer, config)
     _tokenizer_metadata(writer, tok_dir, pre)
     held: dict[str, np.ndarray] = {}
     for key, w in tensors.items():
@@ -258,6 +293,8 @@ def write_gguf(
     factors = llama3_rope_factors(config)
     if factors is not None:
         writer.add_tensor("rope_freqs.weight", factors, raw_dtype=gguf.GGMLQuantizationType.F32)
+    for name, values in phi3_rope_factors(config).items():
+        writer.add_tensor(name, values, raw_dtype=gguf.GGMLQuantizationType.F32)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -16,7 +16,10 @@ in a handful of switches, each a field here:
 - ``mixtral``: mistral attention, a mixture of experts in every layer;
 - ``gemma3_text`` (Gemma 3, text only): sandwich norms, GeGLU, sliding and full
   layers with their own RoPE bases (:class:`~triollm.model.gemma.GemmaConfig`,
-  ``model/gemma.py``).
+  ``model/gemma.py``);
+- ``phi3`` (Phi-3, Phi-3.5, Phi-4-mini): q/k/v and gate/up stored fused, partial
+  rotary (``partial_rotary_factor``), LongRoPE scaling (``longrope``, older ``su``)
+  and an optional sliding window (``model/phi3.py``).
 
 Two spellings of RoPE coexist in the wild: checkpoints saved before transformers
 5 carry ``rope_theta`` and ``rope_scaling`` at the top level; transformers 5
@@ -49,8 +52,10 @@ SUPPORTED_MODEL_TYPES = (
     "qwen3_moe",
     "mixtral",
     "gemma3_text",
+    "phi3",
 )
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+# "su" is the name Phi-3's first 128k configs gave LongRoPE; transformers reads it so too
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope", "su")
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +78,11 @@ class RopeScaling:
     # file's ``rope_freqs.weight`` tensor gives them (llama.cpp's converter writes
     # llama3 scaling this way, computed from the four numbers above)
     frequency_factors: tuple[float, ...] = ()
+    # "longrope": one divisor per rotated frequency for contexts within the original
+    # length (short) and beyond it (long), and cos/sin's multiplier
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
+    attention_factor: float = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,11 +134,19 @@ class ModelConfig:
     torch_dtype: str  # the checkpoint's stated dtype ("float32", "bfloat16", ...)
     moe: MoeConfig | None = None  # qwen3_moe, mixtral: experts in place of the MLP
     gemma: GemmaConfig | None = None  # gemma3_text: norms, GeGLU, per-layer windows (gemma.py)
+    # phi3 partial rotary: RoPE turns the first rotary_dim dimensions of each head and
+    # passes the rest through; None: all head_dim of them (every other family)
+    rotary_dim: int | None = None
 
     @property
     def kv_group_size(self) -> int:
         """Query heads per KV head (1 without GQA)."""
         return self.num_attention_heads // self.num_key_value_heads
+
+    @property
+    def rope_dim(self) -> int:
+        """How many dimensions of each q/k head RoPE rotates (even; head_dim unless partial)."""
+        return self.rotary_dim if self.rotary_dim is not None else self.head_dim
 
     @classmethod
     def from_dir(cls, model_dir: str | os.PathLike[str]) -> ModelConfig:
@@ -181,13 +199,13 @@ class ModelConfig:
 
         if model_type == "qwen2":
             attention_bias, o_proj_bias = True, False
-        elif model_type in ("mistral", "mixtral"):
+        elif model_type in ("mistral", "mixtral", "phi3"):  # phi3: bias=False in transformers
             attention_bias = o_proj_bias = False
         else:
             attention_bias = o_proj_bias = r.boolean("attention_bias", default=False)
 
         sliding_window: int | None = None
-        if model_type in ("mistral", "mixtral"):
+        if model_type in ("mistral", "mixtral", "phi3"):
             sliding_window = r.positive_int("sliding_window", default=None)
         elif r.boolean("use_sliding_window", default=False):
             raise ModelLoadError(
@@ -195,6 +213,7 @@ class ModelConfig:
             )
 
         max_pos = r.positive_int("max_position_embeddings")
+        rotary_dim = _read_rotary_dim(d, source, model_type, head_dim)
         gemma = None
         if model_type == "gemma3_text":
             from triollm.model.gemma import read_gemma
@@ -204,7 +223,9 @@ class ModelConfig:
                 {"rope_theta": theta, "rope_scaling": scaling}, source
             )
         else:
-            rope_theta, rope_scaling = _read_rope(d, source)
+            rope_theta, rope_scaling = _read_rope(
+                d, source, max_positions=max_pos, rope_dim=rotary_dim or head_dim
+            )
         eos = d.get("eos_token_id")
         if eos is None:
             eos_ids: frozenset[int] = frozenset()
@@ -242,6 +263,7 @@ class ModelConfig:
             torch_dtype=str(dtype) if dtype is not None else "float32",
             moe=moe,
             gemma=gemma,
+            rotary_dim=rotary_dim,
         )
 
 
@@ -341,8 +363,50 @@ class _Reader:
         return v
 
 
-def _read_rope(d: Mapping[str, Any], source: str) -> tuple[float, RopeScaling | None]:
-    """RoPE base and scaling from either spelling (see the module docstring)."""
+def _read_rotary_dim(
+    d: Mapping[str, Any], source: str, model_type: str, head_dim: int
+) -> int | None:
+    """Phi-3's partial rotary: ``int(head_dim * partial_rotary_factor)`` dimensions, or
+    None for all of them. transformers 5 keeps the factor in ``rope_parameters``; hub
+    checkpoints (Phi-4-mini: 0.75) at the top level."""
+    params = d.get("rope_parameters")
+    held = params if isinstance(params, Mapping) else {}
+    field = "rope_parameters.partial_rotary_factor"
+    factor = held.get("partial_rotary_factor")
+    if factor is None:
+        field, factor = "partial_rotary_factor", d.get("partial_rotary_factor")
+    if factor is None:
+        return None
+    if isinstance(factor, bool) or not isinstance(factor, int | float) or not 0 < factor <= 1:
+        raise ModelLoadError(
+            f"{source}: field {field!r} must be a number in (0, 1], got {factor!r}"
+        )
+    exact = head_dim * factor
+    # transformers truncates (int()); a decimal factor times head_dim may land a hair
+    # under the integer it means in binary, and truncating that would lose a dimension,
+    # so a product within 1e-9 of an integer is that integer
+    dims = round(exact) if abs(exact - round(exact)) < 1e-9 else int(exact)
+    if dims == head_dim:
+        return None
+    if model_type != "phi3":
+        raise ModelLoadError(
+            f"{source}: field {field!r} < 1 (partial rotary) is supported for phi3 only"
+        )
+    if dims < 2 or dims % 2:
+        raise ModelLoadError(
+            f"{source}: field {field!r} ({factor}) gives {dims} rotary dimensions of "
+            f"head_dim {head_dim}; RoPE needs an even number, at least 2"
+        )
+    return dims
+
+
+def _read_rope(
+    d: Mapping[str, Any], source: str, *, max_positions: int = 0, rope_dim: int = 0
+) -> tuple[float, RopeScaling | None]:
+    """RoPE base and scaling from either spelling (see the module docstring).
+
+    ``max_positions`` and ``rope_dim`` are LongRoPE's (its attention factor and the
+    length of its factor lists); the other types do not read them."""
     params = d.get("rope_parameters")
     if params is not None:
         if not isinstance(params, Mapping):
@@ -367,6 +431,10 @@ def _read_rope(d: Mapping[str, Any], source: str) -> tuple[float, RopeScaling | 
         )
     if rope_type == "default":
         return theta, None
+    if rope_type in ("longrope", "su"):
+        from triollm.model.phi3 import read_longrope
+
+        return theta, read_longrope(scaling, d, f"{source} ({field})", max_positions, rope_dim)
     r = _Reader(scaling, f"{source} ({field})")
     factor = r.positive_float("factor")
     if rope_type == "linear":

@@ -50,6 +50,7 @@ SUPPORTED_ARCHITECTURES = (
     "qwen3",
     "qwen3moe",
     "gemma3",
+    "phi3",
 )  # llama + experts: Mixtral
 _PERMUTED_ARCHITECTURES = ("llama",)  # q/k rows interleaved by the converter
 # general.architecture -> our model_type; a "llama" file with experts is Mixtral
@@ -59,6 +60,7 @@ _MODEL_TYPE = {
     "qwen3": "qwen3",
     "qwen3moe": "qwen3_moe",
     "gemma3": "gemma3_text",
+    "phi3": "phi3",
 }
 # an expert's projection, by HF key: the group of experts and the projection name
 _EXPERT_KEY = re.compile(
@@ -228,6 +230,8 @@ class GGUFFile:
         }
         if arch == "gemma3":
             d |= self._gemma3(d["num_hidden_layers"], d["head_dim"])
+        if arch == "phi3":
+            d |= self._phi3(d["head_dim"] or d["hidden_size"] // heads)
         experts = g(f"{arch}.expert_count", "int", 0)
         if experts:
             d |= self._moe(arch, experts, d["num_hidden_layers"])
@@ -237,7 +241,7 @@ class GGUFFile:
                 "rope_type": "linear",
                 "factor": g(f"{arch}.rope.scaling.factor", "float"),
             }
-        elif scaling != "none":
+        elif scaling != "none" and "rope_scaling" not in d:  # phi3: LongRoPE read above
             raise ModelLoadError(
                 f"{self.path}: {arch}.rope.scaling.type {scaling!r} is not supported "
                 "(supported: none, linear)"
@@ -281,6 +285,52 @@ class GGUFFile:
             d["layer_types"] = ["sliding_attention" if b else "full_attention" for b in pattern]
         else:
             d["sliding_window_pattern"] = g(key, "int", 6)
+        return d
+
+    def _phi3(self, head_dim: int) -> dict[str, Any]:
+        """Phi-3's fields, as llama.cpp's converter writes them (``model/phi3.py``).
+
+        Partial rotary is ``rope.dimension_count`` (the rotated dimensions); a
+        window is ``attention.sliding_window`` (0: none); LongRoPE is the pair of
+        tensors ``rope_factors_short`` / ``rope_factors_long``, the training length
+        ``rope.scaling.original_context_length`` and the converter's attention factor
+        ``rope.scaling.attn_factor`` (computed as transformers does).
+        """
+        g = self.get
+        rotary = g("phi3.rope.dimension_count", "int", head_dim)
+        d: dict[str, Any] = {"partial_rotary_factor": rotary / head_dim}
+        window = g("phi3.attention.sliding_window", "int", 0)
+        if window:
+            d["sliding_window"] = window
+        names = ("rope_factors_short.weight", "rope_factors_long.weight")
+        present = [n for n in names if n in self.tensors]
+        if not present:
+            return d
+        if len(present) == 1:
+            missing = next(n for n in names if n not in present)
+            raise ModelLoadError(
+                f"{self.path}: tensor {missing!r} is missing (LongRoPE needs both lists)"
+            )
+        lists = []
+        for name in names:
+            t = self.tensor(name)
+            if not isinstance(t, np.ndarray) or t.dtype != np.float32 or t.shape != (rotary // 2,):
+                raise ModelLoadError(
+                    f"{self.path}: tensor {name!r} must be F32 with {rotary // 2} factors "
+                    f"(rope.dimension_count / 2), got shape {getattr(t, 'shape', '?')}"
+                )
+            lists.append([float(f) for f in t])
+        d["original_max_position_embeddings"] = g(
+            "phi3.rope.scaling.original_context_length", "int"
+        )
+        d["rope_scaling"] = {
+            "rope_type": "longrope",
+            "short_factor": lists[0],
+            "long_factor": lists[1],
+        }
+        attn = g("phi3.rope.scaling.attn_factor", "float", None)
+        if attn is not None:
+            d["rope_scaling"]["attention_factor"] = attn
         return d
 
     def _moe(self, arch: str, experts: int, n_layers: int) -> dict[str, Any]:
@@ -415,6 +465,7 @@ class GGUFSource:
             "qwen3": gguf.MODEL_ARCH.QWEN3,
             "qwen3moe": gguf.MODEL_ARCH.QWEN3MOE,
             "gemma3": gguf.MODEL_ARCH.GEMMA3,
+            "phi3": gguf.MODEL_ARCH.PHI3,
         }[file.architecture]
         # llama.cpp's converter writes Gemma's norm weights as 1 + w; the model adds
         # the 1 itself (gemma.py), so it is taken off again here, as transformers'

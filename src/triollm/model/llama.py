@@ -45,7 +45,7 @@ from typing import Any
 import numpy as np
 
 from triollm.errors import ModelLoadError
-from triollm.model import gemma, kernels
+from triollm.model import gemma, kernels, phi3
 from triollm.model.config import ModelConfig
 from triollm.model.kvcache import PagedKVCache
 from triollm.model.matmul import PreparedWeight, linear, prepare
@@ -122,7 +122,8 @@ class _Scratch:
 
 
 class LlamaModel:
-    """Llama / Mistral / Qwen2 / Qwen3 (+ MoE) decoder weights plus a ragged forward pass.
+    """Llama-family decoder weights plus a ragged forward pass: Llama, Mistral, Qwen2,
+    Qwen3, their mixtures of experts (moe.py), Gemma 3 (gemma.py) and Phi-3 (phi3.py).
 
     ``weights`` is an in-memory ``{checkpoint key: array}`` mapping, a getter
     ``key -> array``, or a :class:`~triollm.model.weights.TensorSource` (a
@@ -155,11 +156,7 @@ class LlamaModel:
             self.layers.append(
                 LlamaLayer(
                     input_layernorm=self._norm(p + "input_layernorm.weight"),
-                    qkv_proj=self._fused(
-                        p + "self_attn.q_proj.weight",
-                        p + "self_attn.k_proj.weight",
-                        p + "self_attn.v_proj.weight",
-                    ),
+                    qkv_proj=self._fused(*phi3.qkv_keys(c, i)),  # Phi-3: fused already
                     o_proj=self._linear(p + "self_attn.o_proj.weight"),
                     q_proj_bias=self._vector(p + "self_attn.q_proj.bias") if bias else None,
                     k_proj_bias=self._vector(p + "self_attn.k_proj.bias") if bias else None,
@@ -185,11 +182,6 @@ class LlamaModel:
             self.lm_head = self._linear("lm_head.weight")
         # Drop the source: a Checkpoint holds its files open, and nothing is read later.
         del self._source, self._shapes
-        # RoPE tables: (max_position_embeddings, head_dim // 2) float32 each
-        self.rope_cos, self.rope_sin = rope_tables(c)
-        # per layer: (cos, sin, window); Gemma 3's sliding layers have their own RoPE
-        # base and window, its full layers the config's (gemma.py); others all alike
-        self._attention_kind = _attention_kinds(c, self.rope_cos, self.rope_sin)
         g = c.gemma
         # Gemma 3: the embedding row times sqrt(hidden), float32 (as transformers)
         self.embed_scale = np.float32(c.hidden_size**0.5) if g is not None else None
@@ -201,6 +193,25 @@ class LlamaModel:
             self.scale = np.float32(g.query_pre_attn_scalar**-0.5)
         self._scratch = _Scratch(c, 16)
         self._lock = threading.Lock()
+        # RoPE tables, (max_position_embeddings, rope_dim // 2) float32 each, and per
+        # layer (cos, sin, window); the model's own limit until a server says its context
+        self.use_context(c.max_position_embeddings)
+
+    def use_context(self, context_tokens: int) -> None:
+        """Build the RoPE tables for sequences of up to ``context_tokens`` positions.
+
+        Only LongRoPE (Phi-3's 128k variants) depends on it: the long factors when the
+        context exceeds the original training length, the short ones otherwise, chosen
+        once for every sequence (``phi3.py`` says why). Every other RoPE ignores it.
+        Trap: call it before the first forward into a KV cache; K already cached keep
+        the rotation they were written with.
+        """
+        c = self.config
+        with self._lock:
+            self.rope_cos, self.rope_sin = rope_tables(c, context_tokens)
+            # per layer: (cos, sin, window); Gemma 3's sliding layers have their own
+            # RoPE base and window, its full layers the config's (gemma.py)
+            self._attention_kind = _attention_kinds(c, self.rope_cos, self.rope_sin)
 
     # -- loading ---------------------------------------------------------------
 
@@ -233,10 +244,9 @@ class LlamaModel:
                 self._linear(router_key(c, i)), experts, c.moe.top_k, c.moe.norm_topk_prob
             )
             return {"gate_up_proj": None, "down_proj": None, "moe": block}
-        p = f"model.layers.{i}.mlp."
         return {
-            "gate_up_proj": self._fused(p + "gate_proj.weight", p + "up_proj.weight"),
-            "down_proj": self._linear(p + "down_proj.weight"),
+            "gate_up_proj": self._fused(*phi3.gate_up_keys(c, i)),  # Phi-3: fused already
+            "down_proj": self._linear(f"model.layers.{i}.mlp.down_proj.weight"),
         }
 
     def _norm(self, key: str) -> np.ndarray:
@@ -272,7 +282,10 @@ class LlamaModel:
         Each tensor is checked by its own checkpoint key first, so a missing or
         mis-shaped ``k_proj`` is still reported as ``k_proj``. Trap: the parts
         must share one dtype (one checkpoint never mixes them; checked anyway).
+        One key is a tensor the checkpoint stored fused (Phi-3): taken as it is.
         """
+        if len(keys) == 1:
+            return self._linear(keys[0])
         parts = [self._take(key) for key in keys]
         if any(isinstance(a, QuantizedTensor) for a in parts):
             return stack_rows(parts)  # type: ignore[return-value]  # one type stacks (quant.py)
@@ -524,16 +537,22 @@ def to_f32(arr: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(arr, dtype=np.float32)
 
 
-def inverse_frequencies(config: ModelConfig) -> np.ndarray:
-    """RoPE's per-pair angular frequencies, (head_dim // 2,) float32, with scaling.
+def inverse_frequencies(config: ModelConfig, context_tokens: int | None = None) -> np.ndarray:
+    """RoPE's per-pair angular frequencies, (rope_dim // 2,) float32, with scaling.
 
     Computed in float32 the way transformers does, so the angles (and so the
     logits of long prompts) agree with the reference to float32 rounding.
+    ``context_tokens`` (default: the model's limit) picks LongRoPE's factor list.
     """
-    d = config.head_dim
+    sc = config.rope_scaling
+    if sc is not None and sc.rope_type == "longrope":
+        context = config.max_position_embeddings if context_tokens is None else context_tokens
+        return phi3.longrope_inverse_frequencies(
+            config, long=phi3.uses_long_factors(config, context)
+        )
+    d = config.rope_dim
     exponent = np.arange(0, d, 2, dtype=np.int64).astype(np.float32) / np.float32(d)
     inv_freq = (np.float32(1.0) / (np.float32(config.rope_theta) ** exponent)).astype(np.float32)
-    sc = config.rope_scaling
     if sc is None:
         return inv_freq
     if sc.rope_type == "linear":
@@ -575,9 +594,20 @@ def _attention_kinds(
     ]
 
 
-def rope_tables(config: ModelConfig) -> tuple[np.ndarray, np.ndarray]:
-    """cos and sin of ``position * inv_freq``: two (max_positions, head_dim // 2) float32."""
-    inv_freq = inverse_frequencies(config)
+def rope_tables(
+    config: ModelConfig, context_tokens: int | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """cos and sin of ``position * inv_freq``: two (max_positions, rope_dim // 2) float32.
+
+    LongRoPE multiplies both by its attention factor (in float32, as transformers
+    does after the cos); the kernel turns ``rope_dim // 2`` pairs, as wide as the table.
+    """
+    inv_freq = inverse_frequencies(config, context_tokens)
     pos = np.arange(config.max_position_embeddings, dtype=np.float32)
-    angles = np.outer(pos, inv_freq).astype(np.float32)  # (max_positions, head_dim // 2)
-    return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+    angles = np.outer(pos, inv_freq).astype(np.float32)  # (max_positions, rope_dim // 2)
+    cos, sin = np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+    sc = config.rope_scaling
+    if sc is not None and sc.rope_type == "longrope" and sc.attention_factor != 1.0:
+        scale = np.float32(sc.attention_factor)
+        cos, sin = (cos * scale).astype(np.float32), (sin * scale).astype(np.float32)
+    return cos, sin

@@ -252,9 +252,12 @@ def expected_shapes(config: Any) -> dict[str, tuple[int, ...]]:
     for i in range(c.num_hidden_layers):
         p = f"model.layers.{i}."
         shapes[p + "input_layernorm.weight"] = (h,)
-        shapes[p + "self_attn.q_proj.weight"] = (q_dim, h)
-        shapes[p + "self_attn.k_proj.weight"] = (kv_dim, h)
-        shapes[p + "self_attn.v_proj.weight"] = (kv_dim, h)
+        if c.model_type == "phi3":  # q, k, v stored as one tensor (model/phi3.py)
+            shapes[p + "self_attn.qkv_proj.weight"] = (q_dim + 2 * kv_dim, h)
+        else:
+            shapes[p + "self_attn.q_proj.weight"] = (q_dim, h)
+            shapes[p + "self_attn.k_proj.weight"] = (kv_dim, h)
+            shapes[p + "self_attn.v_proj.weight"] = (kv_dim, h)
         shapes[p + "self_attn.o_proj.weight"] = (h, q_dim)
         if c.attention_bias:
             shapes[p + "self_attn.q_proj.bias"] = (q_dim,)
@@ -274,8 +277,11 @@ def expected_shapes(config: Any) -> dict[str, tuple[int, ...]]:
 
             shapes.update(moe_shapes(c, i))
             continue
-        shapes[p + "mlp.gate_proj.weight"] = (c.intermediate_size, h)
-        shapes[p + "mlp.up_proj.weight"] = (c.intermediate_size, h)
+        if c.model_type == "phi3":  # gate over up, one tensor
+            shapes[p + "mlp.gate_up_proj.weight"] = (2 * c.intermediate_size, h)
+        else:
+            shapes[p + "mlp.gate_proj.weight"] = (c.intermediate_size, h)
+            shapes[p + "mlp.up_proj.weight"] = (c.intermediate_size, h)
         shapes[p + "mlp.down_proj.weight"] = (h, c.intermediate_size)
     shapes["model.norm.weight"] = (h,)
     if not c.tie_word_embeddings:
