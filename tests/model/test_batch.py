@@ -127,6 +127,7 @@ def crowd(target: Seq) -> list[Seq]:
         "qwen3-moe-f32",
         "mixtral-f16",
         "gemma3-window-f32",
+        "phi3-longrope-f32",
     ],
 )
 def test_greedy_tokens_are_the_same_alone_and_in_a_ragged_batch(name: str) -> None:
