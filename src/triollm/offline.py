@@ -133,6 +133,8 @@ class Engine:
     ) -> None:
         self.loaded = loaded
         self.config = config
+        # LongRoPE (Phi-3 128k) picks its factor list by the context served (model/phi3.py)
+        loaded.model.use_context(config.context_tokens)
         self.scheduler = Scheduler(config)
         self.batch = Batch(
             loaded, num_blocks=config.num_blocks, block_size=config.block_size, kv_dtype=kv_dtype

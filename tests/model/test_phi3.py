@@ -25,11 +25,14 @@ from triollm.errors import ModelLoadError
 from triollm.model import kernels
 from triollm.model.config import ModelConfig
 from triollm.model.gguf import GGUFFile
+from triollm.model.kvcache import KVDtype
 from triollm.model.llama import LlamaModel
 from triollm.model.loader import LoadedModel, load_model
 from triollm.model.quant import QuantizedTensor
+from triollm.model.sampling import SamplingParams
 from triollm.model.tokenizer import Tokenizer
 from triollm.model.weights import Checkpoint
+from triollm.offline import Engine, engine_config
 
 G = gguf.GGMLQuantizationType
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "models"
@@ -157,6 +160,18 @@ def test_a_context_within_the_training_length_turns_with_the_short_factors() -> 
     assert rel(logits[0], arrays["first_0"]) < 1e-4
     # the two lists really differ here: the proof above could fail
     assert rel(arrays["short_first_0"], arrays["first_0"]) > 1e-2
+
+
+def test_the_offline_engine_turns_with_the_list_its_context_selects() -> None:
+    # Engine sizes its context (engine_config) and tells the model (use_context)
+    name = "phi3-longrope-f32"
+    loaded = load_model(FIXTURES / name)
+    prompt = reference(name)[0]["prompts"][0]
+    for context, want in ((36, prompt["short_greedy_ids"]), (512, prompt["greedy_ids"])):
+        config = engine_config(loaded, context_tokens=context, kv_dtype=KVDtype.F32)
+        engine = Engine(loaded, config, KVDtype.F32)  # f32 cache: transformers' arithmetic
+        gen = engine.generate(prompt["prompt_ids"], SamplingParams(temperature=0.0), 32)
+        assert [t.token_id for t in gen] == want, context
 
 
 def _with_config(name: str, config: ModelConfig) -> LoadedModel:

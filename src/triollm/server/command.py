@@ -366,6 +366,8 @@ def build_stack(
         sched_config = capacity.resolve(cfg.max_position_embeddings, per_position)
     except ValueError as exc:  # FieldError or the SchedulerConfig's own refusal
         raise UserError(flag_names(str(exc))) from None
+    # LongRoPE (Phi-3 128k) picks its factor list by the context served (model/phi3.py)
+    loaded.model.use_context(sched_config.context_tokens)
     try:
         batch = Batch(
             loaded,
