@@ -127,7 +127,10 @@ async def test_a_stream_longer_than_quart_response_timeout_is_not_cut(autojump_c
 
     async def send(message: dict[str, Any]) -> None:
         sent.append(message)
+        if message.get("body"):
+            body_at.append(trio.current_time())
 
+    body_at: list[float] = []  # when each body message left (mock time: exact)
     async with trio.open_nursery() as nursery:
         app, service, _ = make_app(nursery)
         await nursery.start(service.run)
@@ -142,6 +145,11 @@ async def test_a_stream_longer_than_quart_response_timeout_is_not_cut(autojump_c
     assert sent[-1]["more_body"] is False
     # One ASGI message per event, as it is made: 6 tokens -> 5 chunks + final + [DONE].
     assert sum(1 for m in sent[1:] if m.get("body")) == 7
+    # ...and each leaves when its step ends, not with the last: the five token chunks
+    # go at five different step times, the first within two steps of the request. A
+    # writer that held the events to the end sends the same seven messages at once.
+    assert len(set(body_at[:5])) == 5
+    assert body_at[0] <= start + 2 * STEP_SECONDS < body_at[4]
 
 
 async def test_a_disconnect_while_blocked_on_the_channel_cancels_at_once(autojump_clock):
