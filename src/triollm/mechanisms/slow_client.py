@@ -7,9 +7,12 @@ step 3 falls into ``default``: the request is dropped from the batch, the fast o
 carries on. In trio the same offer is ``send_nowait``, and ``default`` is
 ``except trio.WouldBlock``: the batch loop never waits for a client.
 
-The real server does exactly this in ``OutputProcessor._deliver`` (a full buffer of
-``--stream-buffer`` steps cuts the client with a ``too_slow`` error event and frees
-its blocks); this program is the mechanism alone, small enough to read at once.
+The real server makes the same decision in ``OutputProcessor._deliver`` (a buffer of
+``--stream-buffer`` steps of undelivered deltas cuts the client with a ``too_slow``
+error event and frees its blocks), but by counting: its channel keeps one more place
+per choice for the end event, so it compares ``current_buffer_used`` with its room
+instead of waiting for ``WouldBlock`` (docs/streaming.md, section 4). This program is
+the mechanism alone, small enough to read at once.
 """
 
 from __future__ import annotations
