@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -239,3 +241,48 @@ def test_a_scenario_can_end_early_cancel_and_reserve_more_than_it_writes() -> No
 
 def sc_dict() -> dict[str, object]:
     return {"slots": 1, "num_blocks": 8, "block_size": 4, "chunk_tokens": 8, "step_rows": 12}
+
+
+def test_past_its_last_step_a_finished_run_is_empty_and_a_deadlocked_run_stays_locked() -> None:
+    """The page's runs end at different steps; past its end a finished run shows every
+    slot and block free (not its last recorded step, taken before the last commit:
+    G still in a slot) and a deadlocked run its full pool, as its red box says."""
+    from triollm.sim.page import page_data
+
+    runs = [simulate(seed_scenario(), p) for p in (Policy.RESERVE, Policy.FREE_SLOT)]
+    reserve, free_slot = page_data(runs)["runs"]
+    assert any(n is not None for n in reserve["steps"][-1]["slots"])  # why "end" exists
+    end = reserve["end"]
+    assert end["slots"] == [None] * 4 and end["blocks"] == [None] * 14
+    assert end["rows"] == [] and end["tables"] == [] and end["waiting"] == []
+    locked = free_slot["end"]
+    assert locked == free_slot["steps"][-1] and "DEADLOCK" in locked["events"]
+    assert None not in locked["blocks"]  # 0 free, beside the box that says 0 free
+    template = (Path(page_data.__code__.co_filename).parent / "page.html").read_text()
+    assert "run.end" in template  # the script shows it past a run's last step
+
+
+def test_each_step_records_every_running_requests_block_table_in_position_order() -> None:
+    """The page's live block tables: each running request's table is the blocks it
+    holds in the pool, and under free-slot they grow a block at a time."""
+    run = simulate(seed_scenario(), Policy.FREE_SLOT)
+    for step in run.steps:
+        assert {name for name, _, _ in step.tables} == {n for n in step.slots if n}
+        for name, blocks, written in step.tables:
+            assert all(step.blocks[b] == name for b in blocks)
+            assert written <= len(blocks) * run.scenario.block_size
+    sizes = [{n: len(b) for n, b, _ in s.tables} for s in run.steps]
+    assert any(b.get(n, 0) > a.get(n, 99) for a, b in itertools.pairwise(sizes) for n in b)
+
+
+def test_the_page_and_the_figures_share_one_colour_scheme() -> None:
+    from triollm.sim.page import page_data
+    from triollm.sim.palette import FREE, PALETTE
+
+    data = page_data([simulate(seed_scenario(), Policy.RESERVE)])
+    assert data["palette"] == list(PALETTE) and data["free"] == FREE
+    root = Path(__file__).resolve().parents[1]
+    template = (root / "src" / "triollm" / "sim" / "page.html").read_text()
+    assert not re.search(r"#[0-9a-f]{6}\", \"#", template)  # no colour list of its own
+    figures = (root / "tools" / "figures.py").read_text()
+    assert "from triollm.sim.palette import" in figures and "get_cmap" not in figures

@@ -37,16 +37,22 @@ from matplotlib.patches import FancyArrowPatch, Patch, Rectangle
 
 from triollm.plan import SampledToken, StepResult
 from triollm.scheduler import Policy, Scheduler
+from triollm.sim.palette import FREE, PALETTE, colour_of
 from triollm.sim.runner import Run, simulate
 from triollm.sim.scenario import seed_scenario
 from triollm.spec import SequenceSpec
 
 OUT = Path(__file__).resolve().parents[1] / "docs" / "img"
-COLOURS = plt.get_cmap("tab10").colors
+COLOURS = PALETTE  # one scheme with the simulator's page (src/triollm/sim/palette.py)
 
 
-def _colour(names: list[str], name: str) -> tuple[float, ...]:
-    return COLOURS[names.index(name) % len(COLOURS)]
+def _colour(names: list[str], name: str) -> str:
+    return colour_of(names, name)
+
+
+def block_label(lo: int, hi: int, block: int) -> str:
+    """A block-table cell: the positions it holds and the pool block they live in."""
+    return f"{lo}-{hi}\n→ {block}"
 
 
 def pool_deadlock() -> Path:
@@ -58,7 +64,7 @@ def pool_deadlock() -> Path:
         grid = [
             [names.index(b) + 1 if b is not None else 0 for b in step.blocks] for step in run.steps
         ]
-        cmap = ListedColormap([(0.95, 0.95, 0.95), *COLOURS[: len(names)]])
+        cmap = ListedColormap([FREE, *COLOURS[: len(names)]])
         ax.imshow(
             list(map(list, zip(*grid, strict=True))),
             aspect="auto",
@@ -88,7 +94,7 @@ def pool_deadlock() -> Path:
     axes[-1].set_xlabel("step")
     fig.legend(
         handles=[Patch(color=_colour(names, n), label=n) for n in names]
-        + [Patch(color=(0.95, 0.95, 0.95), label="free")],
+        + [Patch(color=FREE, label="free")],
         loc="upper right",
         ncol=len(names) + 1,
         fontsize=8,
@@ -173,6 +179,11 @@ def request_timeline(run: Run) -> Path:
 
 def block_table(at_step: int = 24) -> Path:
     """Replay the seed's scenario under reservation up to ``at_step``; draw the tables."""
+    return _save(draw_block_table(at_step), "block-table.png")
+
+
+def draw_block_table(at_step: int = 24) -> plt.Figure:
+    """The figure of :func:`block_table`, unsaved (tests read its labels)."""
     scenario = seed_scenario()
     s = Scheduler(scenario.config(Policy.RESERVE))
     name_of: dict[int, str] = {}
@@ -193,7 +204,7 @@ def block_table(at_step: int = 24) -> Path:
     pool_y = 0
     for b in range(scenario.num_blocks):
         holder = next((name_of[q] for q in running if b in s.sequence(q).blocks), None)
-        face = _colour(names, holder) if holder else (0.95, 0.95, 0.95)
+        face = _colour(names, holder) if holder else FREE
         ax.add_patch(Rectangle((b, pool_y), 0.9, 0.8, facecolor=face, edgecolor="black"))
         ax.text(b + 0.45, pool_y + 0.4, str(b), ha="center", va="center", fontsize=8)
     ax.text(-0.3, pool_y + 0.4, "pool", ha="right", va="center", fontsize=9)
@@ -223,7 +234,7 @@ def block_table(at_step: int = 24) -> Path:
             ax.text(
                 x + 0.5,
                 y + 0.35,
-                f"{lo}-{hi}\n→ {{b}}",
+                block_label(lo, hi, b),
                 ha="center",
                 va="center",
                 fontsize=7,
@@ -251,7 +262,7 @@ def block_table(at_step: int = 24) -> Path:
         loc="left",
     )
     fig.tight_layout()
-    return _save(fig, "block-table.png")
+    return fig
 
 
 # The cancel path, in the order it happens; (where it lives, what happens there).
@@ -269,9 +280,9 @@ CANCEL_PATH: tuple[tuple[str, str], ...] = (
         "RequestStream.close(EndCode.CLIENT_CLOSED), access log 499",
     ),
     (
-        "Service._end (service.py)",
-        "scheduler.cancel(seq): the blocks are back in the pool now;\n"
-        "the Batch drops the sequence at the next step boundary",
+        "OutputProcessor.end (output.py)",
+        "Service._retire: scheduler.cancel(seq), the blocks are back\n"
+        "in the pool now; the Batch drops it at the next step boundary",
     ),
     (
         "AdmissionQueue (admission.py)",
@@ -340,7 +351,7 @@ def prefix_chain() -> Path:
             tokens = ids[i * block : (i + 1) * block]
             full = i < len(chain)
             hit = full and r > 0 and chain[i] in cached
-            face = COLOURS[2] if hit else (COLOURS[0] if full else (0.92, 0.92, 0.92))
+            face = COLOURS[2] if hit else (COLOURS[0] if full else FREE)
             ax.add_patch(Rectangle((x, y), 1.9, 0.7, facecolor=face, alpha=0.35, edgecolor="black"))
             digest = chain[i].hex()[:6] if full else "partial: no hash"
             ax.text(x + 0.95, y + 0.47, " ".join(map(str, tokens)), ha="center", fontsize=7)
@@ -359,7 +370,7 @@ def prefix_chain() -> Path:
         handles=[
             Patch(facecolor=COLOURS[2], alpha=0.35, label="found in the cache: held, not computed"),
             Patch(facecolor=COLOURS[0], alpha=0.35, label="full block: computed, then published"),
-            Patch(facecolor=(0.92, 0.92, 0.92), label="partial last block: private"),
+            Patch(facecolor=FREE, label="partial last block: private"),
         ],
         loc="lower center",
         bbox_to_anchor=(0.5, -0.12),

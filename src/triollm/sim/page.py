@@ -11,8 +11,9 @@ import json
 from importlib import resources
 from typing import Any
 
+from triollm.sim.palette import FREE, PALETTE
 from triollm.sim.report import max_ttft, mean_ttft
-from triollm.sim.runner import Run
+from triollm.sim.runner import Run, SimStep
 
 _MARK = "/*__DATA__*/null"
 
@@ -21,6 +22,8 @@ def page_data(runs: list[Run]) -> dict[str, Any]:
     """Everything the page script reads, as plain JSON-able values."""
     sc = runs[0].scenario
     return {
+        "palette": list(PALETTE),
+        "free": FREE,
         "scenario": {
             "slots": sc.slots,
             "num_blocks": sc.num_blocks,
@@ -58,22 +61,50 @@ def page_data(runs: list[Run]) -> dict[str, Any]:
                     }
                     for o in run.outcomes
                 ],
-                "steps": [
-                    {
-                        "t": s.t,
-                        "rows": [[r.request, r.kind, r.start, r.rows] for r in s.rows],
-                        "slots": list(s.slots),
-                        "blocks": list(s.blocks),
-                        "shared": list(s.shared),
-                        "cached": list(s.cached),
-                        "waiting": list(s.waiting),
-                        "events": list(s.events),
-                    }
-                    for s in run.steps
-                ],
+                "steps": [_step(s) for s in run.steps],
+                "end": end_state(run),
             }
             for run in runs
         ],
+    }
+
+
+def _step(s: SimStep) -> dict[str, Any]:
+    return {
+        "t": s.t,
+        "rows": [[r.request, r.kind, r.start, r.rows] for r in s.rows],
+        "slots": list(s.slots),
+        "blocks": list(s.blocks),
+        "shared": list(s.shared),
+        "cached": list(s.cached),
+        "waiting": list(s.waiting),
+        "events": list(s.events),
+        "tables": [[name, list(blocks), written] for name, blocks, written in s.tables],
+    }
+
+
+def end_state(run: Run) -> dict[str, Any]:
+    """What the page shows once the slider is past this run's last step (the runs of
+    one page end at different steps).
+
+    A deadlocked run stays as it deadlocked: nothing more can happen, and the pool
+    beside the red box must still be the full one it describes. A finished run shows
+    what its last commit left: every slot empty, every block free (or kept by the
+    prefix cache). Trap: the last *recorded* step is not that state; it was recorded
+    before its commit, with the last request still in its slot."""
+    if run.deadlock is not None:
+        return _step(run.steps[-1])
+    sc = run.scenario
+    return {
+        "t": len(run.steps),
+        "rows": [],
+        "slots": [None] * sc.slots,
+        "blocks": [None] * sc.num_blocks,
+        "shared": [],
+        "cached": list(run.final_cached),
+        "waiting": [],
+        "events": ["all done"],
+        "tables": [],
     }
 
 

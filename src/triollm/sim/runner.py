@@ -53,6 +53,9 @@ class SimStep:
     written: int  # positions whose K/V is written, over all running requests
     shared: tuple[int, ...] = ()  # blocks held by two or more requests (the prefix cache)
     cached: tuple[int, ...] = ()  # free blocks whose content a later prompt can still hit
+    # Each running request's block table, in position order, and how many of its
+    # positions are written (the rest of the table is reserved for what comes).
+    tables: tuple[tuple[str, tuple[int, ...], int], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +97,7 @@ class Run:
     outcomes: tuple[RequestOutcome, ...]
     deadlock: Deadlock | None
     preemptions: int
+    final_cached: tuple[int, ...] = ()  # after the last step: blocks the prefix cache keeps
 
     @property
     def policy_name(self) -> str:
@@ -197,10 +201,12 @@ def simulate(scenario: Scenario, policy: Policy | SchedulingPolicy) -> Run:
         blocks: list[str | None] = [None] * scenario.num_blocks
         written = 0
         owners = [0] * scenario.num_blocks
+        tables = []
         for seq in running:
             info = s.sequence(seq)
             assert info.slot is not None
             slots[info.slot] = name_of[seq]
+            tables.append((name_of[seq], info.blocks, info.n_computed))
             for b in info.blocks:
                 if blocks[b] is None:  # a shared block is drawn in its first holder's colour
                     blocks[b] = name_of[seq]
@@ -224,6 +230,7 @@ def simulate(scenario: Scenario, policy: Policy | SchedulingPolicy) -> Run:
             written=written,
             shared=tuple(b for b, n in enumerate(owners) if n > 1),
             cached=s.pool.cached_blocks(),
+            tables=tuple(tables),
         )
         if plan.is_empty:
             report = s.deadlock_report()
@@ -292,6 +299,7 @@ def simulate(scenario: Scenario, policy: Policy | SchedulingPolicy) -> Run:
         outcomes=tuple(outcomes[r.name] for r in scenario.requests),
         deadlock=deadlock,
         preemptions=s.statistics().preemptions_total,
+        final_cached=s.pool.cached_blocks(),
     )
 
 
