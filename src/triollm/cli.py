@@ -25,6 +25,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "prove a scheduling policy's claims with a hypothesis state machine, or break one",
     ),
     "demo": ("triollm.mechanisms.command", "run one serving mechanism of the book and watch it"),
+    "trace": (
+        "triollm.mechanisms.trace",
+        "one request through the real server beside a neighbour: each step, block and SSE event",
+    ),
     "bench": ("triollm.bench.command", "load any OpenAI-compatible server and measure it"),
     "cluster": (
         "triollm.cluster.supervise",
