@@ -163,6 +163,23 @@ class Client:
         self.buf += chunk
         return bool(chunk)
 
+    async def receive(self) -> bool:
+        """Read what the socket has now (waiting for some); False once it is closed."""
+        return await self._more()
+
+    def events_so_far(self) -> list[Any]:
+        """The SSE payloads that have arrived whole so far, while the stream is open
+        (a chunk cut short by the read gives a block without its blank line: left out)."""
+        _, sep, body = bytes(self.buf).partition(b"\r\n\r\n")
+        if not sep:
+            return []
+        blocks = _unchunk(body).decode(errors="replace").split("\n\n")[:-1]
+        return [
+            b[6:] if b[6:] == "[DONE]" else json.loads(b[6:])
+            for b in blocks
+            if b.startswith("data: ")
+        ]
+
     async def read_events(self, n: int) -> None:
         """Read until ``n`` SSE events have arrived (or the stream ended)."""
         while self.buf.count(b"\n\n") < n and await self._more():  # headers end in \r\n\r\n
