@@ -26,6 +26,11 @@ What happens to one ``POST /v1/completions`` (read with docs/serving.md):
    once, because the scope is already cancelled. A request cut short by its client
    is logged with status 499 and counted as ``client_closed``.
 
+The other APIs (OpenAI's Responses, Anthropic's Messages, Ollama's; ``apiroutes.py``)
+take the same path through :meth:`Handlers.translated`: their parser builds the chat
+request and names the writer that shapes the answer in the API's own JSON, SSE or
+NDJSON; a refusal comes back in the API's own error shape (:meth:`Handlers.error`).
+
 Traps designed around (each has a test under tests/server/):
 
 - Quart's ``RESPONSE_TIMEOUT`` (60 s by default) wraps the body in
@@ -41,7 +46,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import trio
 from quart import Response, request
@@ -59,11 +64,15 @@ from triollm.request import (
     TemplateBroken,
 )
 from triollm.scheduler import Infeasible
-from triollm.server import sse
+from triollm.server import anthropic, ollama, sse
+from triollm.server.answers import Translation, Writer
+from triollm.server.apifields import UnknownFields
 from triollm.server.door import Door, DoorPolicy
+from triollm.server.embeddings import Pooler
 from triollm.server.lifetime import LIFE_KEY, Lifetime, RequestLife, Stage
 from triollm.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from triollm.server.metrics import Metrics
+from triollm.server.ollama import ModelFacts
 from triollm.server.openai import (
     ApiError,
     field_error,
@@ -108,9 +117,30 @@ def http_error(err: HTTPException) -> ApiError:
 PARSE_OFF_LOOP_BYTES = 64 * 1024
 
 
-async def _body() -> bytes:
+async def read_body() -> bytes:
     raw: bytes = await request.get_data(cache=False, as_text=False)  # type: ignore[assignment]
     return raw
+
+
+T = TypeVar("T")
+
+
+async def _parsed(parse: Callable[[bytes], T], raw: bytes) -> T:
+    if len(raw) > PARSE_OFF_LOOP_BYTES:
+        # Parsing is Python: 20,000 empty messages (660 KB) took 0.3-0.7 s, which on
+        # the loop froze every stream (issue 28). In a thread the loop keeps its turns.
+        return await trio.to_thread.run_sync(parse, raw, limiter=TEXT_LIMITER)
+    return parse(raw)
+
+
+async def _respond(writer: Writer, streaming: bool) -> Response:
+    """The writer's stream (each event its own body message), or its whole body."""
+    if streaming:
+        response = Response(writer.events(), mimetype=writer.media_type, headers=dict(sse.HEADERS))
+        response.timeout = None  # never cut a stream (Quart's RESPONSE_TIMEOUT)
+        return response
+    body, status = await writer.whole()
+    return Response(json_text(body), status=status, mimetype="application/json")
 
 
 class Handlers:
@@ -124,7 +154,11 @@ class Handlers:
     """
 
     def __init__(
-        self, service: Service, model: ServedModel, metrics: Metrics, max_body_bytes: int
+        self,
+        service: Service,
+        model: ServedModel,
+        metrics: Metrics,
+        max_body_bytes: int,
     ) -> None:
         self.service = service
         self.model = model
@@ -133,13 +167,29 @@ class Handlers:
         self.preparer = Preparer(
             model, service.scheduler, max_tokens_default=service.config.max_tokens_default
         )
+        self.unknown = UnknownFields()  # the fields nobody knows, logged once per API
 
     # -- errors ---------------------------------------------------------------------
+
+    @staticmethod
+    def error(err: ApiError) -> Response:
+        """The error in the shape of the API the path belongs to: Anthropic's and
+        Ollama's clients read their own (the rest, the Responses API too, OpenAI's)."""
+        path = request.path
+        if path.startswith("/v1/messages"):
+            body: dict[str, Any] = anthropic.error_body(err)
+        elif path.startswith("/api/"):
+            body = ollama.error_body(err)
+        else:
+            return error_response(err)
+        return Response(
+            json_text(body), status=err.status, mimetype="application/json", headers=err.headers
+        )
 
     async def on_api_error(self, err: ApiError) -> Response:
         if err.status in (400, 404, 413):
             self.metrics.ended_early(Refused.BAD_REQUEST)
-        return error_response(err)
+        return self.error(err)
 
     async def on_field_error(self, err: FieldError) -> Response:
         # A field the model layer refused (SamplingParams' ranges): its .field is param.
@@ -149,12 +199,12 @@ class Handlers:
         if isinstance(err, RequestEntityTooLarge):
             self.metrics.ended_early(Refused.BAD_REQUEST)
             message = f"the request body is larger than the limit of {self.max_body_bytes} bytes"
-            return error_response(ApiError(413, message, code="request_too_large"))
-        return error_response(http_error(err))
+            return self.error(ApiError(413, message, code="request_too_large"))
+        return self.error(http_error(err))
 
     async def on_bug(self, err: Exception) -> Response:
         log.exception("unhandled error")
-        return error_response(ApiError(500, f"internal error: {err}", type="server_error"))
+        return self.error(ApiError(500, f"internal error: {err}", type="server_error"))
 
     # -- probes and the model card ----------------------------------------------------
 
@@ -197,10 +247,10 @@ class Handlers:
 
     async def model_by_id(self, model_id: str) -> Any:
         # client.models.retrieve(id); ids may hold slashes ("org/name").
-        self._check_model(model_id)
+        self.check_model(model_id)
         return self._model_card()
 
-    def _check_model(self, model_id: str | None) -> None:
+    def check_model(self, model_id: str | None) -> None:
         if model_id is not None and model_id != self.model.id:
             raise ApiError(
                 404,
@@ -215,16 +265,16 @@ class Handlers:
         # vLLM's and llama-server's endpoint: {"prompt": ...} (or llama-server's
         # "content"), or {"messages": [...]} through the chat template. Same parsing,
         # same limits and the same worker thread as a generation request.
-        body = load_object(await _body())
+        body = load_object(await read_body())
         if "content" in body and "prompt" not in body:
             body["prompt"] = body.pop("content")
         req = (parse_chat if "messages" in body else parse_completion)(json_text(body).encode())
-        with _refusals():
+        with refusals():
             ids = await self.preparer.tokenize(req)
         return {"count": len(ids), "max_model_len": self.model.context_tokens, "tokens": ids}
 
     async def detokenize(self) -> Any:
-        tokens = load_object(await _body()).get("tokens")
+        tokens = load_object(await read_body()).get("tokens")
         # No more ids than the largest request holds: no answer or prompt is longer, and
         # uncapped, a 3.2 MB request came back as 137 MB (issue 28, N9). The text goes
         # out under vLLM's key and llama-server's; the cap bounds both.
@@ -257,9 +307,9 @@ class Handlers:
         return {"token_ids": await self._render(parse_chat)}
 
     async def _render(self, parse: Callable[[bytes], GenerationRequest]) -> list[int]:
-        req = parse(await _body())
-        self._check_model(req.model)
-        with _refusals():
+        req = parse(await read_body())
+        self.check_model(req.model)
+        with refusals():
             return await self.preparer.tokenize(req)
 
     # -- generation -------------------------------------------------------------------
@@ -271,36 +321,42 @@ class Handlers:
         return await self.generate(parse_chat)
 
     async def generate(self, parse: Callable[[bytes], GenerationRequest]) -> Response:
-        """Parse, prepare, submit, shape: one generation request, for any API."""
+        """Parse, prepare, submit, shape: one OpenAI chat or completions request."""
         life: RequestLife = request.scope[LIFE_KEY]  # type: ignore[literal-required]
-        raw = await _body()
-        if len(raw) > PARSE_OFF_LOOP_BYTES:
-            # Parsing is Python: 20,000 empty messages (660 KB) took 0.3-0.7 s, which on
-            # the loop froze every stream (issue 28). In a thread the loop keeps its turns.
-            req = await trio.to_thread.run_sync(parse, raw, limiter=TEXT_LIMITER)
-        else:
-            req = parse(raw)
-        self._check_model(req.model)
-        with _refusals():
+        req = await _parsed(parse, await read_body())
+        self.check_model(req.model)
+        with refusals():
             spec = await self.preparer.prepare(req)
         echo = ""
         if req.echo:  # /v1/completions: the prompt's text, then the answer's
             echo = req.prompt_text or ""
             if req.prompt_ids is not None:
                 echo = await self.preparer.decode(req.prompt_ids)
+        stream = await self._start(spec, life, req.stream)
+        return await _respond(ResponseWriter(req, self.model, stream, echo), req.stream)
+
+    async def translated(self, parse: Callable[[bytes], Translation]) -> Response:
+        """The same four moves for an API that translates onto chat (Responses,
+        Messages, Ollama): its parser builds the request and names its writer."""
+        life: RequestLife = request.scope[LIFE_KEY]  # type: ignore[literal-required]
+        t = await _parsed(parse, await read_body())
+        self.unknown.note(t.api, t.unknown)
+        self.check_model(t.request.model)
+        with refusals():
+            spec = await self.preparer.prepare(t.request)
+        if t.adjust is not None:
+            spec = t.adjust(spec)
+        stream = await self._start(spec, life, t.request.stream)
+        return await _respond(t.writer(self.model, stream), t.request.stream)
+
+    async def _start(
+        self, spec: GenerationSpec, life: RequestLife, streaming: bool
+    ) -> RequestStream:
         stream = await self._submit(spec, life)
         life.stream = stream
         # "generating" for a whole-body answer, so a cut one is not logged as a stream.
-        life.stage = Stage.STREAMING if req.stream else Stage.GENERATING
-        writer = ResponseWriter(req, self.model, stream, echo)
-        if req.stream:
-            response = Response(
-                writer.events(), mimetype=sse.CONTENT_TYPE, headers=dict(sse.HEADERS)
-            )
-            response.timeout = None  # never cut a stream (Quart's RESPONSE_TIMEOUT)
-            return response
-        body, status = await writer.whole()
-        return Response(json_text(body), status=status, mimetype="application/json")
+        life.stage = Stage.STREAMING if streaming else Stage.GENERATING
+        return stream
 
     async def _submit(self, spec: GenerationSpec, life: RequestLife) -> RequestStream:
         """Queue the spec and wait for admission; every refusal as its HTTP status."""
@@ -340,7 +396,7 @@ class Handlers:
             ) from None
 
 
-class _refusals:
+class refusals:
     """What ``Preparer`` refuses, as the edge answers it: text that cannot fit is
     ``context_length_exceeded`` (400); a broken chat template is the server's (500).
     Any other FieldError reaches the app's handler: 400 with its ``param``."""
@@ -364,18 +420,25 @@ def create_app(
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
     door: DoorPolicy | None = None,
+    embedder: Pooler | None = None,
+    facts: ModelFacts | None = None,
 ) -> Lifetime:
     """The ASGI application: quart-trio routes (:class:`Handlers`) wrapped in
     :class:`Lifetime`.
 
     ``drain_nursery`` outlives every request (Lifetime's refused-body drainers run
-    there); ``frontend.serve_http`` passes its own."""
+    there); ``frontend.serve_http`` passes its own. ``embedder``: pools embeddings
+    for /v1/embeddings (None: that route answers 404); ``facts``: what Ollama's
+    listings say of the model."""
     app = QuartTrio("triollm")
     app.config["MAX_CONTENT_LENGTH"] = max_body_bytes
     app.config["BODY_TIMEOUT"] = body_timeout_s  # a body that stops arriving: 408
     app.config["RESPONSE_TIMEOUT"] = None  # a 60 s default would silently cut long streams
     app.config["PROVIDE_AUTOMATIC_OPTIONS"] = False
+    from triollm.server.apiroutes import ApiRoutes  # it builds on Handlers: imported here
+
     h = Handlers(service, model, metrics, max_body_bytes)
+    others = ApiRoutes(h, embedder, ModelFacts() if facts is None else facts)
     app.register_error_handler(ApiError, h.on_api_error)
     app.register_error_handler(FieldError, h.on_field_error)
     app.register_error_handler(HTTPException, h.on_http_error)
@@ -392,6 +455,8 @@ def create_app(
         ("POST", "/v1/chat/completions/render", h.chat_completions_render),
         ("POST", "/tokenize", h.tokenize),
         ("POST", "/detokenize", h.detokenize),
+        # OpenAI's Responses, Anthropic's Messages, Ollama's API, embeddings (apiroutes.py)
+        *others.routes(),
     ]
     for method, path, view in routes:
         app.add_url_rule(path, view_func=view, methods=[method])

@@ -69,6 +69,8 @@ class ResponseWriter:
     at once with the failed one's code (``RequestStream.close``).
     """
 
+    media_type = sse.CONTENT_TYPE  # of the streamed body
+
     def __init__(
         self, req: GenerationRequest, model: ServedModel, stream: RequestStream, echo: str = ""
     ) -> None:

@@ -50,3 +50,10 @@ def parse_events(body: bytes) -> list[str]:
         if lines:
             out.append("\n".join(lines))
     return out
+
+
+def named_event(name: str, payload: dict[str, Any]) -> bytes:
+    """One event with an ``event:`` line: the typed streams of the Responses and
+    Messages APIs name each event (``response.output_text.delta``, ``message_start``)."""
+    text = json.dumps(payload, separators=(",", ":"), ensure_ascii=False)
+    return b"event: " + name.encode() + b"\ndata: " + text.encode() + b"\n\n"
