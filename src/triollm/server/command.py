@@ -37,6 +37,7 @@ from typing import Any
 import trio
 
 from triollm.errors import UserError
+from triollm.model.embed import Embedder, Pooling
 from triollm.model.kvcache import DEFAULT_KV_DTYPE, KVDtype, kv_bytes_per_position
 from triollm.policies import Claim, Policy, SchedulingPolicy, load_policy, policy_name
 from triollm.request import ServedModel
@@ -46,6 +47,7 @@ from triollm.server.door import API_KEY_ENV, DoorPolicy
 from triollm.server.frontend import HttpConfig, Serving, serve_http
 from triollm.server.lifetime import Lifetime
 from triollm.server.metrics import Metrics
+from triollm.server.ollama import ModelFacts
 from triollm.service import Service, ServiceConfig
 from triollm.sizing import DEFAULT_CONTEXT_CAP, Capacity, MemoryReport, default_of
 from triollm.toolcalls import ToolCallFormat, detect_format
@@ -84,6 +86,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--tool-call-parser",
         choices=[f.value for f in ToolCallFormat],
         help="how the model writes tool calls (default: read from its chat template)",
+    )
+    parser.add_argument(
+        "--pooling",
+        choices=[p.value for p in Pooling],
+        default=Pooling.LAST.value,
+        help="how /v1/embeddings pools the final hidden states: last (the last token's, "
+        "Qwen3-Embedding's rule; the default) or mean",
     )
     net = parser.add_argument_group("network")
     net.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
@@ -349,6 +358,7 @@ def build_stack(
     door: DoorPolicy | None = None,
     metrics_names: str = "triollm",
     kv_events: Any = None,
+    pooling: Pooling = Pooling.LAST,
 ) -> Stack:
     """Scheduler + Batch + Service + app for ``loaded``, sized by ``sizing.py``.
 
@@ -459,6 +469,16 @@ def build_stack(
         max_body_bytes=max_body_bytes,
         body_timeout_s=body_timeout_s,
         door=DoorPolicy.for_bind("127.0.0.1") if door is None else door,
+        # /v1/embeddings: the served model's hidden states, pooled (model/embed.py), in
+        # the pool's chunk and block layout
+        embedder=Embedder(
+            batch.model,
+            pooling=pooling,
+            chunk_tokens=sched_config.chunk_tokens,
+            block_size=sched_config.block_size,
+            kv_dtype=capacity.kv_dtype,
+        ),
+        facts=ModelFacts(family=cfg.model_type, size_bytes=loaded.weight_bytes),
     )
 
     def app_in(nursery: trio.Nursery) -> Lifetime:
@@ -658,6 +678,7 @@ def run(args: argparse.Namespace) -> int:
         door=door,
         metrics_names=args.metrics_names,
         kv_events=kv_events,
+        pooling=Pooling(args.pooling),
     )
     print(
         f"triollm: loaded {model_dir} in {time.monotonic() - started:.1f} s\n"
