@@ -45,6 +45,13 @@ the whole grace (issue 28, N6). The guard keeps every connection on HTTP/1.1: an
 prior-knowledge preface closes the connection. A deployment that wants HTTP/2 puts a
 proxy in front (Envoy speaks HTTP/1.1 to its upstreams by default).
 
+A sixth, the same cancellation once more: upstream takes the connection's send lock
+outside its shield, so a task cancelled while waiting for it leaves h11 believing a
+response start was sent that never was; hypercorn then answers 500 on top of it, h11
+raises, and the exception ends the whole server (a replica SIGTERMed under load
+crashed so, cutting every stream it carried). The guard takes the lock inside the
+shield. Test: tests/server/test_transport_cancel.py.
+
 It also lets a deployment shrink the kernel's send buffer (``SO_SNDBUF``) so a
 stalled reader backs up into our bounded per-request channel after kilobytes
 rather than megabytes, and keeps a set of live connections so shutdown can
@@ -239,21 +246,32 @@ class GuardedTCPServer(TCPServer):
             with trio.CancelScope(shield=True, deadline=trio.current_time() + CLOSE_BOUND_S):
                 await super().protocol_send(event)
             return
-        timeout: float | None = getattr(self.config, WRITE_TIMEOUT_ATTR, None)
-        if not isinstance(event, RawData) or timeout is None:
+        if not isinstance(event, RawData):
             await super().protocol_send(event)
             return
-        stalled = False
-        async with self.send_lock:
-            try:
-                # Shielded, as upstream: an outer cancel must not cut a chunk in half.
-                # The deadline is this scope's own, so it still fires inside the shield.
-                with trio.CancelScope(shield=True, deadline=trio.current_time() + timeout) as sc:
+        timeout: float | None = getattr(self.config, WRITE_TIMEOUT_ATTR, None)
+        deadline = math.inf if timeout is None else trio.current_time() + timeout
+        stalled = broken = False
+        # Hazard 6 (measured: a replica crashed at SIGTERM under load): by the time this
+        # runs, h11 has already moved its state past the event these bytes carry (a
+        # response start: SEND_BODY). Upstream takes the send lock *outside* its
+        # shield, and acquiring a lock is a checkpoint: a task cancelled there (the
+        # drain's cut_readers, quart-trio's disconnect) leaves h11 saying "response
+        # sent" while hypercorn's stream still says "no response", so its clean-up
+        # answers 500, h11 raises LocalProtocolError and the exception takes the whole
+        # server down, every stream with it. So the lock is taken inside the shield
+        # too: once h11 has committed to an event, its bytes are written (or the
+        # deadline aborts the connection), and the cancel lands at the next checkpoint.
+        with trio.CancelScope(shield=True, deadline=deadline) as sc:
+            async with self.send_lock:
+                try:
                     await self.stream.send_all(event.data)
-                stalled = sc.cancelled_caught
-            except (trio.BrokenResourceError, trio.ClosedResourceError):
-                await self.protocol.handle(Closed())
-                return
+                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    broken = True
+        stalled = sc.cancelled_caught
+        if not stalled and broken:
+            await self.protocol.handle(Closed())
+            return
         if stalled:
             log.warning(
                 "write stalled for %.1f s (client not reading); aborting the connection", timeout
