@@ -54,6 +54,11 @@ HEALTH_PATH = "/ready"
 BALANCE_FACTOR = 125  # prefix_hash: a host takes at most 1.25x the average load
 RETRIABLE_STATUSES = (429, 503)
 UPSTREAM_IDLE_S = 4  # below hypercorn's keep-alive timeout of 5 s
+ACCESS_LOG = (
+    "[%START_TIME%] %REQ(:METHOD)% %REQ(:PATH)% %RESPONSE_CODE% flags=%RESPONSE_FLAGS% "
+    "replica=%UPSTREAM_HOST% attempts=%UPSTREAM_REQUEST_ATTEMPT_COUNT% %DURATION%ms "
+    "%UPSTREAM_TRANSPORT_FAILURE_REASON%\n"
+)
 
 
 @dataclass(frozen=True)
@@ -158,6 +163,20 @@ def envoy_config(
         "codec_type": "AUTO",
         "stream_idle_timeout": "300s",
         "request_timeout": "0s",
+        # One line per request on Envoy's stdout: which replica answered, how many
+        # attempts it took, and Envoy's response flags (UC: the replica closed the
+        # connection mid-response; URX: retries exhausted; UF: connect failure). The
+        # only place a stream cut mid-body can be traced to its replica.
+        "access_log": [
+            {
+                "name": "envoy.access_loggers.stdout",
+                "typed_config": {
+                    "@type": "type.googleapis.com/"
+                    "envoy.extensions.access_loggers.stream.v3.StdoutAccessLog",
+                    "log_format": {"text_format_source": {"inline_string": ACCESS_LOG}},
+                },
+            }
+        ],
         "route_config": {
             "name": "openai",
             "virtual_hosts": [

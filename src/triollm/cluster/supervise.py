@@ -25,6 +25,7 @@ threads (1: each replica on one core, for throughput comparisons on a small host
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shlex
 import shutil
@@ -297,43 +298,84 @@ class Cluster:
 
     # ---------------------------------------------------------------- observation
 
-    async def healthy_hosts(self) -> set[str]:
-        """``host:port`` of every replica Envoy counts healthy now (its admin API)."""
+    async def _admin_clusters(self) -> list[list[str]]:
+        """Envoy's admin ``/clusters`` page, one ``triollm::host:port::stat::value``
+        line split at ``::`` per entry (empty while Envoy is not up yet)."""
         import httpx
 
         async with httpx.AsyncClient(timeout=2) as client:
             try:
                 page = (await client.get(self.admin_url + "/clusters")).text
             except httpx.HTTPError:
-                return set()
-        healthy = set()
-        for line in page.splitlines():
-            parts = line.split("::")
-            if (
-                len(parts) == 4
-                and parts[0] == "triollm"
-                and parts[2:] == ["health_flags", "healthy"]
-            ):
-                healthy.add(parts[1])
-        return healthy
+                return []
+        return [
+            parts
+            for parts in (line.split("::") for line in page.splitlines())
+            if len(parts) == 4 and parts[0] == "triollm"
+        ]
+
+    async def healthy_hosts(self) -> set[str]:
+        """``host:port`` of every replica Envoy's health checker counts healthy now."""
+        return {
+            host
+            for host, stat, value in (p[1:] for p in await self._admin_clusters())
+            if stat == "health_flags" and value == "healthy"
+        }
+
+    async def routed_requests(self) -> dict[str, int]:
+        """``host:port`` -> requests Envoy's workers have sent to that replica
+        (``rq_total``; the health checker's probes are not counted)."""
+        return {
+            host: int(value)
+            for host, stat, value in (p[1:] for p in await self._admin_clusters())
+            if stat == "rq_total"
+        }
+
+    async def wait_routed(self, hosts: set[str], *, timeout_s: float = READY_TIMEOUT_S) -> None:
+        """Send cheap requests (``GET /v1/models``) through Envoy until its workers
+        have routed at least one to each of ``hosts`` since this call began.
+
+        Hazard: Envoy's health checker marks a host healthy on Envoy's main thread,
+        and only then posts the new host set to the worker threads that route. In
+        that gap the admin API already says "healthy" while every request still goes
+        to the hosts the workers knew: a load started there went all to one replica,
+        and when that replica drained, every retry had nowhere else to go (seen: 18 of
+        30 requests refused, ``upstream_rq_retry_limit_exceeded`` 18, the other
+        replica's log empty). A request routed to the host is the proof that the
+        workers have it."""
+        import httpx
+
+        before = await self.routed_requests()
+        async with httpx.AsyncClient(timeout=5) as client:
+            with trio.fail_after(timeout_s):
+                while True:
+                    now = await self.routed_requests()
+                    if all(now.get(h, 0) > before.get(h, 0) for h in hosts):
+                        return
+                    with contextlib.suppress(httpx.HTTPError):
+                        await client.get(self.url + "/v1/models")
+                    await trio.sleep(0.02)
 
     async def wait_healthy(self, count: int, *, timeout_s: float = READY_TIMEOUT_S) -> None:
         """Wait until Envoy counts ``count`` replicas healthy (it health-checks each
-        one's /ready every interval)."""
+        one's /ready every interval) *and* has routed a request to each of them
+        (:meth:`wait_routed` says why the first is not enough)."""
         with trio.fail_after(timeout_s):
-            while len(await self.healthy_hosts()) < count:
+            while len(hosts := await self.healthy_hosts()) < count:
                 await trio.sleep(0.25)
+            await self.wait_routed(hosts, timeout_s=timeout_s)
 
     async def wait_restarted(
         self, index: int, starts: int, *, timeout_s: float = READY_TIMEOUT_S
     ) -> None:
-        """Wait until replica ``index`` has been started ``starts`` times and Envoy
-        counts it healthy again."""
+        """Wait until replica ``index`` has been started ``starts`` times, Envoy counts
+        it healthy again and has routed a request to it."""
         r = self.replicas[index]
         name = f"{r.endpoint.host}:{r.endpoint.port}"
         with trio.fail_after(timeout_s):
             while r.starts < starts or name not in await self.healthy_hosts():
                 await trio.sleep(0.25)
+            await self.wait_routed({name}, timeout_s=timeout_s)
 
 
 # ---------------------------------------------------------------------------- CLI
