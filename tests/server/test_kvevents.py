@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
+import threading
 from dataclasses import dataclass
 
 import pytest
@@ -18,12 +19,12 @@ zmq = pytest.importorskip("zmq", reason="the events extra (pyzmq) is not install
 msgpack = pytest.importorskip("msgpack", reason="the events extra (msgpack) is not installed")
 
 from triollm.server.kvevents import (  # noqa: E402
-    END_SEQ,
     CacheIndex,
     KVEventPublisher,
     decode_event,
     encode_batch,
     encode_event,
+    fetch_replay,
     hash63,
 )
 
@@ -70,12 +71,13 @@ def test_the_positional_encoding_is_vllms_and_the_map_carries_the_same_fields() 
         4,
         None,  # lora_id
         "CPU",  # medium
+        None,  # lora_name (vLLM's own BlockStored requires the field)
     ]
     as_map = encode_event(stored, "map")
     assert as_map["type"] == "BlockStored"
     assert decode_event(array) == (
         "BlockStored",
-        {k: v for k, v in as_map.items() if k not in ("type", "medium")},
+        {k: v for k, v in as_map.items() if k not in ("type", "medium", "lora_name")},
     )
     assert encode_event(BlockRemoved((digest(1),)), "array") == [
         "BlockRemoved",
@@ -103,27 +105,6 @@ def test_the_index_counts_a_block_stored_before_its_parent() -> None:
     assert index.blocks == {}
 
 
-def _ask_replay(address: str, start: int) -> list[tuple[int, bytes]]:
-    """A DEALER asks the ROUTER for everything from ``start`` (blocking; a thread)."""
-    ctx = zmq.Context.instance()
-    dealer = ctx.socket(zmq.DEALER)
-    dealer.setsockopt(zmq.RCVTIMEO, 30_000)  # a hang guard, not a timing assertion
-    dealer.setsockopt(zmq.LINGER, 0)
-    dealer.connect(address)
-    try:
-        dealer.send_multipart([b"", start.to_bytes(8, "big")])
-        out = []
-        while True:
-            empty, seq, payload = dealer.recv_multipart()
-            assert empty == b""
-            if seq == END_SEQ:
-                assert payload == b""
-                return out
-            out.append((struct.unpack(">q", seq)[0], payload))
-    finally:
-        dealer.close()
-
-
 async def test_a_late_subscriber_replays_what_it_missed_from_a_bounded_buffer() -> None:
     publisher = KVEventPublisher(
         "tcp://127.0.0.1:*",
@@ -144,11 +125,11 @@ async def test_a_late_subscriber_replays_what_it_missed_from_a_bounded_buffer() 
             assert publisher.publish([]) is None  # nothing to say: no sequence number used
             address = publisher.replay_address
             assert address is not None
-            got = await trio.to_thread.run_sync(_ask_replay, address, 2)
+            got = await trio.to_thread.run_sync(fetch_replay, address, 2)
             assert [seq for seq, _ in got] == [2, 3]
             # The buffer holds 3 batches: asked from 0, the replay starts at 1, and the
             # subscriber sees the gap (it lost state, and must resynchronize).
-            got = await trio.to_thread.run_sync(_ask_replay, address, 0)
+            got = await trio.to_thread.run_sync(fetch_replay, address, 0)
             assert [seq for seq, _ in got] == [1, 2, 3]
             index = CacheIndex(last_seq=0)
             for seq, payload in got:
@@ -158,6 +139,29 @@ async def test_a_late_subscriber_replays_what_it_missed_from_a_bounded_buffer() 
             nursery.cancel_scope.cancel()
     finally:
         publisher.close()
+
+
+def test_a_reader_refuses_a_replay_reply_it_cannot_read() -> None:
+    # A server answering replays in another shape (no empty delimiter, a 4-byte
+    # sequence number) must not be read as batches: a guessed sequence number would
+    # silently misplace a batch, and order is the contract.
+    ctx = zmq.Context.instance()
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+
+    def answer_badly() -> None:
+        identity, _empty, _start = router.recv_multipart()
+        router.send_multipart([identity, b"", (7).to_bytes(4, "big"), b"payload"])
+
+    server = threading.Thread(target=answer_badly, daemon=True)
+    server.start()
+    try:
+        with pytest.raises(ValueError, match="not a replay reply"):
+            fetch_replay(f"tcp://127.0.0.1:{port}", 0, timeout_s=30)
+    finally:
+        server.join(timeout=30)
+        router.close()
 
 
 async def test_live_messages_are_three_frames_topic_sequence_payload() -> None:

@@ -11,7 +11,6 @@ an ``AllBlocksCleared`` first (a restarted server's old blocks are forgotten).
 from __future__ import annotations
 
 import random
-import struct
 from typing import Any
 
 import httpx
@@ -22,25 +21,7 @@ from serverkit import live_server
 zmq = pytest.importorskip("zmq", reason="the events extra (pyzmq) is not installed")
 msgpack = pytest.importorskip("msgpack", reason="the events extra (msgpack) is not installed")
 
-from triollm.server.kvevents import END_SEQ, CacheIndex, KVEventsConfig, hash63  # noqa: E402
-
-
-def replay(address: str, start: int) -> list[tuple[int, bytes]]:
-    ctx = zmq.Context.instance()
-    dealer = ctx.socket(zmq.DEALER)
-    dealer.setsockopt(zmq.RCVTIMEO, 30_000)  # a hang guard, not a timing assertion
-    dealer.setsockopt(zmq.LINGER, 0)
-    dealer.connect(address)
-    try:
-        dealer.send_multipart([b"", start.to_bytes(8, "big")])
-        out = []
-        while True:
-            _, seq, payload = dealer.recv_multipart()
-            if seq == END_SEQ:
-                return out
-            out.append((struct.unpack(">q", seq)[0], payload))
-    finally:
-        dealer.close()
+from triollm.server.kvevents import CacheIndex, KVEventsConfig, fetch_replay, hash63  # noqa: E402
 
 
 @pytest.mark.parametrize("encoding", ["array", "map"])
@@ -70,7 +51,7 @@ async def test_a_late_subscriber_rebuilds_the_servers_cache_from_the_events(
                 for i in range(wave * 6, wave * 6 + 6):
                     nursery.start_soon(ask, i)
         await live.service.wait_until(live.pool_is_idle)
-        batches = await trio.to_thread.run_sync(replay, publisher.replay_address, 0)
+        batches = await trio.to_thread.run_sync(fetch_replay, publisher.replay_address, 0)
         pool = live.service.scheduler.kv.pool
         published = {pool.content(b) for b in range(pool.num_blocks)} - {None}
     assert batches and batches[0][0] == 0

@@ -15,11 +15,13 @@ vLLM adapter):
   bytes big-endian, and the msgpack payload ``[timestamp, [event, ...], dp_rank]``;
 - an event is a positional array (``encoding="array"``)::
 
-      ["BlockStored", [hash, ...], parent_hash | None, [token_id, ...], block_size, None, "CPU"]
+      ["BlockStored", [hash, ...], parent_hash | None, [token_id, ...], block_size,
+       None, "CPU", None]
       ["BlockRemoved", [hash, ...], "CPU"]
       ["AllBlocksCleared"]
 
-  (the ``None`` is vLLM's ``lora_id``, ``"CPU"`` its ``medium``), or a map with a
+  (the two ``None`` are vLLM's ``lora_id`` and ``lora_name``, ``"CPU"`` its ``medium``;
+  current vLLM requires all eight positions), or a map with a
   ``type`` key and the same field names (``encoding="map"``, what newer readers,
   vllm-router among them, take);
 - hashes are integers below 2^63: the manager's chained SHA-256 digests cut to their
@@ -82,6 +84,7 @@ def encode_event(event: Any, encoding: str = "array") -> list[Any] | dict[str, A
             "block_size": event.block_size,
             "lora_id": None,
             "medium": MEDIUM,
+            "lora_name": None,
         }
     elif kind == "BlockRemoved":
         fields = {"block_hashes": [hash63(h) for h in event.block_hashes], "medium": MEDIUM}
@@ -318,6 +321,37 @@ def decode_event(raw: Any) -> tuple[str, dict[str, Any]]:
     if kind == "AllBlocksCleared":
         return kind, {}
     raise ValueError(f"unknown KV event {kind!r}")
+
+
+def fetch_replay(address: str, start: int, *, timeout_s: float = 30.0) -> list[tuple[int, bytes]]:
+    """Ask a replay socket for every buffered batch from sequence ``start`` on, as a
+    late subscriber does: ``[(seq, payload), ...]`` in order, up to the end marker.
+
+    Blocking (run it in a thread). ``timeout_s`` bounds the wait for each reply frame
+    (a server that never answers raises ``zmq.Again`` instead of hanging). A reply
+    that is not ``[b"", seq, payload]`` raises ValueError: a reader must not guess."""
+    import zmq
+
+    ctx: Any = zmq.Context.instance()
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.RCVTIMEO, int(timeout_s * 1000))
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.connect(address)
+    try:
+        dealer.send_multipart([b"", _SEQ.pack(start)])
+        out: list[tuple[int, bytes]] = []
+        while True:
+            frames = dealer.recv_multipart()
+            if len(frames) != 3 or frames[0] != b"" or len(frames[1]) != 8:
+                raise ValueError(f"not a replay reply: {frames!r}")
+            _, seq, payload = frames
+            if seq == END_SEQ:
+                if payload:
+                    raise ValueError("the replay's end marker carries a payload")
+                return out
+            out.append((_SEQ.unpack(seq)[0], payload))
+    finally:
+        dealer.close()
 
 
 @dataclass
