@@ -19,6 +19,10 @@ deadline). Scenarios:
 - ``prefix``: round robin against prefix_hash (Envoy's consistent hash on the
   prompt's opening) on conversations that share long system prompts: prefix-cache
   hit rate from the replicas' own counters, and TTFT p50.
+- ``events`` (only when named): the KV events soak. One server in this process with
+  a pool that evicts, a live subscriber rebuilding its cache from the events, waves
+  of shared-prompt requests for ``--soak-s``; after each wave the rebuilt state must
+  equal the pool's published set, with no ordering violation and no sequence gap.
 
 Prints one block per scenario; ``--json FILE`` appends one JSON line each. Exit 1
 when a promise broke (a failed or hung request where none may be). The machine is
@@ -33,6 +37,7 @@ import os
 import random
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -41,6 +46,7 @@ import httpx
 import trio
 
 from triollm.cluster.load import (
+    WORDS,
     Result,
     closed_loop,
     counts,
@@ -80,6 +86,12 @@ async def envoy_counters(cluster: Cluster) -> dict[str, int]:
     return out
 
 
+def logs(args: argparse.Namespace, name: str) -> Path | None:
+    """Where a scenario's cluster keeps its logs (``--log-dir``; None: a temporary
+    directory, deleted when the cluster stops)."""
+    return None if args.log_dir is None else args.log_dir / name
+
+
 def tokens_per_s(results: list[Result], wall: float) -> float:
     return sum(r.tokens for r in results if r.outcome == "ok") / wall
 
@@ -90,7 +102,13 @@ async def warm(url: str, n: int = 4) -> None:
 
 async def scale(args: argparse.Namespace) -> Record:
     c = args.concurrency
-    config = ClusterConfig(replicas=2, model=args.model, threads=args.threads, lb="least_request")
+    config = ClusterConfig(
+        replicas=2,
+        model=args.model,
+        threads=args.threads,
+        lb="least_request",
+        log_dir=logs(args, "scale"),
+    )
     rounds: list[dict[str, float]] = []
     async with trio.open_nursery() as nursery:
         cluster: Cluster = await nursery.start(Cluster(config).run)
@@ -121,7 +139,14 @@ async def scale(args: argparse.Namespace) -> Record:
             )
         cluster.stop()
     ratios = sorted(r["ratio"] for r in rounds)
-    return {"scenario": "scale", "rounds": rounds, "median_ratio": ratios[len(ratios) // 2]}
+    median = ratios[len(ratios) // 2]
+    each = ", ".join(f"{r['ratio']:.2f}" for r in rounds)
+    print(
+        f"  scale: 2 replicas / 1 replica, median {median:.2f}x of rounds {each} "
+        "(the target: >= 1.8x; a verdict only on a quiet machine)",
+        flush=True,
+    )
+    return {"scenario": "scale", "rounds": rounds, "median_ratio": median}
 
 
 async def failover(args: argparse.Namespace, sig: signal.Signals) -> Record:
@@ -129,7 +154,13 @@ async def failover(args: argparse.Namespace, sig: signal.Signals) -> Record:
     third of the requests; then wait for it to rejoin and check it serves again."""
     c = 2 * args.concurrency
     total = 3 * args.requests * 2
-    config = ClusterConfig(replicas=2, model=args.model, threads=args.threads, grace_s=args.grace)
+    config = ClusterConfig(
+        replicas=2,
+        model=args.model,
+        threads=args.threads,
+        grace_s=args.grace,
+        log_dir=logs(args, sig.name.lower()),
+    )
     async with trio.open_nursery() as nursery:
         cluster: Cluster = await nursery.start(Cluster(config).run)
         for r in cluster.replicas:
@@ -321,6 +352,7 @@ async def prefix(args: argparse.Namespace) -> Record:
             threads=args.threads,
             lb="round_robin" if router_policy else lb,
             serve_args=serve_args,
+            log_dir=logs(args, "prefix-" + lb.replace(":", "-")),
         )
         async with trio.open_nursery() as nursery:
             cluster: Cluster = await nursery.start(Cluster(config).run)
@@ -364,13 +396,161 @@ async def prefix(args: argparse.Namespace) -> Record:
     return out
 
 
+class LiveSubscriber:
+    """A router's view of one server, kept as a router keeps it: a SUB socket on the
+    PUB address, every batch applied as it arrives (a thread: ZMQ blocks). What it
+    missed before its subscription took effect (ZMQ's slow joiner) comes from the
+    replay socket, asked once, at its first live message."""
+
+    def __init__(self, pub_address: str, replay_address: str) -> None:
+        from triollm.server.kvevents import CacheIndex
+
+        self.pub_address = pub_address
+        self.replay_address = replay_address
+        self.index = CacheIndex()
+        self.lock = threading.Lock()
+        self.stop = threading.Event()
+        self.replayed = 0  # batches taken from the replay socket at the start
+        self.live = 0  # batches taken from the PUB socket
+
+    def run(self) -> None:
+        import zmq
+
+        from triollm.server.kvevents import fetch_replay
+
+        sub = zmq.Context.instance().socket(zmq.SUB)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.connect(self.pub_address)
+        try:
+            while not self.stop.is_set():
+                if not sub.poll(100):
+                    continue
+                _topic, seq_bytes, payload = sub.recv_multipart()
+                seq = int.from_bytes(seq_bytes, "big", signed=True)
+                with self.lock:
+                    if self.live == 0 and seq > 0:
+                        for s, p in fetch_replay(self.replay_address, 0):
+                            if s < seq:
+                                self.index.apply_message(s, p)
+                                self.replayed += 1
+                    self.index.apply_message(seq, payload)
+                    self.live += 1
+        finally:
+            sub.close()
+
+
+async def events(args: argparse.Namespace) -> Record:
+    """The KV events over a soak: one server in this process (so its pool can be read)
+    with a pool too small for the system prompts in use, publishing on loopback.
+
+    Waves of requests run until ``--soak-s``: shared system prompts, one request in
+    four with ``n=2`` (choices share the prompt's blocks), one in eight left by its
+    client after the first chunk (its blocks freed mid-answer). After every wave, once
+    the pool is idle and the subscriber has every batch published so far, the rebuilt
+    index must equal the pool's published set exactly, with no block announced under a
+    parent it never saw and no sequence gap."""
+    from triollm.demo import resolve_model_dir
+    from triollm.model.loader import load_model
+    from triollm.server.command import build_stack, serve_stack
+    from triollm.server.frontend import HttpConfig
+    from triollm.server.kvevents import KVEventsConfig, hash63
+    from triollm.service import ServiceConfig
+    from triollm.sizing import Capacity
+
+    loaded = load_model(resolve_model_dir(args.model))
+    kv = KVEventsConfig(
+        "tcp://127.0.0.1:*", "tcp://127.0.0.1:*", encoding=args.soak_encoding, mode="bind"
+    )
+    stack = build_stack(
+        loaded,
+        Capacity(slots=4, num_blocks=args.soak_blocks, context_tokens=512),
+        ServiceConfig(),
+        kv_events=kv,
+        model_name="soak",
+    )
+    publisher = stack.kv_publisher
+    subscriber = LiveSubscriber(publisher.pub_address, publisher.replay_address)
+    reader = threading.Thread(target=subscriber.run, daemon=True)
+    reader.start()
+    prompts = [system_prompt(t, args.system_sentences) for t in SYSTEM_TOPICS[: args.systems]]
+    pool = stack.service.scheduler.kv.pool
+    waves = requests = left = mismatches = 0
+    shutdown = trio.Event()
+    started = time.perf_counter()
+
+    def pool_idle() -> bool:
+        s = stack.service.scheduler.statistics()
+        return s.blocks_free == s.blocks_total and s.running == 0 and s.waiting == 0
+
+    async with trio.open_nursery() as nursery:
+        binds = await nursery.start(serve_stack, stack, HttpConfig(port=0, grace_s=5), shutdown)
+        url = binds[0] + "/v1/completions"
+        rng = random.Random(11)
+        async with httpx.AsyncClient(timeout=120) as http:
+
+            async def one(k: int) -> None:
+                nonlocal requests, left
+                body = {
+                    "prompt": rng.choice(prompts) + " Once upon a time " + rng.choice(WORDS),
+                    "max_tokens": rng.randrange(2, 12),
+                    "temperature": 0.8,
+                    "ignore_eos": True,
+                    "stream": True,
+                    "n": 2 if k % 4 == 0 else 1,
+                }
+                requests += 1
+                async with http.stream("POST", url, json=body) as response:
+                    async for _ in response.aiter_lines():
+                        if k % 8 == 3:  # a client that leaves after the first chunk
+                            left += 1
+                            return
+
+            while time.perf_counter() - started < args.soak_s:
+                async with trio.open_nursery() as wave:
+                    for k in range(args.concurrency * 4):
+                        wave.start_soon(one, k)
+                await stack.service.wait_until(pool_idle)
+                target = publisher.next_seq - 1
+                with trio.fail_after(60):  # a hang guard: every batch reaches the subscriber
+                    while subscriber.index.last_seq < target:
+                        await trio.sleep(0.01)
+                published = {pool.content(b) for b in range(pool.num_blocks)} - {None}
+                with subscriber.lock:
+                    if set(subscriber.index.blocks) != {hash63(h) for h in published}:
+                        mismatches += 1
+                waves += 1
+        shutdown.set()
+    subscriber.stop.set()
+    reader.join(timeout=5)
+    index = subscriber.index
+    return {
+        "scenario": "events",
+        "encoding": args.soak_encoding,
+        "seconds": time.perf_counter() - started,
+        "waves": waves,
+        "requests": requests,
+        "clients_left_early": left,
+        "batches": index.batches,
+        "events_published": publisher.published_events,
+        "replayed_at_start": subscriber.replayed,
+        "ordering_violations": len(index.violations),
+        "violations_sample": index.violations[:5],
+        "sequence_gaps": index.gaps,
+        "dropped_batches": publisher.dropped_batches,
+        "state_mismatches": mismatches,
+        "blocks_at_end": len(index.blocks),
+        "pool_blocks": pool.num_blocks,
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument(
         "--scenario",
         action="append",
-        choices=("scale", "sigterm", "sigkill", "prefix"),
-        help="(all four)",
+        choices=("scale", "sigterm", "sigkill", "prefix", "events"),
+        help="(scale, sigterm, sigkill, prefix; events only when named)",
     )
     p.add_argument("--model", help="MODEL_DIR for every replica (default: the demo model)")
     p.add_argument("--threads", type=int, default=1, help="numba threads per replica (1)")
@@ -394,6 +574,19 @@ def main(argv: list[str] | None = None) -> int:
         default="round_robin,prefix_hash",
         help="prefix: the Envoy policies compared, in order (round_robin,prefix_hash)",
     )
+    p.add_argument("--soak-s", type=float, default=300.0, help="events: soak length (300 s)")
+    p.add_argument(
+        "--soak-blocks", type=int, default=48, help="events: the server's pool in blocks (48)"
+    )
+    p.add_argument(
+        "--soak-encoding", choices=("array", "map"), default="array", help="events: (array)"
+    )
+    p.add_argument(
+        "--log-dir",
+        type=Path,
+        help="keep every cluster's logs here, one directory per scenario (Envoy's access "
+        "log says which replica answered each request and how it ended)",
+    )
     p.add_argument("--json", type=Path, help="append one JSON line per scenario")
     args = p.parse_args(argv)
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
@@ -404,10 +597,15 @@ def main(argv: list[str] | None = None) -> int:
         nonlocal broken
         for name in scenarios:
             print(f"{name} [load {loadavg()}]", flush=True)
+            began = time.perf_counter()
             if name == "scale":
                 record = await scale(args)
             elif name == "prefix":
                 record = await prefix(args)
+            elif name == "events":
+                record = await events(args)
+                wrong = ("ordering_violations", "sequence_gaps", "state_mismatches")
+                broken |= any(record[k] for k in wrong) or record["waves"] == 0
             else:
                 sig = signal.SIGTERM if name == "sigterm" else signal.SIGKILL
                 record = await failover(args, sig)
@@ -417,6 +615,7 @@ def main(argv: list[str] | None = None) -> int:
                     bad += record["cut"]
                 broken |= bad > 0 or record["after_rejoin_ok"] != record["after_rejoin_requests"]
             record["load_after"] = loadavg()
+            record["scenario_s"] = round(time.perf_counter() - began, 1)
             print(json.dumps(record), flush=True)
             if args.json is not None:
                 with args.json.open("a") as f:
