@@ -64,9 +64,14 @@ def stack_for(loaded: Any, **kwargs: Any) -> Stack:
 
 @asynccontextmanager
 async def live_server(
-    loaded: Any, *, http: dict[str, Any] | None = None, **stack_kwargs: Any
+    loaded: Any,
+    *,
+    http: dict[str, Any] | None = None,
+    hang_guard_s: float = HANG_GUARD_S,
+    **stack_kwargs: Any,
 ) -> AsyncIterator[Live]:
-    """Start a server; on exit shut it down gracefully and check nothing leaked."""
+    """Start a server; on exit shut it down gracefully and check nothing leaked.
+    ``hang_guard_s``: longer for a real model (its warm-up compiles, its answers are slow)."""
     stack_kwargs.setdefault("slots", 2)
     stack_kwargs.setdefault("context_tokens", 256)
     stack = stack_for(loaded, **stack_kwargs)
@@ -74,7 +79,7 @@ async def live_server(
     shutdown = trio.Event()
     # A hang guard, not a timing assertion: a broken engine or a lost wake-up must
     # fail the test (TooSlowError) instead of hanging the suite.
-    with trio.fail_after(HANG_GUARD_S):
+    with trio.fail_after(hang_guard_s):
         async with trio.open_nursery() as nursery:
             binds = await nursery.start(serve_stack, stack, config, shutdown)
             url = binds[0]
