@@ -1,8 +1,10 @@
-"""Tool-call markers that are special tokens (Mistral's ``[TOOL_CALLS]``) reach the parser.
+"""Tool-call markers that are added tokens reach the parser, and a forcing grammar names them by id.
 
 The detokenizer drops special tokens, as ``decode(skip_special_tokens=True)`` does; a
-request with tools keeps its family's markers, so a call written after one is parsed,
-and a forcing grammar names the marker by its token id.
+request with tools keeps its family's markers (Mistral's ``[TOOL_CALLS]``), so a call
+written after one is parsed. A forcing grammar names every marker that is one added
+token by its id, special or not: Qwen's ``<tool_call>`` is an added token that is not
+special, and written as text it failed every forced call (issue 26).
 """
 
 from __future__ import annotations
@@ -75,6 +77,65 @@ def test_a_special_marker_reaches_the_parser_only_when_tools_are_asked(mistral_l
     assert plain == CALL and none == ()
 
 
+def force(tok: Tokenizer, lark: str, seed: int = 0, steps: int = 400) -> list[int]:
+    """Token ids under ``lark`` from random logits (the hard case: only the mask holds)."""
+    ctok = ConstraintTokenizer.from_tokenizer(tok)
+    matcher = compile_grammar(GrammarSpec(GrammarKind.LARK, lark, "tools"), ctok).start()
+    filler, sampler = MaskFiller(matcher.mask_vocab), SequenceSampler(SamplingParams(seed=seed))
+    rng = np.random.default_rng(seed)
+    ids: list[int] = []
+    while not (ids and matcher.complete) and len(ids) < steps:
+        logits = rng.normal(0, 3, ctok.vocab_size).astype(np.float32)
+        filler.fill([matcher])
+        filler.apply(0, logits)
+        ids.append(sampler.sample(logits).token_id)
+        matcher.advance(ids[-1])
+    assert matcher.complete
+    return ids
+
+
+@pytest.fixture(scope="module")
+def hermes_like(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
+    d = tmp_path_factory.mktemp("hermes-like")
+    hf = HFTokenizer.from_file(str(DEMO / "tokenizer.json"))
+    # Qwen's markers as its GGUF has them: added tokens, matched whole, *not* special.
+    hf.add_tokens([AddedToken(t, special=False, normalized=False) for t in HERMES])
+    hf.save(str(d / "tokenizer.json"))
+    shutil.copy(DEMO / "tokenizer_config.json", d / "tokenizer_config.json")
+    return Tokenizer.from_dir(d)
+
+
+HERMES = ("<tool_call>", "</tool_call>")
+F = {
+    "name": "f",
+    "parameters": {
+        "type": "object",
+        "properties": {"x": {"type": "integer", "minimum": 0, "maximum": 9}},
+        "required": ["x"],
+        "additionalProperties": False,
+    },
+}
+
+
+def test_a_forced_call_names_a_marker_that_is_added_but_not_special_by_its_id(hermes_like) -> None:
+    opening, closing = (hermes_like.added_token_id(t) for t in HERMES)
+    assert opening is not None and closing is not None
+    assert hermes_like.special_token_id(HERMES[0]) is None  # the trap of issue 26
+    lark = tool_grammar(
+        ToolCallFormat.HERMES,
+        [F],
+        parallel=False,
+        marker_token_id=hermes_like.added_token_id,
+        json_options=JSON_OPTIONS,
+    )
+    assert f"<[{opening}]>" in lark and f"<[{closing}]>" in lark
+    for seed in range(3):
+        ids = force(hermes_like, lark, seed)
+        assert ids[0] == opening and closing in ids
+        content, calls = stream(hermes_like, ids, ToolCallParser(ToolCallFormat.HERMES))
+        assert content == "" and [c.name for c in calls if c.name] == ["f"]
+
+
 def test_a_forced_mistral_call_starts_with_the_special_marker_token(mistral_like) -> None:
     tools = [
         {
@@ -91,7 +152,7 @@ def test_a_forced_mistral_call_starts_with_the_special_marker_token(mistral_like
         ToolCallFormat.MISTRAL,
         tools,
         parallel=False,
-        special_token_id=mistral_like.special_token_id,
+        marker_token_id=mistral_like.special_token_id,
         json_options=JSON_OPTIONS,
     )
     ctok = ConstraintTokenizer.from_tokenizer(mistral_like)

@@ -63,6 +63,12 @@ CASES = {
         + '}, {"name": "get_time", "arguments": {}}]',
         "",
     ),
+    ToolCallFormat.JSON: (
+        '[{"name": "get_weather", "arguments": '
+        + json.dumps(WEATHER)
+        + '}, {"name": "get_time", "arguments": {}}]',
+        "",
+    ),
 }
 
 
@@ -151,6 +157,51 @@ def test_a_call_cut_short_by_max_tokens_keeps_what_was_sent() -> None:
     assert parser.called and calls[0].arguments == '{"city": "Par'
 
 
+CALL = '<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>'
+
+
+@pytest.mark.parametrize("whole", [True, False], ids=["whole", "streamed"])
+def test_a_closing_tag_cut_by_max_tokens_is_neither_content_nor_a_second_call(whole) -> None:
+    # SmolLM2 under a forced grammar, max_tokens 60: the content was '</tool_call'
+    # (issue 26), which LangChain sent back into the next turn.
+    text = CALL[:-1]
+    content, calls = merge(parse(ToolCallFormat.HERMES, [text] if whole else list(text)))
+    assert content == "" and [c.name for c in calls] == ["f"]
+
+
+@pytest.mark.parametrize("tail", ["\n<tool_ca", '\n<tool_call>\n{"name": "f", "argu', "\n<"])
+def test_a_next_call_cut_by_max_tokens_leaves_no_fragment(tail: str) -> None:
+    content, calls = merge(parse(ToolCallFormat.HERMES, list(CALL + tail)))
+    assert content == "" and len(calls) == 1, tail
+
+
+@pytest.mark.parametrize("whole", [True, False], ids=["whole", "streamed"])
+def test_a_call_repeated_word_for_word_is_one_call(whole: bool) -> None:
+    other = CALL.replace('"x": 1', '"x": 2')
+    text = "\n".join([CALL, CALL, other, CALL.replace('{"x": 1}', '{ "x" : 1 }')])
+    content, calls = merge(parse(ToolCallFormat.HERMES, [text] if whole else list(text)))
+    assert content == "" and [json.loads(c.arguments) for c in calls] == [{"x": 1}, {"x": 2}]
+
+
+def test_a_json_answer_that_is_not_a_list_of_calls_stays_content() -> None:
+    for text in ("[1, 2]", "Paris is mild."):
+        content, calls = merge(parse(ToolCallFormat.JSON, list(text)))
+        assert calls == () and content == text
+
+
+def test_the_json_format_forces_a_list_of_calls_without_markers() -> None:
+    tools = [{"name": "f", "parameters": {"type": "object"}}]
+    for parallel, more in ((False, ""), (True, ' (", " obj)*')):
+        lark = tool_grammar(
+            ToolCallFormat.JSON,
+            tools,
+            parallel=parallel,
+            marker_token_id=lambda s: 1,
+            json_options={},
+        )
+        assert lark.splitlines()[0] == f'start: "[" obj{more} "]"'
+
+
 @pytest.mark.parametrize(
     ("template", "fmt"),
     [
@@ -178,7 +229,7 @@ def test_the_forcing_grammar_names_special_markers_by_token_id() -> None:
         ToolCallFormat.MISTRAL,
         tools,
         parallel=False,
-        special_token_id=lambda s: 5 if s == "[TOOL_CALLS]" else None,
+        marker_token_id=lambda s: 5 if s == "[TOOL_CALLS]" else None,
         json_options={},
     )
     assert "<[5]>" in lark and '"[TOOL_CALLS]"' not in lark
@@ -234,7 +285,7 @@ def test_a_forced_call_always_parses_and_fits_its_tools_schema(
     tok = Tokenizer.from_dir(DEMO)
     ctok = ConstraintTokenizer.from_tokenizer(tok)
     lark = tool_grammar(
-        fmt, TOOLS, parallel=parallel, special_token_id=lambda s: None, json_options=JSON_OPTIONS
+        fmt, TOOLS, parallel=parallel, marker_token_id=lambda s: None, json_options=JSON_OPTIONS
     )
     grammar = compile_grammar(GrammarSpec(GrammarKind.LARK, lark, "tools"), ctok)
     schemas = {t["name"]: t["parameters"] for t in TOOLS}

@@ -48,6 +48,7 @@ from triollm.model.constrained import (
     GrammarCache,
     GrammarKind,
     GrammarSpec,
+    bounded_numbers,
     check_limits,
 )
 from triollm.model.sampling import SamplingParams
@@ -144,6 +145,14 @@ class GenerationRequest:
     # chat: further variables for the chat template (vLLM's chat_template_kwargs), as
     # (name, JSON value) pairs; the tokenizer refuses the names it sets itself
     template_kwargs: tuple[tuple[str, Any], ...] = ()
+    # chat: assistant prefill (vLLM's continue_final_message): the answer continues the
+    # final assistant message's text instead of starting a new turn; the generation
+    # prompt (the template's assistant header) is then off
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    # vLLM's truncate_prompt_tokens: keep only the prompt's last k tokens (-1: as many as
+    # the context holds); None: a prompt that cannot fit is refused, never cut
+    truncate_prompt_tokens: int | None = None
 
     @property
     def scores_prompt(self) -> bool:
@@ -304,8 +313,11 @@ class Preparer:
 
         One token stands for at most ``max_chars_per_token`` characters, so a text of n
         characters is at least n / that many tokens; half that is taken as the bound,
-        a margin for normalizers that merge characters."""
+        a margin for normalizers that merge characters. A prompt to be truncated is
+        exempt: only its tokens say how much is cut (the body limit bounds its text)."""
         model = self.model
+        if req.truncate_prompt_tokens is not None:
+            return
         if req.prompt_text is not None:
             chars, param = len(req.prompt_text), "prompt"
         elif req.messages is not None:
@@ -330,19 +342,25 @@ class Preparer:
         model = self.model
         tokenizer = model.tokenizer
         limit = model.vocab_limit
+        # A prompt to be truncated is tokenized whole; any other is refused part-way
+        # once it certainly holds more tokens than the context.
+        cap = None if req.truncate_prompt_tokens is not None else model.context_tokens
         if req.prompt_ids is not None:
             ids = list(req.prompt_ids)
             what = "holds token id"
         elif req.prompt_text is not None:
             try:
-                ids = list(tokenizer.encode(req.prompt_text, limit=model.context_tokens))
+                ids = list(tokenizer.encode(req.prompt_text, limit=cap))
             except TooManyTokens as exc:
                 raise _too_long(exc, "prompt") from None
             what = "encodes to token id"
         else:
             assert req.messages is not None
-            ids = self._render_chat(req)
+            ids = self._render_chat(req, cap)
             what = "encodes to token id"
+        if req.truncate_prompt_tokens is not None:
+            keep = req.truncate_prompt_tokens
+            ids = ids[-(model.context_tokens if keep == -1 else keep) :]  # vLLM keeps the end
         bad = [t for t in ids if not 0 <= t < limit]
         if bad:
             param = "messages" if req.messages is not None else "prompt"
@@ -353,7 +371,7 @@ class Preparer:
             )
         return ids
 
-    def _render_chat(self, req: GenerationRequest) -> list[int]:
+    def _render_chat(self, req: GenerationRequest, cap: int | None) -> list[int]:
         assert req.messages is not None
         tokenizer = self.model.tokenizer
         messages = [m.for_template() for m in req.messages]
@@ -364,13 +382,19 @@ class Preparer:
                 if message.get("role") == "developer":
                     message["role"] = "system"
         tools = list(req.tools.definitions) if req.tools is not None else None
+        prefill: dict[str, bool] = {}  # only when asked: a test's tokenizer may not know them
+        if not req.add_generation_prompt:
+            prefill["add_generation_prompt"] = False
+        if req.continue_final_message:
+            prefill["continue_final_message"] = True
         try:
             return list(
                 tokenizer.encode_chat(
                     messages,
                     tools=tools,
                     template_kwargs=dict(req.template_kwargs),
-                    limit=self.model.context_tokens,
+                    limit=cap,
+                    **prefill,
                 )
             )
         except TooManyTokens as exc:
@@ -387,33 +411,48 @@ class Preparer:
 
     def tool_format(self, req: GenerationRequest) -> ToolCallFormat | None:
         """The format to parse tool calls in, or None when the request's calls are not
-        parsed (no tools, or ``tool_choice: none``). Tools on a model whose format is
-        unknown are refused: its calls would come back as text the client cannot act on."""
+        parsed (no tools, or ``tool_choice: none``).
+
+        The model's own syntax when it has one. Without one, a forced call (``required``
+        or a named function) is constrained to the call's JSON alone (the ``json``
+        format: vLLM forces calls on any model so); ``auto`` is refused, since the model
+        would write its calls, if any, as text the client cannot act on."""
         if req.tools is None or req.tools.choice is ToolChoice.NONE:
             return None
-        if self.model.tool_format is None:
-            raise FieldError(
-                "tools",
-                "this model's chat template shows no tool-call format this server reads "
-                f"({', '.join(f.value for f in ToolCallFormat)}); start it with "
-                "--tool-call-parser to name one",
-            )
-        return self.model.tool_format
+        if self.model.tool_format is not None:
+            return self.model.tool_format
+        if req.tools.forced():
+            return ToolCallFormat.JSON
+        raise FieldError(
+            "tools",
+            "this model's chat template shows no tool-call format this server reads "
+            f"({', '.join(f.value for f in ToolCallFormat if f is not ToolCallFormat.JSON)})"
+            ", so 'auto' cannot tell a call from text: start the server with "
+            "--tool-call-parser to name one, or force a call with tool_choice 'required' "
+            "or a named function",
+        )
 
     def constraint(
         self, req: GenerationRequest, tool_format: ToolCallFormat | None
     ) -> GrammarSpec | None:
         """The grammar the answer must follow: the request's own, or, for ``tool_choice``
-        ``required`` or a named function, one that forces a call in the model's syntax."""
+        ``required`` or a named function, one that forces a call in the model's syntax
+        (markers by token id, arguments held to each tool's schema, numbers bounded)."""
         forced = req.tools.forced() if req.tools is not None else ()
         if not forced:
             return req.grammar
         assert req.tools is not None and tool_format is not None  # tool_format() said so
+        tokenizer = self.model.tokenizer
+        marker_id = getattr(tokenizer, "added_token_id", None) or tokenizer.special_token_id
+        functions = [
+            {**f, "parameters": bounded_numbers(f.get("parameters") or {"type": "object"})}
+            for f in forced
+        ]
         lark = tool_grammar(
             tool_format,
-            forced,
+            functions,
             parallel=req.tools.parallel and req.tools.choice is ToolChoice.REQUIRED,
-            special_token_id=self.model.tokenizer.special_token_id,
+            marker_token_id=marker_id,
             json_options=JSON_OPTIONS,
         )
         return GrammarSpec(GrammarKind.LARK, lark, "tools")

@@ -19,11 +19,16 @@ The formats (:class:`ToolCallFormat`, named as vLLM's ``--tool-call-parser`` nam
 - ``llama3_json``: Llama 3.1/3.2/3.3 JSON tool calling: the answer *is*
   ``{"name": ..., "parameters": {...}}`` (optionally after ``<|python_tag|>``),
   several separated by ``;``;
-- ``mistral``: ``[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]``.
+- ``mistral``: ``[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]``;
+- ``json``: no syntax of the model's own: the answer *is* a JSON list of calls,
+  ``[{"name": ..., "arguments": {...}}, ...]``. A forced call (``tool_choice``
+  ``required`` or named) on a model whose template shows no tool syntax is
+  constrained to it, as vLLM forces such calls; it is never read from a template.
 
 :func:`detect_format` picks one from the chat template's text, as the server does
 when no ``--tool-call-parser`` is given. :func:`tool_grammar` builds the Lark
-grammar that forces a well-formed call in the model's own syntax, one whose
+grammar that forces a well-formed call in the model's own syntax (or the ``json``
+list), one whose
 arguments are valid for the tool's JSON Schema, for ``tool_choice`` ``required``
 or a named function (``model/constrained.py`` compiles and applies it).
 
@@ -48,6 +53,8 @@ class ToolCallFormat(enum.Enum):
     HERMES = "hermes"
     LLAMA3_JSON = "llama3_json"
     MISTRAL = "mistral"
+    # No syntax of the model's own: a JSON list of calls (forced calls only, see above)
+    JSON = "json"
 
 
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
@@ -60,6 +67,7 @@ MARKERS: Mapping[ToolCallFormat, tuple[str, ...]] = {
     ToolCallFormat.HERMES: (HERMES_OPEN, HERMES_CLOSE),
     ToolCallFormat.LLAMA3_JSON: (PYTHON_TAG,),
     ToolCallFormat.MISTRAL: (MISTRAL_TOOL_CALLS,),
+    ToolCallFormat.JSON: (),
 }
 
 # The key holding the arguments object in each format.
@@ -67,7 +75,16 @@ ARGUMENTS_KEY: Mapping[ToolCallFormat, str] = {
     ToolCallFormat.HERMES: "arguments",
     ToolCallFormat.LLAMA3_JSON: "parameters",
     ToolCallFormat.MISTRAL: "arguments",
+    ToolCallFormat.JSON: "arguments",
 }
+
+# Formats whose whole answer is the call(s), with the character that answer opens with.
+_WHOLE_ANSWER: Mapping[ToolCallFormat, str] = {
+    ToolCallFormat.LLAMA3_JSON: "{",
+    ToolCallFormat.JSON: "[",
+}
+# Formats whose calls sit in a JSON list: [call, call].
+_LISTS = (ToolCallFormat.MISTRAL, ToolCallFormat.JSON)
 
 
 # --------------------------------------------------------------------------- a request's tools
@@ -297,6 +314,7 @@ class _Call:
     id: str | None = None  # set once announced (its first delta sent)
     name: str | None = None
     sent_args: int = 0  # characters of the arguments value already sent
+    signature: str | None = None  # name and arguments, canonical JSON, once whole
 
 
 class ToolCallParser:
@@ -309,6 +327,13 @@ class ToolCallParser:
     A call whose text turns out not to be a call (broken JSON, no ``name``) is given
     back as content, if nothing of it was sent yet; once its name was announced it
     stays a call (a client has seen it), with the arguments sent so far.
+
+    A weak model under a forcing grammar repeats its call until ``max_tokens`` (issue
+    26: SmolLM2 answered two identical calls and the content ``</tool_call``, which
+    LangChain sent back into the next turn). So a call that repeats an earlier one of
+    the same answer word for word is dropped (a second call of the same function is
+    held until it is whole, to compare), and what the budget cut after a call (the
+    closing tag, the next call's first characters) is neither content nor a call.
 
     Trap: the parser only sees text. A marker that is a special token (Mistral's
     ``[TOOL_CALLS]``, ``<|python_tag|>``) must be kept in the text by the
@@ -371,17 +396,19 @@ class ToolCallParser:
 
     def _text(self, content: list[str], final: bool) -> bool:
         held = self._held
-        if self.fmt is ToolCallFormat.LLAMA3_JSON and self._at_start:
+        opener = _WHOLE_ANSWER.get(self.fmt)
+        if opener is not None and self._at_start:
             lead = held.lstrip()
-            if lead.startswith("{"):  # the whole answer is a call
+            if lead.startswith(opener):  # the whole answer is the call(s)
                 self._held, self._at_start = lead, False
                 self._region = _Region.BEFORE_OBJECT
                 return True
-            if lead.startswith(PYTHON_TAG):
-                self._held, self._at_start = lead[len(PYTHON_TAG) :], False
+            tag = PYTHON_TAG if self.fmt is ToolCallFormat.LLAMA3_JSON else None
+            if tag is not None and lead.startswith(tag):
+                self._held, self._at_start = lead[len(tag) :], False
                 self._region = _Region.BEFORE_OBJECT
                 return True
-            if not final and (not lead or PYTHON_TAG.startswith(lead)):
+            if not final and (not lead or (tag is not None and tag.startswith(lead))):
                 return False  # it may still turn into a call
             self._at_start = False
         marker = {ToolCallFormat.HERMES: HERMES_OPEN, ToolCallFormat.MISTRAL: MISTRAL_TOOL_CALLS}
@@ -398,6 +425,10 @@ class ToolCallParser:
         if self._calls and not out.strip() and not final:
             self._held = out + self._held  # whitespace after a call: content only if more follows
             return False
+        if final and self._calls and start:
+            tail = _partial_suffix(out, start)
+            if tail and not out[: len(out) - tail].strip():
+                out = ""  # the next call's marker, cut short by the budget: not content
         self._emit(content, out)
         return False
 
@@ -412,7 +443,7 @@ class ToolCallParser:
         if not stripped:
             self._held = ""
             return False
-        if self.fmt is ToolCallFormat.MISTRAL and stripped[0] == "[" and not self._in_array:
+        if self.fmt in _LISTS and stripped[0] == "[" and not self._in_array:
             self._in_array = True
             self._held = stripped[1:]
             return True
@@ -421,7 +452,10 @@ class ToolCallParser:
             self._region = _Region.OBJECT
             self._calls.append(_Call(len(self._calls)))
             return True
-        # Not a call after all: what follows the marker is content.
+        # Not a call after all: what follows the marker is content (and a JSON
+        # answer's own opening bracket, which the json format took for its list's).
+        if self.fmt is ToolCallFormat.JSON and self._in_array and not self._calls:
+            stripped, self._in_array = "[" + stripped, False
         self._held = stripped
         self._region = _Region.TEXT
         return True
@@ -436,11 +470,11 @@ class ToolCallParser:
             if scanner.closed:
                 break
         self._held = self._held[consumed:]
-        self._announce(call, calls)
-        if scanner.closed:
+        if scanner.closed:  # whole: _close_call announces it, unless it is a repeat
             is_call = self._close_call(call, content, calls, cut=False)
             self._region = _Region.AFTER_OBJECT if is_call else _Region.TEXT
             return True
+        self._announce(call, calls)
         return False
 
     def _announce(self, call: _Call, calls: list[ToolCallDelta]) -> None:
@@ -449,6 +483,8 @@ class ToolCallParser:
             name = call.scanner.string_value("name")
             if name is None:
                 return
+            if not call.scanner.closed and any(c.name == name for c in self._calls[:-1]):
+                return  # perhaps a repeat of an earlier call: decided once whole (_close_call)
             call.id, call.name = self._new_id(self.fmt), name
             calls.append(ToolCallDelta(call.index, call.id, name, ""))
         args = call.scanner.member(self._args_key) or call.scanner.member("arguments")
@@ -462,18 +498,31 @@ class ToolCallParser:
     def _close_call(
         self, call: _Call, content: list[str], calls: list[ToolCallDelta], *, cut: bool
     ) -> bool:
-        """Finish ``call``; False if it was no call after all (its text became content)."""
+        """Finish ``call``; False if it was no call after all (its text became content).
+
+        True also for a call that is dropped: a word-for-word repeat of an earlier call,
+        or one the budget cut before its name was sent, after earlier calls (its text
+        is a fragment of a call, not content)."""
         scanner = call.scanner
+        parsed = None if cut else _loads(scanner.text)
         if call.id is None:
             # Never announced: a call only if the whole object says so.
-            parsed = _loads(scanner.text) if not cut else None
             name = parsed.get("name") if isinstance(parsed, dict) else None
             if not isinstance(name, str):
                 self._calls.pop()
+                if cut and self._calls:
+                    return True  # the budget cut a further call short: a fragment
                 content.append(scanner.text)
                 return False
+            assert isinstance(parsed, dict)
+            signature = self._signature(parsed)
+            if any(c.signature == signature for c in self._calls[:-1]):
+                self._calls.pop()  # the model repeating a call it made: not a new call
+                return True
             call.id, call.name = self._new_id(self.fmt), name
             calls.append(ToolCallDelta(call.index, call.id, name, ""))
+        if isinstance(parsed, dict):
+            call.signature = self._signature(parsed)
         self._announce(call, calls)
         args = scanner.member(self._args_key) or scanner.member("arguments")
         if args is not None and scanner.text[args.start : args.start + 1] == '"':
@@ -486,6 +535,14 @@ class ToolCallParser:
             calls.append(ToolCallDelta(call.index, arguments="{}"))
         return True
 
+    def _signature(self, parsed: dict[str, Any]) -> str:
+        """A whole call's name and arguments as canonical JSON (to find repeats)."""
+        args = parsed.get(self._args_key, parsed.get("arguments"))
+        if isinstance(args, str):  # arguments written as a JSON text
+            decoded = _loads(args)
+            args = args if decoded is None else decoded
+        return json.dumps([parsed.get("name"), args], sort_keys=True)
+
     def _after_object(self, content: list[str], final: bool) -> bool:
         held = self._held.lstrip()
         if self.fmt is ToolCallFormat.HERMES:
@@ -493,10 +550,15 @@ class ToolCallParser:
                 self._held = held[len(HERMES_CLOSE) :]
                 self._region = _Region.TEXT
                 return True
-            if not final and HERMES_CLOSE.startswith(held):
-                self._held = held
+            if HERMES_CLOSE.startswith(held):
+                if not final:
+                    self._held = held
+                    return False
+                # `</tool_call` cut short by the budget: the call's own end, not content.
+                self._held = ""
+                self._region = _Region.TEXT
                 return False
-        elif self.fmt is ToolCallFormat.MISTRAL:
+        elif self.fmt in _LISTS:
             if held.startswith(","):
                 self._held = held[1:]
                 self._region = _Region.BEFORE_OBJECT
@@ -546,16 +608,20 @@ def tool_grammar(
     tools: Sequence[Mapping[str, Any]],
     *,
     parallel: bool,
-    special_token_id: Callable[[str], int | None],
+    marker_token_id: Callable[[str], int | None],
     json_options: Mapping[str, Any],
 ) -> str:
     """A Lark grammar (llguidance's dialect) that admits only calls to ``tools``.
 
     ``tools`` are OpenAI function definitions (``{"name", "parameters"}``); the call's
     arguments must be valid for the tool's ``parameters`` schema. ``parallel``: one or
-    more calls, else exactly one. ``special_token_id`` maps a marker to its token id
-    when the marker is a special token (a grammar names those by id, ``<[id]>``; text
-    literals never match a special token). ``json_options`` are the JSON spelling
+    more calls, else exactly one. ``marker_token_id`` maps a marker to its token id
+    when the marker is one added token, special or not (``Tokenizer.added_token_id``):
+    the grammar names it by id, ``<[id]>``. Written as text instead, the marker is
+    spelled by several tokens or by the one added token, and the matcher disagrees
+    with the mask over the latter: every forced call on Qwen, whose ``<tool_call>``
+    is an added token that is not special, failed so (issue 26). The ``json``
+    format has no marker. ``json_options`` are the JSON spelling
     options (``constrained.JSON_OPTIONS``), so a forced call is spelled like any
     other constrained JSON.
     """
@@ -576,7 +642,7 @@ def tool_grammar(
     lines = [f"obj: %json {json.dumps(schema)}"]
 
     def literal(marker: str) -> str:
-        tid = special_token_id(marker)
+        tid = marker_token_id(marker)
         return f"<[{tid}]>" if tid is not None else json.dumps(marker)
 
     if fmt is ToolCallFormat.HERMES:
@@ -588,6 +654,9 @@ def tool_grammar(
     elif fmt is ToolCallFormat.MISTRAL:
         more = ' (", " obj)*' if parallel else ""
         lines.append(f'start: {literal(MISTRAL_TOOL_CALLS)} "[" obj{more} "]"')
+    elif fmt is ToolCallFormat.JSON:
+        more = ' (", " obj)*' if parallel else ""
+        lines.append(f'start: "[" obj{more} "]"')
     else:
         lines.append('start: obj ("; " obj)*' if parallel else "start: obj")
     return "\n".join(reversed(lines))

@@ -303,3 +303,83 @@ def test_the_same_constraint_compiles_once_and_a_refused_one_is_never_kept() -> 
         with pytest.raises(GrammarError) as info:
             cache.get(GrammarSpec(GrammarKind.REGEX, "a(", "guided_regex"))
         assert info.value.field == "guided_regex"
+
+
+# --------------------------------------------------------------------------- bounded JSON
+
+NUMBER_IN = {
+    "type": "object",
+    "properties": {"x": {"type": "number"}},
+    "required": ["x"],
+    "additionalProperties": False,
+}
+
+
+def _bounded_cases() -> list[tuple[str, GrammarSpec, str]]:
+    from triollm.model.constrained import JSON_OPTIONS, bounded_numbers
+    from triollm.toolcalls import ToolCallFormat, tool_grammar
+
+    lark = tool_grammar(
+        ToolCallFormat.HERMES,
+        [{"name": "f", "parameters": bounded_numbers(NUMBER_IN)}],
+        parallel=False,
+        marker_token_id=lambda s: None,
+        json_options=JSON_OPTIONS,
+    )
+    return [
+        ("schema", GrammarSpec(GrammarKind.JSON_SCHEMA, NUMBER_IN, "f"), '{"x": '),
+        ("json_object", GrammarSpec(GrammarKind.JSON_OBJECT, None, "f"), '{"x": '),
+        (
+            "tools",
+            GrammarSpec(GrammarKind.LARK, lark, "tools"),
+            '<tool_call>\n{"name": "f", "arguments": {"x": ',
+        ),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("name", "spec", "prefix"), _bounded_cases(), ids=lambda c: c if isinstance(c, str) else ""
+)
+def test_no_json_number_grows_past_sixteen_integral_digits_nor_takes_free_whitespace(
+    name: str, spec: GrammarSpec, prefix: str
+) -> None:
+    # SmolLM2 wrote "population_millions": 1111111... until max_tokens (issue 26): in
+    # every JSON grammar a number's integral part ends at 16 digits, as llama.cpp's.
+    from triollm.model.constrained import MAX_INTEGRAL_DIGITS
+
+    tok, ctok = tokenizers()
+    grammar = compile_grammar(spec, ctok)
+    filler = MaskFiller(ctok.vocab_size)
+    one = tok.encode("1", add_special_tokens=False)
+    space = tok.encode(" ", add_special_tokens=False)
+    assert len(one) == 1 and len(space) == 1
+
+    def allowed_after(text: str) -> np.ndarray:
+        matcher = grammar.start()
+        matcher.replay(tok.encode(text, add_special_tokens=False))
+        filler.fill([matcher])
+        return filler.allowed(0)
+
+    assert allowed_after(prefix + "1" * (MAX_INTEGRAL_DIGITS - 1))[one[0]]
+    assert not allowed_after(prefix + "1" * MAX_INTEGRAL_DIGITS)[one[0]], name
+    assert not allowed_after(prefix + "1")[space[0]], name  # no whitespace between tokens
+
+
+def test_a_model_that_always_wants_another_digit_still_ends_its_json() -> None:
+    from triollm.model.constrained import MAX_INTEGRAL_DIGITS
+
+    tok, ctok = tokenizers()
+    matcher = compile_grammar(GrammarSpec(GrammarKind.JSON_SCHEMA, NUMBER_IN, "f"), ctok).start()
+    filler = MaskFiller(ctok.vocab_size)
+    [one], [close] = (tok.encode(t, add_special_tokens=False) for t in ("1", "}"))
+    ids: list[int] = []
+    for _ in range(100):
+        filler.fill([matcher])
+        allowed = filler.allowed(0)
+        # '1' whenever the grammar lets it, then '}', else the first token allowed.
+        pick = next((t for t in (one, close) if allowed[t]), int(np.argmax(allowed)))
+        ids.append(pick)
+        if matcher.advance(pick):
+            break
+    assert matcher.complete
+    assert json.loads(tok.decode(ids)) == {"x": float("1" * MAX_INTEGRAL_DIGITS)}

@@ -82,7 +82,7 @@ specs = [
     GrammarSpec(GrammarKind.LARK, lark_chain(3000), "guided_grammar"),
     GrammarSpec(GrammarKind.JSON_SCHEMA, ref_chain(1000), "response_format.json_schema.schema"),
     GrammarSpec(GrammarKind.LARK, tool_grammar(ToolCallFormat.HERMES, (tool,), parallel=False,
-        special_token_id=tok.special_token_id, json_options=JSON_OPTIONS), "tools"),
+        marker_token_id=tok.special_token_id, json_options=JSON_OPTIONS), "tools"),
 ]
 out = []
 def run():

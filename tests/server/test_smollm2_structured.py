@@ -66,3 +66,33 @@ async def test_a_city_and_its_country_come_back_as_valid_plausible_json(smollm2)
     place = got.choices[0].message.parsed
     assert isinstance(place, Place) and got.choices[0].finish_reason == "stop"
     assert "paris" in place.city.lower() and "france" in place.country.lower(), place
+
+
+class CityFacts(BaseModel):
+    city: str = Field(max_length=40)
+    country: str = Field(max_length=40)
+    population_millions: float
+
+
+async def test_a_number_cannot_run_away_inside_valid_json(smollm2):
+    # Issue 26: under this schema SmolLM2 at temperature 0 wrote "population_millions":
+    # 1111111111... until max_tokens. Every number's integral part now ends at 16 digits.
+    async with live_server(smollm2, slots=1, context_tokens=512, model_name="smollm2") as live:
+        c = openai.OpenAI(base_url=live.url + "/v1", api_key="-", max_retries=0, timeout=300)
+        got = await trio.to_thread.run_sync(
+            lambda: c.chat.completions.parse(
+                model="smollm2",
+                messages=[
+                    {
+                        "role": "user",
+                        "content": "What is the capital of France? Give the city, its "
+                        "country and its population in millions as JSON.",
+                    }
+                ],
+                response_format=CityFacts,
+                temperature=0,
+                max_tokens=120,
+            )
+        )
+    facts = got.choices[0].message.parsed
+    assert got.choices[0].finish_reason == "stop" and isinstance(facts, CityFacts), got

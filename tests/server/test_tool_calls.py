@@ -191,10 +191,41 @@ async def test_auto_tool_choice_leaves_a_plain_answer_as_content(hermes_loaded):
     assert got.choices[0].finish_reason in ("stop", "length")
 
 
+@pytest.mark.parametrize("streamed", [False, True])
+async def test_a_forced_call_on_a_model_without_tool_syntax_is_the_calls_json(loaded, streamed):
+    # The demo model's template renders no tools and names no syntax: a forced call is
+    # constrained to the call's JSON, as vLLM does on any model (issue 26).
+    async with live_server(loaded) as live:
+        c = client(live.url)
+
+        def ask() -> tuple[list, str]:
+            kw = {"model": MODEL_ID, "messages": ASK, "tools": TOOLS, "max_tokens": 150}
+            if not streamed:
+                got = c.chat.completions.create(**kw, tool_choice="required", seed=4)
+                msg = got.choices[0].message
+                calls = [(t.function.name, t.function.arguments) for t in msg.tool_calls or ()]
+                return calls, got.choices[0].finish_reason
+            named = {"type": "function", "function": {"name": "get_time"}}
+            chunks = list(c.chat.completions.create(**kw, tool_choice=named, seed=4, stream=True))
+            deltas = [
+                d for ch in chunks if ch.choices for d in ch.choices[0].delta.tool_calls or ()
+            ]
+            args = "".join(d.function.arguments or "" for d in deltas)
+            names = [d.function.name for d in deltas if d.id]
+            return [(names[0], args)], [ch.choices[0].finish_reason for ch in chunks][-1]
+
+        calls, finish = await trio.to_thread.run_sync(ask)
+    assert finish == "tool_calls" and calls
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+    for name, args in calls:
+        jsonschema.validate(json.loads(args), schemas[name])
+    assert not streamed or calls[0][0] == "get_time"
+
+
 @pytest.mark.parametrize(
     ("extra", "param"),
     [
-        ({"tools": TOOLS}, "tools"),  # this template shows no tool-call format
+        ({"tools": TOOLS}, "tools"),  # auto: this template shows no tool-call format
         ({"tool_choice": "required"}, "tool_choice"),  # no tools
         ({"functions": [{"name": "f"}]}, "functions"),  # the deprecated spelling
         ({"tools": [{"type": "function", "function": {}}]}, "tools[0].function.name"),

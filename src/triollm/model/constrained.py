@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import enum
 import json
+import logging
 import re
 import threading
 from collections import OrderedDict
@@ -69,6 +70,8 @@ from triollm.model.grammar_sandbox import (
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions
 
+log = logging.getLogger("triollm.constrained")
+
 # JSON is generated compact but with the separators of Python's json.dumps (", ",
 # ": "), the spelling most training data uses. Flexible whitespace (llguidance's
 # default) lets a model spend its whole max_tokens on spaces and newlines between
@@ -77,6 +80,94 @@ JSON_OPTIONS: JsonCompileOptions = {
     "whitespace_flexible": False,
     "item_separator": ", ",
     "key_separator": ": ",
+}
+
+# A number's integral digits in every JSON grammar (schemas, json_object, forced tool
+# calls): at most 16, as llama.cpp's JSON-schema grammars allow. Left free, a weak
+# model can stay inside a valid prefix until max_tokens: SmolLM2 at temperature 0
+# wrote "population_millions": 1111111... (issue 26). Written as the exclusive bounds
+# -10^16 < x < 10^16 (exact in a double), added to every number and integer of a
+# schema that sets no bound of its own (bounded_numbers).
+MAX_INTEGRAL_DIGITS = 16
+NUMBER_BOUND = 10**MAX_INTEGRAL_DIGITS
+
+# Where a JSON Schema holds further schemas; every other key holds data (const, enum,
+# default, examples ...), which is never rewritten.
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SCHEMA_LISTS = ("anyOf", "allOf", "oneOf", "prefixItems")
+_SCHEMA_ONES = (
+    "items",
+    "additionalItems",
+    "additionalProperties",
+    "not",
+    "contains",
+    "propertyNames",
+    "if",
+    "then",
+    "else",
+    "unevaluatedItems",
+    "unevaluatedProperties",
+)
+
+
+def bounded_numbers(schema: Any) -> Any:
+    """``schema`` with every ``number`` and ``integer`` that sets no bound of its own
+    held to :data:`MAX_INTEGRAL_DIGITS` integral digits (a new object: the caller's
+    is left as it is).
+
+    Trap: only typed numbers are bounded; a value the schema leaves free (``{}``, or
+    an object's additional properties) may still hold any number. The recursion is
+    as deep as the schema, which :func:`check_limits` bounds first.
+    """
+    if isinstance(schema, list):  # a draft-4 tuple of item schemas
+        return [bounded_numbers(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: bounded_numbers(s) for name, s in out[key].items()}
+    for key in _SCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [bounded_numbers(s) for s in out[key]]
+    for key in _SCHEMA_ONES:
+        if key in out:
+            out[key] = bounded_numbers(out[key])
+    kind = out.get("type")
+    kinds = {kind} if isinstance(kind, str) else set()
+    if isinstance(kind, list):
+        kinds = {k for k in kind if isinstance(k, str)}
+    if kinds & {"number", "integer"}:
+        if "minimum" not in out and "exclusiveMinimum" not in out:
+            out["exclusiveMinimum"] = -NUMBER_BOUND
+        if "maximum" not in out and "exclusiveMaximum" not in out:
+            out["exclusiveMaximum"] = NUMBER_BOUND
+    return out
+
+
+# response_format json_object: any JSON object, its numbers bounded as a schema's are
+# (llguidance's own "any object" leaves them free). A value is an object or a list of
+# values, or a scalar.
+_VALUE = {"$ref": "#/$defs/value"}
+JSON_OBJECT_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "additionalProperties": _VALUE,
+    "$defs": {
+        "value": {
+            "anyOf": [
+                {"type": "object", "additionalProperties": _VALUE},
+                {"type": "array", "items": _VALUE},
+                {"type": "string"},
+                {
+                    "type": "number",
+                    "exclusiveMinimum": -NUMBER_BOUND,
+                    "exclusiveMaximum": NUMBER_BOUND,
+                },
+                {"type": "boolean"},
+                {"type": "null"},
+            ]
+        }
+    },
 }
 
 
@@ -103,7 +194,14 @@ class MatcherFailed(RuntimeError):
     """One sequence's matcher failed mid-generation (a parser limit, a refused token).
 
     The sequence cannot go on under its grammar; the others in the step are unaffected.
+    ``str()`` is what the client may read: no grammar internals (they reached clients
+    as 1.5 KB error events, issue 26); ``detail`` holds the library's own words, which
+    go to the log.
     """
+
+    def __init__(self, message: str, detail: str = "") -> None:
+        super().__init__(message)
+        self.detail = detail
 
 
 class GrammarKind(enum.Enum):
@@ -333,12 +431,14 @@ def grammar_text(spec: GrammarSpec) -> str:
         if spec.kind is GrammarKind.JSON_OBJECT:
             return str(
                 llguidance.LLMatcher.grammar_from_json_schema(
-                    {"type": "object"}, defaults=JSON_OPTIONS
+                    JSON_OBJECT_SCHEMA, defaults=JSON_OPTIONS
                 )
             )
         if spec.kind is GrammarKind.JSON_SCHEMA:
             return str(
-                llguidance.LLMatcher.grammar_from_json_schema(spec.source, defaults=JSON_OPTIONS)
+                llguidance.LLMatcher.grammar_from_json_schema(
+                    bounded_numbers(spec.source), defaults=JSON_OPTIONS
+                )
             )
         if spec.kind is GrammarKind.REGEX:
             return str(llguidance.LLMatcher.grammar_from_regex(spec.source))
@@ -585,7 +685,11 @@ class SequenceMatcher:
     def check(self) -> None:
         """Raise :class:`MatcherFailed` if the matcher is in its (permanent) error state."""
         if self.ll.is_error():
-            raise MatcherFailed(f"the grammar matcher failed: {self.ll.get_error()}")
+            detail = str(self.ll.get_error())
+            log.warning("a grammar matcher failed: %s", detail[:2000])
+            raise MatcherFailed(
+                "the answer's grammar could not go on (the constraint engine stopped)", detail
+            )
 
     def advance(self, token_id: int) -> bool:
         """Consume the sampled token; True when it completed the grammar.

@@ -339,6 +339,12 @@ class Tokenizer:
         self.special_token_ids: frozenset[int] = frozenset(
             tid for tid, added in hf.get_added_tokens_decoder().items() if added.special
         )
+        # Every added token by its text, special or not. Qwen's `<tool_call>` is an
+        # added token that is *not* special (GGUF type 4; transformers marks it
+        # non-special too): a grammar must still name it by id (issue 26).
+        self._added_ids: dict[str, int] = {
+            added.content: tid for tid, added in hf.get_added_tokens_decoder().items()
+        }
         # Ids of "<0xNN>" byte tokens when the decoder groups them (SentencePiece byte
         # fallback). Empty for byte-level BPE, whose bytes are ordinary tokens.
         self.byte_fallback_ids: frozenset[int] = (
@@ -672,8 +678,14 @@ class Tokenizer:
         tools: list[dict[str, Any]] | None = None,
         template_kwargs: Mapping[str, Any] | None = None,
         limit: int | None = None,
+        continue_final_message: bool = False,
     ) -> list[int]:
         """Token ids of the rendered conversation, with exactly one BOS when the model has one.
+
+        ``continue_final_message`` (vLLM's name; assistant prefill): the ids end with the
+        final message's own text, so the answer continues it; the template's end of
+        turn after it is cut off, and no generation prompt is added. A template that
+        does not write that text as given is a :class:`FieldError` naming the field.
 
         ``limit``: a rendering that certainly holds more tokens (everything the template
         wrote: every message, name, tool and variable) is refused before it is
@@ -686,15 +698,20 @@ class Tokenizer:
         ``/v1/completions`` prompt is different: its writer does the templating, so
         :meth:`encode` keeps reading control tokens there.
         """
+        add_generation_prompt = add_generation_prompt and not continue_final_message
         text = self.apply_chat_template(
             messages,
             add_generation_prompt=add_generation_prompt,
             tools=tools,
             template_kwargs=template_kwargs,
         )
-        self._check_limit(text, limit)
+        # Where the prompt ends: the whole rendering, or the final message's text.
+        # Spans of client strings (below) are found in the whole text; the ids are the
+        # tokens of text[:end] (a control token past `end` is gone with the cut).
+        end = _final_message_end(text, messages) if continue_final_message else len(text)
+        self._check_limit(text[:end], limit)
         if self._control_re is None:
-            return self.encode(text, add_special_tokens=True)  # limit checked above
+            return self.encode(text[:end], add_special_tokens=True)  # limit checked above
         # Every string the client wrote (contents, names, tool calls and their
         # arguments, tool definitions, template variables) that spells a control token
         # is marked; without any, the text is tokenized as it is.
@@ -710,7 +727,7 @@ class Tokenizer:
             else {k: marks.mark(v, f"chat_template_kwargs.{k}") for k, v in template_kwargs.items()}
         )
         if not marks.originals:
-            return self.encode(text, add_special_tokens=True)  # limit checked above
+            return self.encode(text[:end], add_special_tokens=True)  # limit checked above
         spans = self._client_spans(
             marks, text, marked_messages, add_generation_prompt, marked_tools, marked_kwargs
         )
@@ -721,7 +738,7 @@ class Tokenizer:
                 "template changes the text it is given, so it cannot be kept as plain "
                 f"text: remove it from '{where}'"
             )
-        enc = _encode(self._hf, text)
+        enc = _encode(self._hf, text[:end])
         ids: list[int] = []
         for tid, (start, end) in zip(enc.ids, enc.offsets, strict=True):
             if tid in self.special_token_ids and any(a <= start and end <= b for a, b in spans):
@@ -740,6 +757,15 @@ class Tokenizer:
         """The id of ``text`` if it is one special token (``[TOOL_CALLS]``), else None."""
         tid = self._hf.token_to_id(text)
         return tid if tid is not None and tid in self.special_token_ids else None
+
+    def added_token_id(self, text: str) -> int | None:
+        """The id of ``text`` if it is one added token, special (``[TOOL_CALLS]``) or
+        not (Qwen's ``<tool_call>``), else None: what a grammar names by id (``<[id]>``).
+
+        Trap: :meth:`special_token_id` answers None for Qwen's markers; a grammar that
+        trusted it wrote them as text and every forced call failed (issue 26).
+        """
+        return self._added_ids.get(text)
 
     def _plain_pipeline(self) -> _HFTokenizer:
         """The same tokenizer with ``encode_special_tokens`` on: control strings are text."""
@@ -794,6 +820,21 @@ class Tokenizer:
                 return None
             last = m.end()
         return spans if text[pos:] == skeleton[last:] else None
+
+
+def _final_message_end(text: str, messages: list[dict[str, Any]]) -> int:
+    """Where the final message's text ends in the rendered ``text`` (assistant prefill:
+    the answer continues it, so what the template wrote after it is cut off)."""
+    content = messages[-1].get("content") if messages else None
+    at = text.rfind(content) if isinstance(content, str) and content else -1
+    if at < 0:
+        raise FieldError(
+            "continue_final_message",
+            "'continue_final_message' continues the final message's text, and this one is "
+            "empty or the chat template does not write it as given",
+        )
+    assert isinstance(content, str)
+    return at + len(content)
 
 
 def _encode(hf: _HFTokenizer, text: str) -> Any:
