@@ -18,9 +18,12 @@ checks for ``bool`` first, or ``"max_tokens": true`` would mean one token.
 
 from __future__ import annotations
 
+import enum
 import json
+import logging
 import re
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
 from triollm.errors import FieldError
@@ -32,6 +35,8 @@ from triollm.request import GenerationRequest as GenerationRequest
 from triollm.server import structured
 
 T = TypeVar("T")
+
+log = logging.getLogger("triollm.server")
 
 # A bound on `stop`: unbounded, the per-token search cost would grow without limit.
 # OpenAI caps it at 4, but code-completion clients send ~9 (vLLM and llama-server
@@ -235,16 +240,287 @@ def _stop_token_ids(body: dict[str, Any]) -> tuple[int, ...]:
     return tuple(items)
 
 
-# vLLM's fields that change the output and are not implemented here.
-VLLM_OUTPUT_FIELDS = {
-    "bad_words": "no token sequence can be banned from the answer",
-    "allowed_token_ids": "the vocabulary cannot be narrowed to a list (a grammar can)",
+# --------------------------------------------------------------------------- every field
+#
+# The one list of the request fields this server knows, for both endpoints: what it
+# does with each. docs/serving.md's tables for the two are field_table()'s output, and
+# tests/server/test_fields.py sends every row (a refused one is refused by name, an
+# honoured one parses) and keeps the page equal to the code.
+
+
+class Support(enum.Enum):
+    """What the server does with a request field."""
+
+    HONOURED = "honoured"  # read, and the answer follows it
+    ACCEPTED = "accepted"  # read; by its own definition it does not change the answer
+    REFUSED = "refused"  # a 400 naming it, unless it holds a value that asks for nothing
+
+
+CHAT, COMPLETION = "chat", "completion"
+_BOTH = frozenset({CHAT, COMPLETION})
+_CHAT_ONLY, _COMPLETION_ONLY = frozenset({CHAT}), frozenset({COMPLETION})
+_ENDPOINT = {CHAT: "/v1/chat/completions", COMPLETION: "/v1/completions"}
+
+
+@dataclass(frozen=True, slots=True)
+class FieldRule:
+    """One request field: whose it is (``origin``), what happens to it, and where.
+
+    ``apis``: the endpoints where it means something; sent to the other one with a
+    value that asks for something, it is refused as that endpoint's field.
+    ``neutral``: values that ask for nothing (``null`` always is): a REFUSED field
+    holding one is accepted, so a client that sends every default (``typical_p: 1.0``)
+    is not refused for it.
+    """
+
+    support: Support
+    origin: str
+    note: str
+    apis: frozenset[str] = _BOTH
+    neutral: tuple[Any, ...] = ()
+
+    def asks(self, value: Any) -> bool:
+        """Does ``value`` ask for anything?"""
+        return value is not None and not any(value == n for n in self.neutral)
+
+
+def _rows(support: Support, origin: str, note: str, names: str, **kw: Any) -> dict[str, FieldRule]:
+    return {name: FieldRule(support, origin, note, **kw) for name in names.split()}
+
+
+_H, _A, _R = Support.HONOURED, Support.ACCEPTED, Support.REFUSED
+_NO_EFFECT = "no effect unless {} is set, which is refused"
+
+FIELDS: dict[str, FieldRule] = {
+    # OpenAI's
+    **_rows(_H, "OpenAI", "optional (one model); another model's name is a 404", "model"),
+    **_rows(_H, "OpenAI", "rendered by the model's chat template", "messages", apis=_CHAT_ONLY),
+    **_rows(
+        _H,
+        "OpenAI",
+        "a string or token ids; one prompt per request",
+        "prompt",
+        apis=_COMPLETION_ONLY,
+    ),
+    **_rows(
+        _H,
+        "OpenAI",
+        "the answer's budget; unset: the rest of the context (chat), 16 (completions)",
+        "max_tokens max_completion_tokens",
+    ),
+    **_rows(_H, "OpenAI", "choices sampled at once (choice i: seed + i), up to the slots", "n"),
+    **_rows(_H, "OpenAI", "sampling", "temperature top_p seed presence_penalty frequency_penalty"),
+    **_rows(_H, "OpenAI", "up to 16 strings of up to 256 characters", "stop"),
+    **_rows(
+        _H, "OpenAI", "server-sent events; include_usage adds the usage", "stream stream_options"
+    ),
+    **_rows(_H, "OpenAI", "chat: true/false; completions: 0-5 alternatives per token", "logprobs"),
+    **_rows(_H, "OpenAI", "0-20 alternatives per token", "top_logprobs", apis=_CHAT_ONLY),
+    **_rows(
+        _H,
+        "OpenAI",
+        "the prompt (with logprobs: scored) before the answer",
+        "echo",
+        apis=_COMPLETION_ONLY,
+        neutral=(False,),
+    ),
+    **_rows(_H, "OpenAI", "only equal to n: every choice sampled is returned", "best_of"),
+    **_rows(_H, "OpenAI", "json_object, json_schema: decoding follows it", "response_format"),
+    **_rows(
+        _H,
+        "OpenAI",
+        "rendered by the template, calls parsed back; required or named: forced",
+        "tools tool_choice parallel_tool_calls",
+        apis=_CHAT_ONLY,
+    ),
+    **_rows(
+        _A,
+        "OpenAI",
+        "the operator's records; no effect on the answer",
+        "user store metadata service_tier prompt_cache_key safety_identifier",
+    ),
+    **_rows(
+        _A,
+        "OpenAI",
+        "a latency hint: by OpenAI's definition the answer is the same",
+        "prediction",
+        apis=_CHAT_ONLY,
+    ),
+    **_rows(_R, "OpenAI", "no per-token bias is applied", "logit_bias", neutral=({},)),
+    **_rows(_R, "OpenAI", "no fill-in-the-middle", "suffix", apis=_COMPLETION_ONLY),
+    **_rows(_R, "OpenAI", "deprecated: send 'tools'", "functions function_call", apis=_CHAT_ONLY),
+    **_rows(
+        _R,
+        "OpenAI",
+        "no reasoning budget or length control to set",
+        "reasoning_effort verbosity",
+        apis=_CHAT_ONLY,
+    ),
+    **_rows(_R, "OpenAI", "text only", "modalities", apis=_CHAT_ONLY, neutral=(["text"],)),
+    **_rows(_R, "OpenAI", "text only, no web search", "audio web_search_options", apis=_CHAT_ONLY),
+    # vLLM's
+    **_rows(_H, "vLLM", "sampling", "top_k min_p repetition_penalty"),
+    **_rows(
+        _H,
+        "vLLM",
+        "stop options",
+        "min_tokens stop_token_ids include_stop_str_in_output ignore_eos",
+    ),
+    **_rows(_H, "vLLM", "the prefix cache's domain: only equal salts share blocks", "cache_salt"),
+    **_rows(_H, "vLLM", "smaller is served earlier, under a policy that reads it", "priority"),
+    **_rows(
+        _H,
+        "vLLM",
+        "more chat template variables (enable_thinking ...)",
+        "chat_template_kwargs",
+        apis=_CHAT_ONLY,
+    ),
+    **_rows(
+        _H,
+        "vLLM",
+        "structured output (constrained-decoding.md)",
+        "guided_json guided_regex guided_choice guided_grammar structured_outputs",
+    ),
+    **_rows(
+        _H,
+        "vLLM",
+        "assistant prefill: the answer continues the final assistant message",
+        "continue_final_message",
+        apis=_CHAT_ONLY,
+        neutral=(False,),
+    ),
+    **_rows(
+        _H,
+        "vLLM",
+        "false: no assistant header after the last message",
+        "add_generation_prompt",
+        apis=_CHAT_ONLY,
+        neutral=(True,),
+    ),
+    **_rows(
+        _H,
+        "vLLM",
+        "keep only the prompt's last k tokens (-1: as many as the context holds)",
+        "truncate_prompt_tokens",
+    ),
+    **_rows(
+        _R,
+        "vLLM",
+        "true only: special tokens are always left out of the text",
+        "skip_special_tokens",
+        neutral=(True,),
+    ),
+    **_rows(
+        _R,
+        "vLLM",
+        "no token list is banned or allowed (a grammar can)",
+        "bad_words allowed_token_ids",
+        neutral=([],),
+    ),
+    **_rows(
+        _R, "vLLM", "the served model's own template is used", "chat_template", apis=_CHAT_ONLY
+    ),
+    **_rows(
+        _R, "vLLM", "no documents reach the template", "documents", apis=_CHAT_ONLY, neutral=([],)
+    ),
+    **_rows(
+        _R, "vLLM", "send echo with logprobs on /v1/completions for the prompt's", "prompt_logprobs"
+    ),
+    **_rows(_R, "vLLM", "no beam search", "use_beam_search", neutral=(False,)),
+    **_rows(_R, "vLLM", "no beam search", "length_penalty", neutral=(1,)),
+    **_rows(_R, "vLLM", "tokens are sent as text", "return_tokens_as_token_ids", neutral=(False,)),
+    **_rows(_R, "vLLM", "JSON has one compact spelling", "guided_whitespace_pattern"),
+    # llama.cpp's
+    **_rows(_H, "llama.cpp", "max_tokens' spelling; -1: until the end", "n_predict"),
+    **_rows(_H, "llama.cpp", "repetition_penalty's spelling", "repeat_penalty"),
+    **_rows(_H, "llama.cpp", "a GBNF (or Lark) grammar, as guided_grammar", "grammar"),
+    **_rows(_H, "llama.cpp", "a JSON Schema, as guided_json", "json_schema"),
+    **_rows(_R, "llama.cpp", "no locally typical sampling", "typical_p", neutral=(1,)),
+    **_rows(_R, "llama.cpp", "no Mirostat sampling", "mirostat", neutral=(0,)),
+    **_rows(_A, "llama.cpp", _NO_EFFECT.format("mirostat"), "mirostat_tau mirostat_eta"),
+    **_rows(_R, "llama.cpp", "no DRY penalty", "dry_multiplier", neutral=(0,)),
+    **_rows(
+        _A,
+        "llama.cpp",
+        _NO_EFFECT.format("dry_multiplier"),
+        "dry_base dry_allowed_length dry_penalty_last_n dry_sequence_breakers",
+    ),
+    **_rows(_R, "llama.cpp", "no XTC sampling", "xtc_probability", neutral=(0,)),
+    **_rows(_A, "llama.cpp", _NO_EFFECT.format("xtc_probability"), "xtc_threshold"),
+    **_rows(_R, "llama.cpp", "no top-n-sigma sampling", "top_n_sigma", neutral=(-1,)),
+    **_rows(_R, "llama.cpp", "send logprobs / top_logprobs", "n_probs", neutral=(0,)),
+    **_rows(_A, "llama.cpp", "the prefix cache is always on: speed only", "cache_prompt"),
+    # Ollama's, sent to the OpenAI endpoints
+    **_rows(
+        _R,
+        "Ollama",
+        "send this API's own fields (temperature, max_tokens, response_format ...)",
+        "options format num_ctx",
+    ),
 }
+
+
+ENDPOINT_HEADINGS = {CHAT: "`POST /v1/chat/completions`", COMPLETION: "`POST /v1/completions`"}
+
+
+def field_table(api: str) -> str:
+    """:data:`FIELDS` for one endpoint (``"chat"`` or ``"completion"``), as the
+    Markdown table docs/serving.md prints under :data:`ENDPOINT_HEADINGS` (the other
+    APIs' tables have the same columns). A field of the other endpoint is listed as
+    refused here."""
+    rows = ["| field | | here |", "| --- | --- | --- |"]
+    for name, rule in FIELDS.items():
+        if api in rule.apis:
+            support, note = rule.support.value, f"{rule.note} ({rule.origin})"
+        else:
+            support, note = "refused", f"a {_ENDPOINT[next(iter(rule.apis))]} field"
+        rows.append(f"| `{name}` | {support} | {note} |")
+    return "\n".join(rows)
+
+
+class UnknownFields:
+    """Fields nobody here knows are ignored, as vLLM ignores them, and each name is
+    logged once (a client misspelling a field learns it from the log, and a client
+    that sends one with every request does not flood it). At most :attr:`limit` names
+    are remembered: a client inventing names cannot grow the set."""
+
+    limit = 256
+
+    def __init__(self) -> None:
+        self.seen: set[str] = set()
+
+    def note(self, body: dict[str, Any]) -> None:
+        for name in body.keys() - FIELDS.keys():
+            if name not in self.seen and len(self.seen) < self.limit:
+                self.seen.add(name)
+                log.warning(
+                    "ignoring the request field %r: this server does not know it "
+                    "(logged once per name)",
+                    name[:100],
+                )
+
+
+UNKNOWN_FIELDS = UnknownFields()
 
 
 def _refuse_unsupported(body: dict[str, Any], kind: str) -> None:
     """Fields we do not implement are refused by name, never silently ignored:
     a client that asked for two choices and got one would miscount."""
+    for name, value in body.items():
+        rule = FIELDS.get(name)
+        if rule is None or not rule.asks(value):
+            continue
+        if kind not in rule.apis:
+            raise bad_request(
+                f"'{name}' is a {_ENDPOINT[next(iter(rule.apis))]} field, not one of "
+                f"{_ENDPOINT[kind]}",
+                name,
+            )
+        if rule.support is Support.REFUSED:
+            raise bad_request(
+                f"'{name}' is not supported by this server ({rule.origin}'s field: {rule.note})",
+                name,
+            )
     n = _integer(body, "n", 1, MAX_CHOICES) or 1
     best_of = as_integer(body.get("best_of"))
     if best_of is not None and (isinstance(best_of, bool) or best_of != n):
@@ -255,26 +531,7 @@ def _refuse_unsupported(body: dict[str, Any], kind: str) -> None:
             f"and ranks none, got {best_of!r}",
             "best_of",
         )
-    if kind == "chat" and body.get("echo"):
-        raise bad_request("'echo' is a /v1/completions field", "echo")
-    if body.get("suffix") is not None:
-        raise bad_request("'suffix' is not supported", "suffix")
-    if body.get("logit_bias"):
-        raise bad_request("'logit_bias' is not supported", "logit_bias")
-    # vLLM's fields that change the output: refused by name until implemented, so a
-    # client that relies on one learns it at once instead of getting other text.
-    for name, why in VLLM_OUTPUT_FIELDS.items():
-        if body.get(name):
-            raise bad_request(
-                f"'{name}' is not supported by this server (vLLM's extension): {why}", name
-            )
-    if kind == "completion" and body.get("tools") is not None:
-        raise bad_request("'tools' is a chat field: use /v1/chat/completions", "tools")
-    if kind == "completion" and body.get("chat_template_kwargs") is not None:
-        raise bad_request(
-            "'chat_template_kwargs' is a chat field: use /v1/chat/completions",
-            "chat_template_kwargs",
-        )
+    UNKNOWN_FIELDS.note(body)
 
 
 def _common(body: dict[str, Any], kind: Literal["completion", "chat"]) -> dict[str, Any]:
@@ -287,22 +544,29 @@ def _common(body: dict[str, Any], kind: Literal["completion", "chat"]) -> dict[s
         raise bad_request("'model' must be a non-empty string (or left out)", "model")
     if model is not None:
         _text(model, "model")
-    max_tokens = _integer(body, "max_tokens", 0)
-    max_completion = _integer(body, "max_completion_tokens", 0)
+    # max_tokens' three spellings (OpenAI's two, llama.cpp's n_predict): one budget.
+    sizes = {
+        "max_tokens": _integer(body, "max_tokens", 0),
+        "max_completion_tokens": _integer(body, "max_completion_tokens", 0),
+        "n_predict": _integer(body, "n_predict", -1),
+    }
+    if sizes["n_predict"] == -1:  # llama.cpp's "until the end"
+        sizes["n_predict"] = None
     echo = kind == "completion" and body.get("echo") is True
-    for name, value in (("max_tokens", max_tokens), ("max_completion_tokens", max_completion)):
+    for name, value in sizes.items():
         if value == 0 and not echo:
             raise bad_request(
                 f"'{name}' must be at least 1, got 0 (0 is only for 'echo': the prompt "
                 "alone, with its log-probabilities)",
                 name,
             )
-    if max_tokens is not None and max_completion is not None and max_tokens != max_completion:
-        raise bad_request(
-            f"'max_tokens' ({max_tokens}) and 'max_completion_tokens' ({max_completion}) differ;"
-            " give one",
-            "max_completion_tokens",
-        )
+    given = [(name, value) for name, value in sizes.items() if value is not None]
+    for name, value in given[1:]:
+        if value != given[0][1]:
+            raise bad_request(
+                f"'{given[0][0]}' ({given[0][1]}) and '{name}' ({value}) differ; give one", name
+            )
+    max_tokens = given[0][1] if given else None
     stream = _boolean(body, "stream")
     include_usage = False
     options = body.get("stream_options")
@@ -322,12 +586,28 @@ def _common(body: dict[str, Any], kind: Literal["completion", "chat"]) -> dict[s
     cache_salt = _string(body, "cache_salt")
     if cache_salt is not None and not cache_salt:
         raise bad_request("'cache_salt' must be a non-empty string (or left out)", "cache_salt")
-    max_tokens = max_completion if max_completion is not None else max_tokens
     min_tokens = _integer(body, "min_tokens", 0) or 0
     if max_tokens is not None and min_tokens > max_tokens:
         raise bad_request(
             f"'min_tokens' ({min_tokens}) must not be more than 'max_tokens' ({max_tokens})",
             "min_tokens",
+        )
+    repetition = _number(body, "repetition_penalty", 1.0)
+    if body.get("repeat_penalty") is not None:  # llama.cpp's spelling
+        repeat = _number(body, "repeat_penalty", 1.0)
+        if body.get("repetition_penalty") is not None and repeat != repetition:
+            raise bad_request(
+                f"'repetition_penalty' ({repetition}) and 'repeat_penalty' ({repeat}) differ; "
+                "give one",
+                "repeat_penalty",
+            )
+        repetition = repeat
+    truncate = _integer(body, "truncate_prompt_tokens", -1)
+    if truncate == 0:
+        raise bad_request(
+            "'truncate_prompt_tokens' must be at least 1 (or -1: as many as the context "
+            "holds), got 0",
+            "truncate_prompt_tokens",
         )
     return {
         "kind": kind,
@@ -345,7 +625,7 @@ def _common(body: dict[str, Any], kind: Literal["completion", "chat"]) -> dict[s
         "stop": _stop(body),
         "presence_penalty": _number(body, "presence_penalty", 0.0),
         "frequency_penalty": _number(body, "frequency_penalty", 0.0),
-        "repetition_penalty": _number(body, "repetition_penalty", 1.0),
+        "repetition_penalty": repetition,
         "stream": stream,
         "include_usage": include_usage,
         "user": user,
@@ -355,6 +635,7 @@ def _common(body: dict[str, Any], kind: Literal["completion", "chat"]) -> dict[s
         # vLLM's field; its range and whether the policy reads it are the scheduler's
         # and the service's to check (one owner each), the type is ours.
         "priority": _integer(body, "priority") or 0,
+        "truncate_prompt_tokens": truncate,
     }
 
 
@@ -517,11 +798,28 @@ def parse_chat(raw: bytes) -> GenerationRequest:
             f"'{fields['grammar'].field.split('.')[0]}'; give one",
             "tool_choice",
         )
+    prefill = _boolean(body, "continue_final_message")
+    generation_prompt = _boolean(body, "add_generation_prompt", default=not prefill)
+    if prefill and generation_prompt:
+        raise bad_request(
+            "'continue_final_message' continues the final assistant message and "
+            "'add_generation_prompt' starts a new one; leave add_generation_prompt out "
+            "(or false)",
+            "continue_final_message",
+        )
+    if prefill and parsed[-1].role != "assistant":
+        raise bad_request(
+            "'continue_final_message' needs the conversation to end with an assistant "
+            f"message (the text to continue); it ends with {parsed[-1].role!r}",
+            "continue_final_message",
+        )
     return GenerationRequest(
         messages=parsed,
         logprobs=(top or 0) if want else None,
         tools=tools,
         template_kwargs=_template_kwargs(body),
+        add_generation_prompt=generation_prompt,
+        continue_final_message=prefill,
         **fields,
     )
 

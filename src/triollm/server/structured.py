@@ -14,8 +14,8 @@ The constraint fields, at most one per request:
   ``guided_json`` (a schema), ``guided_regex``, ``guided_choice`` (a list of strings),
   ``guided_grammar`` (a Lark grammar, or a llama.cpp GBNF one), and their current
   spelling ``structured_outputs: {"json" | "regex" | "choice" | "grammar": ...}``.
-  llama.cpp's own names are not read: two spellings of one thing are enough, and
-  vLLM's are the ones OpenAI-client code in the wild sends through ``extra_body``.
+- llama.cpp's: ``grammar`` (GBNF, or Lark) and ``json_schema`` (a schema), which
+  llama-server's clients send; ignoring them answered free text (issue 26).
 
 Tools (chat only): ``tools``, ``tool_choice`` (``none``, ``auto``, ``required``, or
 ``{"type": "function", "function": {"name": ...}}``), ``parallel_tool_calls``. The
@@ -47,6 +47,8 @@ _STRUCTURED_OUTPUTS = {
     "choice": GrammarKind.CHOICE,
     "grammar": GrammarKind.LARK,
 }
+# llama.cpp's top-level names (llama-server reads them on its OpenAI endpoints too).
+_LLAMA_CPP = {"grammar": GrammarKind.LARK, "json_schema": GrammarKind.JSON_SCHEMA}
 MAX_CHOICES = 1024  # a choice list past this is a grammar, not a list (and a big mask)
 
 
@@ -124,7 +126,7 @@ def grammar_spec(body: Mapping[str, Any]) -> GrammarSpec | None:
         spec = _response_format(body["response_format"])
         if spec is not None:
             found.append(spec)
-    for name, kind in _GUIDED.items():
+    for name, kind in {**_GUIDED, **_LLAMA_CPP}.items():
         if body.get(name) is not None:
             found.append(GrammarSpec(kind, _source(kind, body[name], name), name))
     outputs = body.get("structured_outputs")
