@@ -22,7 +22,6 @@ for ``bool`` first (``"max_tokens": true`` would otherwise mean one token).
 
 from __future__ import annotations
 
-import enum
 import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -32,6 +31,7 @@ from triollm.server.openai import (
     MAX_STOP_CHARS,
     MAX_STOP_SEQUENCES,
     ApiError,
+    Support,
     as_integer,
     bad_request,
 )
@@ -50,10 +50,7 @@ __all__ = [
 log = logging.getLogger("triollm.server")
 
 
-class Support(enum.Enum):
-    HONOURED = "honoured"  # changes the answer as the API documents
-    ACCEPTED = "accepted"  # allowed; by its nature it changes no token of the answer
-    REFUSED = "refused"  # a 400 naming it, whenever its value asks for something
+# One treatment enum for every API's table (the OpenAI endpoints' FIELDS uses it too).
 
 
 @dataclass(frozen=True, slots=True)
