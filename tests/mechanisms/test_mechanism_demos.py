@@ -124,3 +124,36 @@ def test_batching_times_each_batch_size_beside_its_floor(
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith("SmolLM2-135M's shape, 2 layers, bf16: W = ")
     assert [line.split()[0] for line in lines[2:]] == ["1", "4"]
+
+
+def test_the_one_driver_story_runs_the_servers_own_admission_queue(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """demo lost-wakeup says its second story is the server's AdmissionQueue: it is
+    (every admission there is a pass of the real driver over the real Scheduler)."""
+    from triollm.admission import AdmissionQueue
+
+    passes: list[tuple[int, ...]] = []
+    real = AdmissionQueue.drive
+
+    def counting(self: AdmissionQueue) -> tuple[int, ...]:
+        passes.append(real(self))
+        return passes[-1]
+
+    monkeypatch.setattr(AdmissionQueue, "drive", counting)
+    driver = trio.run(
+        lost_wakeup.one_driver_reads,
+        lambda line: None,
+        clock=trio.testing.MockClock(autojump_threshold=0),
+    )
+    assert sum(len(p) for p in passes) == 2  # A, then B: both through the real pass
+    assert lost_wakeup.stalls(driver) == {"A": 0.0, "B": 0.0}
+
+
+def test_a_step_measured_below_the_floor_is_flagged_not_shown_as_beating_memory() -> None:
+    """demo batching once printed steps faster than its bandwidth floor, unflagged."""
+    from triollm.mechanisms.batching import floor_note
+
+    assert floor_note(0.012, 0.010, 1.0) == ""
+    note = floor_note(0.008, 0.010, 9.5)
+    assert "below the floor" in note and "load 9.5" in note

@@ -16,7 +16,11 @@ that channel matters.
 Both designs run the same script on trio's ``MockClock``, so the times printed are
 virtual seconds and the story is the same on every run: four blocks, all held;
 A (first in line) and B each need two; one block is freed at t=1 s, another at
-t=2 s, and the last two only at t=6 s.
+t=2 s, and the last two only at t=6 s. The first design is a toy (the server never
+had it). The second is the server's own code: the real
+:class:`~triollm.admission.AdmissionQueue` and its one driver task in front of a real
+:class:`~triollm.scheduler.Scheduler`, whose four blocks are held by three running
+sequences that end on the story's schedule.
 """
 
 from __future__ import annotations
@@ -61,16 +65,26 @@ class _Pool:
 
 
 async def _releases(
-    pool: _Pool, signal: trio.MemorySendChannel[None], say: Callable[[str], None]
+    pool: _Pool,
+    release: Callable[[int, int], None],
+    signal: Callable[[], None],
+    say: Callable[[str], None],
 ) -> None:
-    for at, blocks in RELEASES:
+    for i, (at, blocks) in enumerate(RELEASES):
         await trio.sleep_until(pool.start + at)
-        pool.free += blocks
+        release(i, blocks)
         say(f"  t={pool.now():.1f} s  {blocks} block(s) freed, {pool.free} free: signal")
         pool.note_admissible()
+        signal()
+
+
+def _offer(channel: trio.MemorySendChannel[None]) -> Callable[[], None]:
+    def signal() -> None:
         # a token already pending covers this release too (the coalescing signal)
         with contextlib.suppress(trio.WouldBlock):
-            signal.send_nowait(None)
+            channel.send_nowait(None)
+
+    return signal
 
 
 async def every_waiter_reads(say: Callable[[str], None]) -> _Pool:
@@ -92,7 +106,11 @@ async def every_waiter_reads(say: Callable[[str], None]) -> _Pool:
         for name in NEEDS:
             nursery.start_soon(waiter, name)
             await trio.testing.wait_all_tasks_blocked()  # A starts waiting before B
-        await _releases(pool, send, say)
+
+        def release(i: int, blocks: int) -> None:
+            pool.free += blocks
+
+        await _releases(pool, release, _offer(send), say)
         await trio.testing.wait_all_tasks_blocked()
         # No release is left in the story: whoever still waits would wait forever.
         nursery.cancel_scope.cancel()
@@ -100,26 +118,46 @@ async def every_waiter_reads(say: Callable[[str], None]) -> _Pool:
 
 
 async def one_driver_reads(say: Callable[[str], None]) -> _Pool:
-    """Our design: one driver reads the channel and admits from state, FCFS."""
-    pool = _Pool()
-    send, receive = trio.open_memory_channel[None](1)
-    admitted = {name: trio.Event() for name in NEEDS}
+    """Our design, the server's own code: ``AdmissionQueue`` (one driver task that runs
+    the Scheduler's FCFS pass at every wake) in front of a real ``Scheduler``.
 
-    async def driver() -> None:
-        async for _ in receive:
-            while pool.head_fits():  # recomputed from state: nothing counted from signals
-                name = pool.queue[0]
-                pool.enter(name)
-                say(f"           the driver admits {name}")
-                admitted[name].set()
-            if not pool.queue:
-                return
+    Four blocks of four positions, held by three running sequences of 1, 1 and 2
+    blocks that end (are cancelled) on the story's schedule; A and B each reserve 2
+    blocks (a 4-token prompt and 4 answer tokens). ``_Pool`` only keeps the story's
+    clock: who could have entered when, read from the Scheduler's free count."""
+    from triollm.admission import AdmissionQueue
+    from triollm.scheduler import Scheduler, SchedulerConfig
+    from triollm.spec import SequenceSpec
+
+    pool = _Pool()
+    scheduler = Scheduler(SchedulerConfig(num_blocks=4, block_size=4, slots=5, context_tokens=8))
+    holders = [scheduler.add(SequenceSpec([1] * n, max_tokens=n)) for n in (2, 2, 4)]
+    scheduler.admit_waiting()  # 1 + 1 + 2 blocks: the pool is full
+    names: dict[int, str] = {}
+
+    def on_admit(seq_id: int) -> None:
+        pool.enter(names[seq_id])
+        say(f"           the driver admits {names[seq_id]}")
+
+    queue = AdmissionQueue(scheduler, max_waiters=4, wait_s=60.0, on_admit=on_admit)
+
+    async def wait(name: str) -> None:
+        (seq_id,) = queue.enqueue(SequenceSpec([1] * 4, max_tokens=4))
+        names[seq_id] = name
+        await queue.wait_admitted(seq_id)
+
+    def release(i: int, blocks: int) -> None:
+        scheduler.cancel(holders[i])  # its blocks are back in the pool now
+        pool.free = scheduler.statistics().blocks_free
 
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(driver)
-        await _releases(pool, send, say)
-        for event in admitted.values():
-            await event.wait()
+        await nursery.start(queue.run)
+        async with trio.open_nursery() as waiters:
+            for name in NEEDS:
+                waiters.start_soon(wait, name)
+                await trio.testing.wait_all_tasks_blocked()  # A queues before B
+            await _releases(pool, release, queue.signal, say)
+        nursery.cancel_scope.cancel()
     return pool
 
 
@@ -163,7 +201,9 @@ async def main(say: Callable[[str], None] = print) -> tuple[_Pool, _Pool]:
     """Tell both stories; return their pools (the tests read the stalls)."""
     readers = await _story(every_waiter_reads, "every waiter reads the capacity channel:", say)
     say("")
-    driver = await _story(one_driver_reads, "one driver reads it (triollm.admission):", say)
+    driver = await _story(
+        one_driver_reads, "one driver reads it (the server's AdmissionQueue, run for real):", say
+    )
     return readers, driver
 
 
