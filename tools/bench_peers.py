@@ -6,7 +6,7 @@
     python tools/bench_peers.py models    # the GGUF files (Qwen2.5-Coder, SmolLM2) + HF dirs
     python tools/bench_peers.py guard     # what the quiet-machine guard sees right now
     python tools/bench_peers.py run       # alternating rounds, JSON lines (prints its ETA)
-    python tools/bench_peers.py tables    # docs/performance.md's results section + plots
+    python tools/bench_peers.py tables    # docs/results.md's side-by-side section + plots
 
 `run` selects with ``--models`` (qwen1.5b,qwen0.5b,smollm2-q8_0,smollm2-q4_1,smollm2-16bit)
 and ``--parts`` (decode,prefill,depth,serve); ``--rounds`` (3) alternating rounds of
@@ -362,7 +362,7 @@ must print nothing; a Python process that imported numba may have set one).
 
 `python tools/bench_peers.py run --models qwen1.5b --parts decode` measures one
 comparison (3 alternating rounds, guarded against a busy machine) and prints its
-commands; `python tools/bench_peers.py tables` writes docs/performance.md's results.
+commands; `python tools/bench_peers.py tables` writes docs/results.md's side-by-side section.
 """
 
 

@@ -1,11 +1,11 @@
-"""docs/performance.md's results section and its plots, from one or more `bench_peers.py run`s.
+"""docs/results.md's side-by-side section and its plots, from one or more `bench_peers.py run`s.
 
     python tools/bench_peers.py tables [--results DIR[,DIR...]] [--no-doc]
 
 reads ``DIR/records.jsonl``, ``DIR/rounds.jsonl`` and ``DIR/meta.json`` (default: the
 latest run under ~/.cache/triollm/peers/results), writes ``DIR/summary.json``, prints
 the tables, replaces the text between the ``bench-peers`` markers in
-docs/performance.md and draws docs/img/peers-decode.png and docs/img/peers-serve.png
+docs/results.md and draws docs/img/peers-decode.png and docs/img/peers-serve.png
 (matplotlib: the ``plots`` extra). Several runs (one model re-measured after a change,
 the others from an earlier quiet run) give one part per run, each with its own header: its
 date, command, load and triollm commit, so no figure is read as newer than it is; the plots
@@ -25,7 +25,9 @@ from triollm.bench.compare import Metric
 from triollm.bench.rounds import TABLE_HEAD, Summary, pair_rounds, table_row
 
 REPO = Path(__file__).resolve().parents[1]
-DOC = REPO / "docs" / "performance.md"
+# The results page, apart from the teaching one (docs/performance.md explains what these
+# figures measure; a reader should not scroll past dated runs to learn the floor).
+DOC = REPO / "docs" / "results.md"
 IMG = REPO / "docs" / "img"
 BEGIN = "<!-- bench-peers:begin (written by tools/bench_peers.py tables; edit the tool) -->"
 END = "<!-- bench-peers:end -->"
