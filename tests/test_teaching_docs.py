@@ -49,3 +49,65 @@ def test_the_loop_heading_counts_the_lines_of_the_loop() -> None:
         body += 1
     loop = lines[start : start + 1 + body]
     assert len(loop) == _WORDS[word], f"the heading says {word}; the loop has {len(loop)} lines"
+
+
+def _defs(path: Path) -> dict[str, int]:
+    """Top-level functions and classes, and methods as Class.name -> their length."""
+    import ast
+
+    found: dict[str, int] = {}
+    for node in ast.parse(path.read_text(encoding="utf-8")).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            found[node.name] = (node.end_lineno or node.lineno) - node.lineno + 1
+            if isinstance(node, ast.ClassDef):
+                for sub in node.body:
+                    if isinstance(sub, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                        length = (sub.end_lineno or sub.lineno) - sub.lineno + 1
+                        found[f"{node.name}.{sub.name}"] = length
+    return found
+
+
+def test_the_core_page_names_real_files_and_functions_at_about_their_size() -> None:
+    """docs/core.md: every file and function it lists exists, at about the length it says."""
+    page = (DOCS / "core.md").read_text(encoding="utf-8")
+    rows = re.findall(r"^\| \d+ \| `src/triollm/([^`]+)` \| (\d+) \| (.+?) \| (\d+) \|", page, re.M)
+    assert len(rows) >= 12
+    for path, stated, functions, _ in rows:
+        file = ROOT / "src" / "triollm" / path
+        lines = len(file.read_text(encoding="utf-8").splitlines())
+        assert abs(lines - int(stated)) <= max(40, lines // 5), f"{path}: {stated} vs {lines}"
+        defs = _defs(file)
+        for name, length in re.findall(r"`([\w.]+)` \((\d+)\)", functions):
+            assert name in defs, f"{path} has no {name}"
+            real = defs[name]
+            assert abs(real - int(length)) <= max(10, real // 4), f"{name}: {length} vs {real}"
+
+
+def test_performance_teaches_and_results_records_written_by_the_tool() -> None:
+    """performance.md is the teaching page; the side-by-side section the benchmark tool
+    writes lives in results.md, and neither sends the reader to an issue they cannot see."""
+    teach = (DOCS / "performance.md").read_text(encoding="utf-8")
+    results = (DOCS / "results.md").read_text(encoding="utf-8")
+    report = (ROOT / "tools" / "bench_peers_report.py").read_text(encoding="utf-8")
+    assert 'DOC = REPO / "docs" / "results.md"' in report
+    assert "<!-- bench-peers:begin" in results and "<!-- bench-peers:end -->" in results
+    assert "bench-peers:begin" not in teach
+    for text in (teach, results):
+        assert not re.search(r"\bthe issue\b|\bissue \d+", text, re.I)
+    assert "## Why batching pays" in teach and "## How we measure and why" in teach
+
+
+def test_every_break_it_row_is_an_exercise_and_every_exercise_a_row() -> None:
+    import importlib.util
+    import sys
+
+    spec = importlib.util.spec_from_file_location("break_it", ROOT / "tools" / "break_it.py")
+    assert spec is not None and spec.loader is not None
+    break_it = importlib.util.module_from_spec(spec)
+    sys.modules["break_it"] = break_it
+    spec.loader.exec_module(break_it)
+    page = (DOCS / "exercises.md").read_text(encoding="utf-8")
+    tried = set(re.findall(r"--try ([\w-]+)", page))
+    assert tried == {m.key for m in break_it.MUTATIONS} == set(break_it.PROOFS)
+    steps = re.findall(r"^\d\. \*\*", page.split("## Build it yourself", 1)[1], re.M)
+    assert len(steps) == 8

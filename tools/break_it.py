@@ -10,6 +10,7 @@ failed. It writes ``docs/break-it.json`` and the table between the markers in
     python tools/break_it.py            # every row (tens of minutes: one test run a row)
     python tools/break_it.py --only no-utf8-holdback --only unbounded-queue
     python tools/break_it.py --stale    # only the rows whose edit changed since recorded
+    python tools/break_it.py --try no-chunking   # an exercise: one row, its one test, seconds
 
 Not part of the CI run; ``tests/test_break_it_docs.py`` checks instead, cheaply, that
 every edit still applies to today's code exactly once, that the page quotes the table
@@ -37,7 +38,10 @@ RESULTS = ROOT / "docs" / "break-it.json"
 PAGE = ROOT / "docs" / "break-it.md"
 BEGIN, END = "<!-- break-it table: begin -->", "<!-- break-it table: end -->"
 PER_TEST_TIMEOUT_S = 90  # a broken mechanism may hang a test; that is a failure too
-MAX_FAILURES = 12  # enough to name the mechanism's guards; a row stops there ("12+")
+# Enough to name the mechanism's guards. Counted per test path a row runs, not over the
+# row: one overall cap spent itself inside the first file (row 3 once listed only
+# test_scheduler.py's twelve and never reached the simulator or the property tests).
+MAX_FAILURES = 12
 
 
 @dataclass(frozen=True)
@@ -257,6 +261,68 @@ MUTATIONS: tuple[Mutation, ...] = (
 )
 
 
+# One test per row that fails when the row's edit is in: the exercise (`--try KEY`)
+# runs only it, in seconds, where the row itself runs whole test files. Kept apart from
+# the Mutations, whose digests would otherwise all change with it; each is one of its
+# row's recorded failures (tests/test_break_it_docs.py checks).
+PROOFS: dict[str, str] = {
+    "blocking-dispatch": "tests/test_service.py::"
+    "test_a_slow_reader_is_cut_off_and_its_neighbour_completes",
+    "unbounded-buffer": "tests/test_service.py::"
+    "test_a_slow_reader_is_cut_off_and_its_neighbour_completes",
+    "no-answer-reservation": "tests/test_sim.py::"
+    "test_in_the_seed_scenario_only_free_slot_deadlocks",
+    "disconnect-ignored": "tests/test_service.py::"
+    "test_a_client_leaving_mid_stream_returns_blocks_and_admits_the_next",
+    "unbounded-queue": "tests/test_admission.py::"
+    "test_arriving_to_a_full_queue_is_refused_at_once_with_retry_after",
+    "timeout-is-a-cancel": "tests/test_admission.py::"
+    "test_a_wait_past_the_budget_is_429_and_its_sequence_is_cancelled",
+    "missed-capacity-signal": "tests/test_service.py::"
+    "test_a_client_leaving_mid_stream_returns_blocks_and_admits_the_next",
+    "one-admission-per-signal": "tests/test_admission.py::test_coalesced_signals_lose_nothing",
+    "decode-before-prefill": "tests/test_scheduler.py::"
+    "test_prefill_goes_before_decode_when_rows_are_scarce",
+    "no-chunking": "tests/test_scheduler.py::"
+    "test_the_prompt_is_chunked_and_only_the_final_chunk_samples",
+    "no-utf8-holdback": "tests/model/test_detok.py::"
+    "test_an_emoji_split_over_byte_tokens_is_held_back_until_complete",
+    "buffered-sse": "tests/server/test_asgi.py::"
+    "test_a_stream_longer_than_quart_response_timeout_is_not_cut",
+    "no-retry-after": "tests/server/test_live_streaming.py::"
+    "test_overload_gets_clean_429s_at_once_and_every_admitted_request_completes",
+    "cancelled-blocks-kept": "tests/test_scheduler.py::"
+    "test_cancelled_sequence_returns_its_blocks_before_next_plan[decoding]",
+    "batch-dependent-kernel": "tests/model/test_matmul.py::"
+    "test_a_row_gets_the_same_bits_alone_and_in_a_batch",
+    "preempt-the-oldest": "tests/test_scheduler.py::"
+    "test_preempt_evicts_the_latest_arrival_and_recomputes_its_tokens",
+    "one-choice-closed": "tests/test_service_choices.py::"
+    "test_closing_the_request_cancels_every_choice_and_frees_their_blocks_at_once",
+}
+TRY_TIMEOUT_S = 30  # a blocked dispatch hangs its test: that hang is the failure
+
+
+def try_one(key: str) -> int:
+    """The exercise: break one mechanism in a scratch copy and run its one test.
+
+    Prints the edit and the test's verdict; records nothing. Returns 0 when the test
+    failed (the mechanism is guarded), 1 when it passed (a missing test)."""
+    m = next(m for m in MUTATIONS if m.key == key)
+    proof = PROOFS[key]
+    root = _fresh_scratch(SCRATCH_TRY)
+    m.apply(root)
+    print(f"broken: {m.mechanism}\n  in {m.path}: {_edit(m)}\n  running {proof}")
+    started = time.monotonic()
+    failing, summary = _pytest(root, [proof], maxfail=1, timeout_s=TRY_TIMEOUT_S)
+    print(f"  {summary} ({time.monotonic() - started:.0f} s)")
+    if failing:
+        print("  the test failed: this mechanism is guarded. Undo nothing: it was a scratch copy.")
+        return 0
+    print("  the test PASSED with the mechanism removed: that is a missing test")
+    return 1
+
+
 def digest(m: Mutation) -> str:
     """A digest of one edit: a recorded result counts only for the edit it was made with."""
     blob = json.dumps(asdict(m), sort_keys=True).encode()
@@ -295,11 +361,16 @@ def _env(root: Path) -> dict[str, str]:
     }
 
 
-def _fresh_scratch() -> Path:
-    shutil.rmtree(SCRATCH, ignore_errors=True)
-    SCRATCH.mkdir(parents=True)
-    _scratch_copy(SCRATCH)
-    return SCRATCH
+# An exercise gets its own copy, so trying one row never pulls the scratch tree out
+# from under a recording run (the first model-loading exercise compiles there once).
+SCRATCH_TRY = Path(tempfile.gettempdir()) / "triollm-break-it-try"
+
+
+def _fresh_scratch(scratch: Path = SCRATCH) -> Path:
+    shutil.rmtree(scratch, ignore_errors=True)
+    scratch.mkdir(parents=True)
+    _scratch_copy(scratch)
+    return scratch
 
 
 def warm_kernels() -> None:
@@ -321,8 +392,27 @@ def warm_kernels() -> None:
 def run_one(m: Mutation) -> dict[str, object]:
     root = _fresh_scratch()  # one copy per row, at the same path (see SCRATCH)
     m.apply(root)
-    env = _env(root)
     started = time.monotonic()
+    failing: set[str] = set()
+    summaries, capped = [], False
+    for path in m.tests:  # one run per path: the cap is per path (see MAX_FAILURES)
+        found, summary = _pytest(root, [path], maxfail=MAX_FAILURES)
+        failing |= set(found)
+        capped = capped or len(found) >= MAX_FAILURES
+        summaries.append(f"{path}: {summary}")
+    return {
+        "digest": digest(m),
+        "failing": sorted(failing),
+        "capped": capped,
+        "summary": "; ".join(summaries),
+        "seconds": round(time.monotonic() - started),
+    }
+
+
+def _pytest(
+    root: Path, targets: list[str], *, maxfail: int, timeout_s: int = PER_TEST_TIMEOUT_S
+) -> tuple[list[str], str]:
+    """Run pytest on ``targets`` in ``root``; (the failing node ids, its summary line)."""
     done = subprocess.run(
         [
             sys.executable,
@@ -333,26 +423,17 @@ def run_one(m: Mutation) -> dict[str, object]:
             "--tb=no",
             "-p",
             "no:cacheprovider",
-            f"--timeout={PER_TEST_TIMEOUT_S}",
-            f"--maxfail={MAX_FAILURES}",
-            *m.tests,
+            f"--timeout={timeout_s}",
+            f"--maxfail={maxfail}",
+            *targets,
         ],
         cwd=root,
-        env=env,
+        env=_env(root),
         capture_output=True,
         text=True,
     )
-    seconds = time.monotonic() - started
-    failing = sorted(set(_FAILED.findall(done.stdout)))
     summary = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else ""
-    capped = len(failing) >= MAX_FAILURES
-    return {
-        "digest": digest(m),
-        "failing": failing,
-        "capped": capped,
-        "summary": summary,
-        "seconds": round(seconds),
-    }
+    return sorted(set(_FAILED.findall(done.stdout))), summary
 
 
 def render_table(results: dict[str, dict[str, object]]) -> str:
@@ -426,11 +507,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--stale", action="store_true", help="run only rows not recorded from today's edit"
     )
+    parser.add_argument(
+        "--try",
+        dest="exercise",
+        metavar="KEY",
+        help="an exercise: break this row's mechanism and run its one test (seconds); "
+        "records nothing (docs/exercises.md)",
+    )
     args = parser.parse_args(argv)
     known = {m.key for m in MUTATIONS}
     unknown = set(args.only or ()) - known
+    if args.exercise is not None and args.exercise not in known:
+        unknown.add(args.exercise)
     if unknown:
         parser.error(f"unknown row(s) {sorted(unknown)}; known: {sorted(known)}")
+    if args.exercise is not None:
+        return try_one(args.exercise)
     results: dict[str, dict[str, object]] = (
         json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
     )
