@@ -5,9 +5,10 @@ The Scheduler (policy) decides which rows run in a step and hands over a
 the paged KV cache, then one sampled token per chunk that asked for one. It owns
 the two pieces of state the model needs across steps:
 
-- the paged KV pool (:class:`~triollm.model.llama.PagedKVCache`), allocated once
+- the paged KV pool (:class:`~triollm.model.kvcache.PagedKVCache`), allocated once
   at the size of the scheduler's block pool; block *ownership* stays with the
-  scheduler's ``BlockPool``, the Batch only stores what the tables point at;
+  KV-cache manager (``kvcache.KVCacheManager``, over ``kv.BlockPool``), the Batch
+  only stores what the tables point at;
 - one :class:`~triollm.model.sampling.SequenceSampler` per live sequence (its
   seeded random generator and token counts), so a request's seed reproduces the
   same tokens whatever else shares the batch;
