@@ -7,6 +7,7 @@ import pytest
 from triollm.errors import FieldError
 from triollm.plan import Finished, FinishReason, SampledToken, StepPlan, StepResult
 from triollm.scheduler import (
+    MIN_SERVING_CHUNK_TOKENS,
     PRIORITY_MAX,
     PRIORITY_MIN,
     Infeasible,
@@ -14,6 +15,7 @@ from triollm.scheduler import (
     Scheduler,
     SchedulerConfig,
     SeqState,
+    serving_chunk_tokens,
 )
 from triollm.spec import SequenceSpec
 
@@ -495,3 +497,20 @@ def test_a_policy_may_be_named_by_its_value() -> None:
     assert SchedulerConfig(num_blocks=4, policy="free-slot").policy is Policy.FREE_SLOT  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="policy must be one of"):
         SchedulerConfig(num_blocks=4, policy="lifo")  # type: ignore[arg-type]
+
+
+SMOLLM2_ROW_WEIGHTS = 106_168_320  # 30 layers of 576 wide, 9 heads / 3 KV heads, MLP 1536
+QWEN_1_5B_ROW_WEIGHTS = 1_310_195_712  # 28 layers of 1536 wide, 12 / 2 heads, MLP 8960
+
+
+def test_the_serving_chunk_shrinks_as_the_model_grows_down_to_one_short_prompt() -> None:
+    assert serving_chunk_tokens(SMOLLM2_ROW_WEIGHTS) == 128  # where 128 was measured
+    assert serving_chunk_tokens(1_000) == 128  # a tiny model: never past the measured 128
+    assert serving_chunk_tokens(2 * 106_000_000) == 64  # twice the weights, half the rows
+    assert serving_chunk_tokens(QWEN_1_5B_ROW_WEIGHTS) == MIN_SERVING_CHUNK_TOKENS == 32
+    assert serving_chunk_tokens(70_000_000_000) == 32  # a 32-token prompt stays one chunk
+    chunks = [serving_chunk_tokens(w) for w in range(10**6, 3 * 10**9, 10**7)]
+    assert chunks == sorted(chunks, reverse=True)
+    assert {c & (c - 1) for c in chunks} == {0}  # powers of two
+    with pytest.raises(ValueError, match="row_weights"):
+        serving_chunk_tokens(0)

@@ -92,6 +92,7 @@ __all__ = [
     "SchedulerStatistics",
     "SeqState",
     "SequenceInfo",
+    "serving_chunk_tokens",
 ]
 
 
@@ -139,7 +140,8 @@ class SchedulerConfig:
     # chunk, while a long prompt's time to first token barely depends on it down to
     # ~64-128 tokens (prefill is compute bound). bench/bench_step_rows.py measured
     # 128 at about a quarter of 512's decode stall for the same TTFT
-    # (docs/serving.md, "Choosing the step budget").
+    # (docs/serving.md, "Choosing the step budget"). That was SmolLM2-135M; the
+    # server scales it to the model it serves (serving_chunk_tokens).
     chunk_tokens: int = 128
     # Rows per forward pass; None (the default) means chunk_tokens + slots: a full
     # chunk plus every decoder, so a chunk never pushes a decoder out of its step
@@ -230,6 +232,36 @@ class Infeasible(FieldError):
     ``field`` names the request field to blame (``"prompt"`` or ``"max_tokens"``);
     the HTTP layer reports it as ``param``. ``str()`` gives the numbers.
     """
+
+
+# The serving chunk follows the model. Prefill is compute bound (two FLOPs per weight
+# per row), so a chunk's stall grows with its rows times the weights each row
+# multiplies in the layers. SchedulerConfig's 128 rows were measured on SmolLM2-135M,
+# whose layers hold 106,168,320 weights: a larger model keeps that product with fewer
+# rows. Qwen2.5-1.5B's layers hold 1.3 G; with 128-row chunks its 8 streams saw an ITL
+# p99 of 1.9 s against llama-server's 0.78 s (docs/performance.md). Qwen2.5-0.5B at 8
+# streams, 32 rows against 128: aggregate 1.09-1.29x, TTFT p50 0.87-0.95x, e2e p50
+# 0.76-0.91x (3 alternating rounds, busy machine; issue 23's report).
+CHUNK_STALL_ROW_WEIGHTS = 128 * 106_168_320
+# The floor: a short prompt (a chat turn; the benchmark's 32 tokens) stays one chunk,
+# so its first token takes one step; and below ~32 rows each chunk would read every
+# weight again for a stall hardly shorter than the decoders' own step.
+MIN_SERVING_CHUNK_TOKENS = 32
+
+
+def serving_chunk_tokens(row_weights: int) -> int:
+    """The server's prefill chunk for a model whose layers multiply ``row_weights``
+    weights per row (embedding and output head not counted: the first is a lookup,
+    the second runs on sampled rows only).
+
+    A power of two between :data:`MIN_SERVING_CHUNK_TOKENS` and the measured 128, so
+    that chunk x weights stays near :data:`CHUNK_STALL_ROW_WEIGHTS`. Trap: only the
+    default; ``--chunk`` (``Capacity.chunk_tokens``) wins over it."""
+    if row_weights < 1:
+        raise ValueError(f"row_weights must be >= 1, got {row_weights}")
+    most = SchedulerConfig.chunk_tokens  # the class attribute: the measured default
+    rows = max(CHUNK_STALL_ROW_WEIGHTS // row_weights, 1)
+    return max(MIN_SERVING_CHUNK_TOKENS, min(most, 1 << (rows.bit_length() - 1)))
 
 
 @dataclass(frozen=True, slots=True)
