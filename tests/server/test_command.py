@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 import urllib.request
+from types import SimpleNamespace
 
 import pytest
 from serverkit import MODEL_DIR, MODEL_ID, stack_for
@@ -19,7 +20,7 @@ from triollm import cli
 from triollm.errors import UserError
 from triollm.model.kvcache import DEFAULT_KV_DTYPE, KVDtype, kv_bytes_per_position
 from triollm.policies import Policy
-from triollm.server.command import parse_policy, parse_size
+from triollm.server.command import parse_policy, parse_size, row_weights
 from triollm.sizing import DEFAULT_CONTEXT_CAP
 
 
@@ -267,3 +268,29 @@ def test_an_empty_api_key_refuses_to_start(capsys, monkeypatch):
     # It ran with no authentication and no word about it (issue 28, N10).
     assert run_cli(str(MODEL_DIR), "--api-key", "") == 2
     assert "API key is empty" in capsys.readouterr().err
+
+
+def test_the_default_chunk_follows_the_models_weights(loaded):
+    smollm2 = SimpleNamespace(
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        head_dim=64,
+        moe=None,
+    )
+    assert row_weights(smollm2) == 106_168_320  # the model the 128 was measured on
+    qwen = SimpleNamespace(
+        hidden_size=1536,
+        intermediate_size=8960,
+        num_hidden_layers=28,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        head_dim=128,
+        moe=None,
+    )
+    assert row_weights(qwen) == 1_310_195_712
+    # the tiny fixture keeps the measured 128; --chunk still wins over the default
+    assert stack_for(loaded).service.scheduler.config.chunk_tokens == 128
+    assert stack_for(loaded, chunk_tokens=48).service.scheduler.config.chunk_tokens == 48

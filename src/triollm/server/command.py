@@ -41,7 +41,7 @@ from triollm.model.embed import Embedder, Pooling
 from triollm.model.kvcache import DEFAULT_KV_DTYPE, KVDtype, kv_bytes_per_position
 from triollm.policies import Claim, Policy, SchedulingPolicy, load_policy, policy_name
 from triollm.request import ServedModel
-from triollm.scheduler import Scheduler
+from triollm.scheduler import Scheduler, serving_chunk_tokens
 from triollm.server.app import DEFAULT_BODY_TIMEOUT_S, body_limit_for, create_app
 from triollm.server.door import API_KEY_ENV, DoorPolicy
 from triollm.server.frontend import HttpConfig, Serving, serve_http
@@ -182,8 +182,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     cap.add_argument(
         "--chunk",
         type=int,
-        help=f"prefill tokens per sequence per step ({default_of('chunk_tokens')}: short "
-        "decode stalls, same TTFT; see SchedulerConfig)",
+        help=f"prefill tokens per sequence per step (default: {default_of('chunk_tokens')} "
+        "for a ~100M model, fewer for a larger one, at least 32: short decode stalls, "
+        "same TTFT; see scheduler.serving_chunk_tokens)",
     )
     cap.add_argument(
         "--step-rows",
@@ -346,6 +347,24 @@ def refuse_policy(policy: Policy | SchedulingPolicy | None) -> None:
         raise UserError(f"--policy {policy.value} is refused here: {REFUSED_POLICIES[policy]}")
 
 
+def row_weights(cfg: Any) -> int:
+    """Weights one prompt row multiplies in the layers of a model of config ``cfg``
+    (q/k/v/o and the MLP, or a sparse layer's ``top_k`` experts and router): what a
+    prefill chunk's stall grows with (``scheduler.serving_chunk_tokens``)."""
+    h = cfg.hidden_size
+    q_dim, kv_dim = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    attention = h * (q_dim + 2 * kv_dim) + q_dim * h
+    total = 0
+    for i in range(cfg.num_hidden_layers):
+        moe = cfg.moe
+        if moe is not None and i in moe.sparse_layers:
+            mlp = moe.top_k * 3 * h * moe.intermediate_size + h * moe.num_experts
+        else:
+            mlp = 3 * h * cfg.intermediate_size
+        total += attention + mlp
+    return total
+
+
 def build_stack(
     loaded: Any,
     capacity: Capacity,
@@ -371,6 +390,10 @@ def build_stack(
 
     refuse_policy(capacity.policy)
     cfg = loaded.config
+    if capacity.chunk_tokens is None:  # unset: the default follows the model's size
+        capacity = dataclasses.replace(
+            capacity, chunk_tokens=serving_chunk_tokens(row_weights(cfg))
+        )
     per_position = kv_bytes_per_position(cfg, capacity.kv_dtype)
     try:
         sched_config = capacity.resolve(cfg.max_position_embeddings, per_position)
