@@ -197,11 +197,18 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     @rule(prompt=st.integers(0, 40), max_tokens=st.none() | st.integers(0, 40))
     def arrive(self, prompt: int, max_tokens: int | None) -> None:
+        spec = SequenceSpec([1 + i % 9 for i in range(prompt)], max_tokens, frozenset({STOP}))
         reason = self.s.feasible(prompt, max_tokens)
+        # The door asks check_group (admission.py), feasible is its question for one
+        # sequence: both, and add, must give one answer (one rule, _infeasible).
         try:
-            seq = self.s.add(
-                SequenceSpec([1 + i % 9 for i in range(prompt)], max_tokens, frozenset({STOP}))
-            )
+            self.s.check_group(spec)
+        except Infeasible as exc:
+            assert reason == str(exc), (reason, str(exc))
+        else:
+            assert reason is None, reason
+        try:
+            seq = self.s.add(spec)
         except Infeasible as exc:
             self.say(f"arrive prompt={prompt} max_tokens={max_tokens}: refused ({exc.field})")
             assert reason == str(exc)
