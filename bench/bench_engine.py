@@ -116,7 +116,7 @@ def time_steps(
 def stage_timer(totals: dict[str, float]) -> Iterator[None]:
     """Time the engine's calls by stage, by wrapping the functions llama.py calls.
 
-    llama.py reaches its kernels through module attributes (``kernels.rope``,
+    llama.py reaches its kernels through module attributes (``kernels.rope_qk``,
     ``linear``), so wrapping those attributes times every call without editing
     the engine. The wrappers cost ~1 us per call; the profile says so.
     """
@@ -136,9 +136,11 @@ def stage_timer(totals: dict[str, float]) -> Iterator[None]:
         setattr(module, name, timed)
 
     wrap(llama, "linear", "weight products (matmul.linear)")
+    wrap(kernels, "plan_attention", "attention (kernels.paged_attention)")
     wrap(kernels, "paged_attention", "attention (kernels.paged_attention)")
-    wrap(kernels, "write_kv", "KV write (kernels.write_kv)")
-    wrap(kernels, "rope", "RoPE (kernels.rope)")
+    wrap(kernels, "store_kv", "KV write (kernels.store_kv)")
+    wrap(kernels, "write_kv", "KV write, q8_0 (kernels.write_kv)")
+    wrap(kernels, "rope_qk", "RoPE (kernels.rope_qk)")
     wrap(kernels, "rms_norm", "RMSNorm (kernels.rms_norm)")
     wrap(kernels, "silu_mul", "SwiGLU (kernels.silu_mul)")
     try:

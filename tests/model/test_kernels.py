@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -134,7 +136,7 @@ def _attention_equals_dense(
     blocks_per_seq = [-(-length // block_size) for length in lens]
     num_blocks = sum(blocks_per_seq) + 2
     order = rng.permutation(num_blocks)  # tables point at scattered blocks
-    k_cache = f32(rng, num_blocks, n_kv, block_size, head_dim)
+    k_cache = f32(rng, num_blocks, n_kv, head_dim, block_size)  # K transposed in a block
     v_cache = f32(rng, num_blocks, n_kv, block_size, head_dim)
     tables = np.zeros((len(lens), max(blocks_per_seq)), dtype=np.int64)
     taken = 0
@@ -144,7 +146,7 @@ def _attention_equals_dense(
         taken += nb
         # (len, n_kv, head_dim): position p -> block tables[s, p // bs], offset p % bs
         p = np.arange(lens[s])
-        dense_k.append(k_cache[tables[s, p // block_size], :, p % block_size])
+        dense_k.append(k_cache[tables[s, p // block_size], :, :, p % block_size])
         dense_v.append(v_cache[tables[s, p // block_size], :, p % block_size])
     rows = [(s, int(pos)) for s in range(len(lens)) for pos in rng.integers(0, lens[s], 2)]
     rows += [(s, lens[s] - 1) for s in range(len(lens))]  # each sequence's last position
@@ -203,11 +205,28 @@ def _row_alone_and_in_a_batch(window: int, head_dim: int, dtype: KVDtype, seed: 
     q = f32(rng, 16, n_kv * group, head_dim)
     scale = np.float32(0.25)
     batch = np.empty_like(q)
+    # the batch on both cores, each row alone on this thread (odd rows) or as planned:
+    # the two drivers call the one compiled item, so they must agree to the bit
+    plan = attention.plan_attention(positions, row_chunk, window, n_kv, n_kv * group, head_dim)
     kernels.paged_attention(
-        q, k_cache, v_cache, positions, row_chunk, tables, window, scale, batch, k_scale, v_scale
+        q,
+        k_cache,
+        v_cache,
+        positions,
+        row_chunk,
+        tables,
+        window,
+        scale,
+        batch,
+        k_scale,
+        v_scale,
+        dataclasses.replace(plan, parallel=True),
     )
     for i in range(16):
         alone = np.empty_like(q[i : i + 1])
+        one = attention.plan_attention(
+            positions[i : i + 1], row_chunk[i : i + 1], window, n_kv, n_kv * group, head_dim
+        )
         kernels.paged_attention(
             q[i : i + 1],
             k_cache,
@@ -220,6 +239,7 @@ def _row_alone_and_in_a_batch(window: int, head_dim: int, dtype: KVDtype, seed: 
             alone,
             k_scale,
             v_scale,
+            dataclasses.replace(one, parallel=False) if i % 2 else one,
         )
         np.testing.assert_array_equal(alone[0], batch[i])
 
@@ -233,14 +253,18 @@ def stored_cache(
     for cache, scales in ((kv.k, kv.k_scale), (kv.v, kv.v_scale)):
         x = f32(rng, n_blocks * bs, n_kv, hd)
         values, s = kv.encode(x)
-        cache[0] = values.reshape(n_blocks, bs, n_kv, hd).transpose(0, 2, 1, 3)
+        # K transposed within a block (head_dim, bs), V position-major (bs, head_dim)
+        axes = (0, 2, 3, 1) if cache is kv.k else (0, 2, 1, 3)
+        cache[0] = values.reshape(n_blocks, bs, n_kv, hd).transpose(axes)
         if s is not None:
-            scales[0] = s.reshape(n_blocks, bs, n_kv, -1).transpose(0, 2, 1, 3)
+            scales[0] = s.reshape(n_blocks, bs, n_kv, -1).transpose(axes)
     return kv.k[0], kv.v[0], kv.k_scale[0], kv.v_scale[0]
 
 
 def widened(cache: np.ndarray, scales: np.ndarray, dtype: KVDtype) -> np.ndarray:
-    """The float32 values a stored cache means (numpy's own conversions)."""
+    """The float32 values a stored cache means (numpy's own conversions).
+
+    Position-major: ``(..., position, head_dim)``, scales along the last axis."""
     if dtype is KVDtype.F32:
         return cache
     if dtype is KVDtype.F16:
@@ -283,7 +307,8 @@ def test_each_cache_type_attends_over_the_values_it_stores(
     n_kv, group, bs = 2, 2, 8
     n_blocks = -(-length // bs)
     k_cache, v_cache, k_scale, v_scale = stored_cache(rng, dtype, n_blocks, n_kv, bs, head_dim)
-    k = widened(k_cache, k_scale, dtype)  # (n_blocks, n_kv, bs, head_dim) float32
+    # (n_blocks, n_kv, bs, head_dim) float32; K (and its scales) back to position-major
+    k = widened(k_cache.transpose(0, 1, 3, 2), k_scale.transpose(0, 1, 3, 2), dtype)
     v = widened(v_cache, v_scale, dtype)
     tables = np.arange(n_blocks, dtype=np.int64).reshape(1, n_blocks)
     q = f32(rng, 1, n_kv * group, head_dim)
@@ -311,14 +336,15 @@ def test_write_kv_stores_each_row_at_its_block_and_offset(n: int, seed: int) -> 
     k, v = f32(rng, n, n_kv, hd), f32(rng, n, n_kv, hd)
     slots = rng.choice(num_blocks * bs, n, replace=False)  # distinct (block, offset)
     block, offset = (slots // bs).astype(np.int64), (slots % bs).astype(np.int64)
-    k_cache = np.zeros((num_blocks, n_kv, bs, hd), np.float32)
-    v_cache = np.zeros_like(k_cache)
+    k_cache = np.zeros((num_blocks, n_kv, hd, bs), np.float32)  # K transposed in a block
+    v_cache = np.zeros((num_blocks, n_kv, bs, hd), np.float32)
     kernels.write_kv(k, v, k_cache, v_cache, block, offset)
-    np.testing.assert_array_equal(k_cache[block, :, offset], k)
+    np.testing.assert_array_equal(k_cache[block, :, :, offset], k)
     np.testing.assert_array_equal(v_cache[block, :, offset], v)
     untouched = np.ones((num_blocks, bs), bool)
     untouched[block, offset] = False
-    assert not k_cache.transpose(0, 2, 1, 3)[untouched].any()
+    assert not k_cache.transpose(0, 3, 1, 2)[untouched].any()
+    assert not v_cache.transpose(0, 2, 1, 3)[untouched].any()
 
 
 def test_kernels_release_the_gil_and_are_cached() -> None:
@@ -326,11 +352,78 @@ def test_kernels_release_the_gil_and_are_cached() -> None:
     for kernel in (
         kernels.rms_norm,
         kernels.rope,
-        kernels.silu_mul,
+        kernels._silu_row,
+        kernels._silu_rows,
+        kernels._silu_rows_serial,
         kernels.write_kv,
+        kernels.store_kv,
+        kernels.rope_qk,
         attention._plan,
+        attention._item,
         attention._attend,
+        attention._attend_serial,
         attention._merge,
     ):
         assert kernel.targetoptions["nogil"] is True, kernel
         assert kernel._cache.__class__.__name__ == "FunctionCache", kernel
+
+
+# edges of the 16-bit roundings: saturation, the largest halves, ties, subnormals, zeros
+EDGES = np.array(
+    [65504, 65505, 65519, 65520, 1e10, -1e10, np.inf, -np.inf, 1 + 2**-11, 1 + 3 * 2**-11,
+     6e-8, 3e-8, 1e-6, -1e-6, 0.0, -0.0, 1.00390625, 1.01171875, 3.4e38, 1e-40],
+    np.float32,
+)  # fmt: skip
+
+
+@SETTINGS
+@given(
+    n=st.integers(1, 6),
+    dtype=st.sampled_from([KVDtype.F32, KVDtype.F16, KVDtype.BF16]),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_store_kv_rounds_and_places_as_encode_then_write_kv(
+    n: int, dtype: KVDtype, seed: int
+) -> None:
+    """The forward's one-call KV store equals PagedKVCache.encode + write_kv, to the bit."""
+    rng = rng_for(seed)
+    n_blocks, n_kv, bs, hd = 4, 2, 4, 16
+    config = tiny_config(n_kv, hd)
+    x = f32(rng, 2, n, n_kv, hd) * rng.choice([1e-6, 1.0, 3e4], (2, n, n_kv, 1)).astype(np.float32)
+    x.reshape(-1)[: len(EDGES)] = EDGES[: x.size]  # the edges first, random values after
+    k, v = x[0], x[1]
+    slots = rng.choice(n_blocks * bs, n, replace=False)
+    block, offset = (slots // bs).astype(np.int64), (slots % bs).astype(np.int64)
+    want = PagedKVCache(config, n_blocks, bs, dtype)
+    got = PagedKVCache(config, n_blocks, bs, dtype)
+    kernels.write_kv(want.encode(k)[0], want.encode(v)[0], want.k[0], want.v[0], block, offset)
+    kernels.store_kv(k, v, got.k[0], got.v[0], block, offset)
+    assert got.k.tobytes() == want.k.tobytes()
+    assert got.v.tobytes() == want.v.tobytes()
+
+
+def test_store_kv_keeps_a_nan_a_nan() -> None:
+    """A NaN key is a bug upstream; storing it as +-65504 would hide it."""
+    config = tiny_config(1, 4)
+    for dtype in (KVDtype.F16, KVDtype.BF16):
+        kv = PagedKVCache(config, 1, 1, dtype)
+        x = np.full((1, 1, 4), np.nan, np.float32)
+        zero = np.zeros(1, np.int64)
+        kernels.store_kv(x, x, kv.k[0], kv.v[0], zero, zero)
+        widened_k = widened(kv.k[0].transpose(0, 1, 3, 2), kv.k_scale[0], dtype)
+        assert np.isnan(widened_k).all()
+
+
+@SETTINGS
+@given(n=st.integers(1, 5), seed=st.integers(0, 2**32 - 1))
+def test_rope_qk_rotates_queries_and_keys_as_rope_does(n: int, seed: int) -> None:
+    rng = rng_for(seed)
+    q, k = f32(rng, n, 6, 16), f32(rng, n, 2, 16)
+    angles = rng.uniform(0, 6.3, (40, 8)).astype(np.float32)
+    cos, sin = np.cos(angles), np.sin(angles)
+    positions = rng.integers(0, 40, n).astype(np.int64)
+    want_q, want_k = q.copy(), k.copy()
+    kernels.rope(want_q, positions, cos, sin)
+    kernels.rope(want_k, positions, cos, sin)
+    kernels.rope_qk(q, k, positions, cos, sin)
+    assert q.tobytes() == want_q.tobytes() and k.tobytes() == want_k.tobytes()

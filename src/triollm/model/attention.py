@@ -8,13 +8,21 @@ half of a SmolLM2 prefill (docs/performance.md). This one works on tiles:
   aligned to multiples of 32 and gathered through the block table, widened
   once to float32 from the cache's storage (f32, f16, bf16 or q8_0,
   ``kvcache.py``) and shared by every query vector of the work item: the rows
-  of a query block times the ``group`` query heads of the KV head (GQA);
+  of a query block times the ``group`` query heads of the KV head (GQA). The
+  pool stores K *transposed within a block* (``(head_dim, block_size)`` per
+  block and head) and V as it comes (``(block_size, head_dim)``), so both
+  halves of a tile load are contiguous runs that LLVM vectorises: K straight
+  into the keys-along-lanes panel the score product wants, V into its panels
+  of 32 columns. (With K stored position-major the load was a transpose, one
+  scalar widening per element: ~75 ms of a Qwen2.5-1.5B decode step at depth
+  4096, ~15x the step's K/V bytes at the machine's bandwidth.);
 - **a work item** is (query block, KV head, segment): up to :data:`Q_BLOCK`
   consecutive rows of one chunk against the positions of one segment of
   :data:`SEGMENT_POSITIONS`. A segment's partial result (max, sum, weighted
   sum of V) goes to a buffer; :func:`_merge` combines a row's segments. So a
   single decode row at depth 16384 is 16 segments x the KV heads, spread over
-  both cores, while a prefill chunk is many query blocks;
+  both cores, while a prefill chunk is many query blocks. Every item reads its
+  K/V tiles once for all the query heads of its GQA group;
 - **scores** for a tile are one small product ``(vectors, head_dim) @
   (head_dim, 32)`` on the weight products' register tiles (``matmul.py``), keys
   along the vector lanes, no horizontal sum per score; so is the tile's
@@ -22,6 +30,11 @@ half of a SmolLM2 prefill (docs/performance.md). This one works on tiles:
   max if it must, rescales what was summed so far by ``exp(old max - new
   max)``, and adds its own terms (docs/engine.md draws it step by step). Tiles
   wholly past a query block's last row are never visited (the causal half).
+
+One step's items are planned once (:func:`plan_attention`) and the plan serves
+every layer with the same window; a plan with little work runs its items on
+the calling thread (:data:`PARALLEL_MIN_TILES`), since waking the other
+(passive) OpenMP worker costs more than a few tiles.
 
 Batch invariance, the rule that a row's bits do not depend on what else is in
 the step: a row's arithmetic is a function of its own position only. Tiles are
@@ -31,10 +44,11 @@ decides how LLVM splits it into vector body and remainder, so it must not
 depend on other rows); its other weights are exactly 0; the product tiles give
 an element the same chain of roundings whichever tile size computes it; the
 segments merge in position order. Which rows share a query block, and which
-thread runs an item, change only *when* a row's sums happen, never their
-order. The same holds across chunkings of one prompt (the prefix cache), and
-between a decode row and a prefill row at the same position: there is one
-kernel. ``tests/model/test_kernels.py`` checks it.
+thread (or whether a second one) runs an item, change only *when* a row's sums
+happen, never their order: the serial and the parallel driver call the one
+compiled :func:`_item`. The same holds across chunkings of one prompt (the
+prefix cache), and between a decode row and a prefill row at the same
+position: there is one kernel. ``tests/model/test_kernels.py`` checks it.
 
 Hazard: numba here has no SVML, so ``np.exp`` is a scalar libm call per
 element that no loop vectorises, one per score; :func:`_exp` is a vectorisable
@@ -44,13 +58,17 @@ merges without changing a bit).
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
+from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
+from triollm.model.kvcache import Q8_BLOCK
 from triollm.model.matmul import PANEL as TILE
 from triollm.model.matmul import _tile1, _tile2, _tile4, _tile8
 from triollm.model.threads import start_parallel_runtime
@@ -65,6 +83,16 @@ Q_BLOCK = 16
 # n_kv items for 2 cores, and keeps a 2048-row prefill's partials (rows x heads
 # x segments x (head_dim + 2) floats) at tens of MB.
 SEGMENT_POSITIONS = 1024  # a multiple of TILE (32)
+# Below this many tile visits (a tile loaded and multiplied for one row; a
+# query block of r rows counts r per tile) the items run on the calling thread.
+# Two cores halve at best the visits' time, and opening a parallel region costs
+# about five visits: `python bench/bench_attention.py --wake` measured an empty
+# region at 9.1 us and a visit (6 query heads x 128) at 1.8 us (busy machine,
+# load 18); so the split pays from 2 x 9.1 / 1.8 ~ 10 visits on.
+PARALLEL_MIN_TILES = 10
+
+if TILE != Q8_BLOCK:  # _load_values takes one q8_0 scale per V panel row
+    raise ImportError(f"attention needs TILE ({TILE}) == kvcache.Q8_BLOCK ({Q8_BLOCK})")
 
 _LOG2E = np.float32(1.4426950408889634)
 _LN2_HI = np.float32(0.693359375)  # ln 2 split in two (Cody-Waite): n * hi is exact
@@ -84,6 +112,21 @@ def _f32_from_bits(typingctx: Any, bits: Any) -> Any:
         if bits.bitwidth != 32:  # type: ignore[attr-defined]  # numba's Integer has it
             low = builder.trunc(low, ir.IntType(32))
         return builder.bitcast(low, ir.FloatType())
+
+    return types.float32(bits), codegen
+
+
+@intrinsic
+def _f32_from_half(typingctx: Any, bits: Any) -> Any:
+    """IEEE half bits (an int16) as float32: LLVM's ``fpext half``, exact for
+    every half; in a vectorised loop one ``vcvtph2ps`` per 16 values (F16C, which
+    the products' f16 panels already need). Hazard: an inf/NaN half stays one;
+    the write side (kvcache.py) saturates, so the cache holds none."""
+    if not isinstance(bits, types.Integer) or bits.bitwidth != 16:  # type: ignore[attr-defined]
+        return None
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
 
     return types.float32(bits), codegen
 
@@ -108,45 +151,172 @@ def _exp(x: Any) -> Any:  # pragma: no cover - numba
     return p * _f32_from_bits(e)  # type: ignore[call-arg]  # typingctx is numba's
 
 
-# --- widening a cache element to float32, by the cache's storage dtype --------
+# --- loading a tile: widening runs of the cache to float32, by storage dtype --
 
 
-def _value(cache, scales, b, h, t, j):  # type: ignore[no-untyped-def]  # numba: names only
-    """``cache[b, h, t, j]`` as float32 (numba picks the storage below)."""
+def _to_f32(x):  # type: ignore[no-untyped-def]  # numba: the overload is the body
+    """One stored K/V element as float32 (q8_0's int8 before its scale)."""
+    raise NotImplementedError
+
+
+@overload(_to_f32, inline="always")
+def _to_f32_impl(x):  # type: ignore[no-untyped-def]
+    if x == types.float32:
+        return lambda x: x
+    if x == types.int16:  # IEEE f16 bits (the matmul's convention for f16)
+        return lambda x: _f32_from_half(x)
+    if x == types.uint16:  # bfloat16 bits: the top half of a float32
+        return lambda x: _f32_from_bits(np.int32(x) << np.int32(16))
+    if x == types.int8:  # q8_0's value; the caller multiplies by the block's scale
+        return lambda x: np.float32(x)
+    return None
+
+
+_LANES = 16  # float32 lanes of one AVX-512 vector; a run of TILE is two
+
+
+@intrinsic
+def _widen_run(typingctx: Any, src: Any, s_at: Any, dst: Any, d_at: Any, n: Any) -> Any:
+    """``dst.flat[d_at : d_at + n] = float32(src.flat[s_at : s_at + n])``, ``n <= 32``.
+
+    src: a C-contiguous float32 | int16 (f16 bits) | uint16 (bf16 bits) array;
+    dst: a C-contiguous float32 array; the offsets count elements. Two masked
+    16-lane loads, widened in registers (f16: ``fpext half``, one vcvtph2ps;
+    bf16: a shift; f32: as is), two masked stores: no element past ``n`` is
+    read or written. Written in IR because numba's loops over the same run
+    came out scalar (one conversion per element, the cost this replaces).
+    """
+    ok = (
+        isinstance(src, types.Array)
+        and src.layout == "C"
+        and src.dtype in (types.float32, types.int16, types.uint16)
+        and isinstance(dst, types.Array)
+        and dst.layout == "C"
+        and dst.dtype == types.float32
+        and all(isinstance(x, types.Integer) for x in (s_at, d_at, n))
+    )
+    if not ok:
+        return None
+    kind = str(src.dtype)
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        a = signature.args
+        i1, i8, i16, i32, i64 = (ir.IntType(w) for w in (1, 8, 16, 32, 64))
+        vf = ir.VectorType(ir.FloatType(), _LANES)
+        vh = ir.VectorType(i16, _LANES)
+        vi32 = ir.VectorType(i32, _LANES)
+        vmask = ir.VectorType(i1, _LANES)
+        i8p = i8.as_pointer()
+        mod = builder.module
+        load_t = vf if kind == "float32" else vh
+        suffix = "v16f32" if kind == "float32" else "v16i16"
+        mload = cgutils.get_or_insert_function(
+            mod, ir.FunctionType(load_t, [i8p, i32, vmask, load_t]), f"llvm.masked.load.{suffix}.p0"
+        )
+        mstore = cgutils.get_or_insert_function(
+            mod,
+            ir.FunctionType(ir.VoidType(), [vf, i8p, i32, vmask]),
+            "llvm.masked.store.v16f32.p0",
+        )
+        sa = context.make_array(a[0])(context, builder, args[0])
+        da = context.make_array(a[2])(context, builder, args[2])
+        s_at_v = context.cast(builder, args[1], a[1], types.int64)
+        d_at_v = context.cast(builder, args[3], a[3], types.int64)
+        count = builder.trunc(context.cast(builder, args[4], a[4], types.int64), i32)
+        width = 4 if kind == "float32" else 2
+        s_ptr = builder.gep(
+            builder.bitcast(sa.data, i8p), [builder.mul(s_at_v, ir.Constant(i64, width))]
+        )
+        d_ptr = builder.gep(
+            builder.bitcast(da.data, i8p), [builder.mul(d_at_v, ir.Constant(i64, 4))]
+        )
+        undef = ir.Constant(vi32, ir.Undefined)
+        limit = builder.shuffle_vector(
+            builder.insert_element(undef, count, ir.Constant(i32, 0)),
+            undef,
+            ir.Constant(vi32, [0] * _LANES),
+        )
+        for v in range(TILE // _LANES):
+            lanes = ir.Constant(vi32, [v * _LANES + i for i in range(_LANES)])
+            mask = builder.icmp_signed("<", lanes, limit)
+            at = builder.gep(s_ptr, [ir.Constant(i64, v * _LANES * width)])
+            raw = builder.call(
+                mload, [at, ir.Constant(i32, width), mask, ir.Constant(load_t, None)]
+            )
+            if kind == "float32":
+                val = raw
+            elif kind == "int16":  # IEEE half bits
+                val = builder.fpext(builder.bitcast(raw, ir.VectorType(ir.HalfType(), _LANES)), vf)
+            else:  # bfloat16 bits: the top half of a float32
+                wide = builder.shl(builder.zext(raw, vi32), ir.Constant(vi32, [16] * _LANES))
+                val = builder.bitcast(wide, vf)
+            out = builder.gep(d_ptr, [ir.Constant(i64, v * _LANES * 4)])
+            builder.call(mstore, [val, out, ir.Constant(i32, 4), mask])
+        return context.get_dummy_value()
+
+    return types.void(src, s_at, dst, d_at, n), codegen
+
+
+def _load_keys(cache, scales, b, h, o, kp, t, n):  # type: ignore[no-untyped-def]
+    """``kp[0, j, t:t+n] = K[j]`` of positions ``o .. o+n-1`` of block ``b``, head ``h``."""
     raise NotImplementedError  # only called from numba; the overload is the body
 
 
-_TWO_112 = np.float32(2.0**112)  # rebiases an f16 exponent (15) to float32's (127)
+@overload(_load_keys, inline="always")
+def _load_keys_impl(cache, scales, b, h, o, kp, t, n):  # type: ignore[no-untyped-def]
+    # cache: (num_blocks, n_kv, head_dim, block_size), K transposed within a block:
+    # for each j the tile's positions are one contiguous run on both sides.
+    if cache.dtype == types.int8:  # q8_0: scales (num_blocks, n_kv, head_dim // 32, bs)
 
-
-@overload(_value, inline="always")
-def _value_impl(cache, scales, b, h, t, j):  # type: ignore[no-untyped-def]
-    dt = cache.dtype
-    if dt == types.float32:
-        return lambda cache, scales, b, h, t, j: cache[b, h, t, j]
-    if dt == types.int16:  # IEEE f16 bits (the matmul's convention for f16)
-        # sign to bit 31, exponent+mantissa to bits 13..30, times 2^112: exact for
-        # every finite f16, subnormals included. Hazard: an f16 inf/NaN comes
-        # back as a large finite number; the write side (kvcache.py) saturates.
-        def f16(cache, scales, b, h, t, j):  # type: ignore[no-untyped-def]
-            u = np.int32(cache[b, h, t, j]) & np.int32(0xFFFF)
-            bits = ((u & np.int32(0x8000)) << np.int32(16)) | ((u & np.int32(0x7FFF)) << 13)
-            return _f32_from_bits(bits) * _TWO_112
-
-        return f16
-    if dt == types.uint16:  # bfloat16 bits: the top half of a float32
-        return lambda cache, scales, b, h, t, j: _f32_from_bits(
-            np.int32(cache[b, h, t, j]) << np.int32(16)
-        )
-    if dt == types.int8:  # q8_0: int8 values, one f16 scale per 32 along head_dim
-
-        def q8(cache, scales, b, h, t, j):  # type: ignore[no-untyped-def]
-            u = np.int32(scales[b, h, t, j // 32]) & np.int32(0xFFFF)
-            bits = ((u & np.int32(0x8000)) << np.int32(16)) | ((u & np.int32(0x7FFF)) << 13)
-            return np.float32(cache[b, h, t, j]) * (_f32_from_bits(bits) * _TWO_112)
+        def q8(cache, scales, b, h, o, kp, t, n):  # type: ignore[no-untyped-def]
+            # plain loops (q8_0 is not the default; its scale per lane has no IR run)
+            for j in range(kp.shape[1]):
+                jb = j // Q8_BLOCK
+                for u in range(n):
+                    d = _f32_from_half(scales[b, h, jb, o + u])
+                    kp[0, j, t + u] = np.float32(cache[b, h, j, o + u]) * d
 
         return q8
-    return None
+
+    def plain(cache, scales, b, h, o, kp, t, n):  # type: ignore[no-untyped-def]
+        head_dim, bs = cache.shape[2], cache.shape[3]
+        at = (b * cache.shape[1] + h) * head_dim * bs + o  # K[b, h, 0, o], flat
+        for j in range(head_dim):
+            _widen_run(cache, at + j * bs, kp, j * TILE + t, n)  # kp: (1, head_dim, TILE)
+
+    return plain
+
+
+def _load_values(cache, scales, b, h, o, vp, t):  # type: ignore[no-untyped-def]
+    """``vp[p, t, :] = V[32 p : 32 p + 32]`` of position ``o`` of block ``b``, head ``h``."""
+    raise NotImplementedError  # only called from numba; the overload is the body
+
+
+@overload(_load_values, inline="always")
+def _load_values_impl(cache, scales, b, h, o, vp, t):  # type: ignore[no-untyped-def]
+    # cache: (num_blocks, n_kv, block_size, head_dim): a position's V is one
+    # contiguous run, cut into the panels of 32 columns the V product reads (the
+    # last one partial when head_dim is not a multiple of 32).
+    if cache.dtype == types.int8:  # q8_0: scales (num_blocks, n_kv, bs, head_dim // 32)
+
+        def q8(cache, scales, b, h, o, vp, t):  # type: ignore[no-untyped-def]
+            head_dim = cache.shape[3]
+            for p in range(vp.shape[0]):
+                d = _f32_from_half(scales[b, h, o, p])  # a panel is one q8_0 block
+                for c in range(min(TILE, head_dim - p * TILE)):
+                    vp[p, t, c] = np.float32(cache[b, h, o, p * TILE + c]) * d
+
+        return q8
+
+    def plain(cache, scales, b, h, o, vp, t):  # type: ignore[no-untyped-def]
+        head_dim = cache.shape[3]
+        at = ((b * cache.shape[1] + h) * cache.shape[2] + o) * head_dim  # V[b, h, o, 0]
+        for p in range(vp.shape[0]):  # vp: (n_panels, TILE, TILE)
+            _widen_run(
+                cache, at + p * TILE, vp, (p * TILE + t) * TILE, min(TILE, head_dim - p * TILE)
+            )
+
+    return plain
 
 
 # --- planning: query blocks, segments, and where each partial goes ------------
@@ -155,9 +325,10 @@ def _value_impl(cache, scales, b, h, t, j):  # type: ignore[no-untyped-def]
 @njit(cache=True, nogil=True)
 def _plan(
     positions: Any, row_chunk: Any, window: int, seg_len: int, n_kv: int
-) -> tuple[Any, Any, Any]:  # pragma: no cover - numba
+) -> tuple[Any, Any, Any, int]:  # pragma: no cover - numba
     # items: (n_items, 4) int64 rows [r0, r1) of one query block, KV head, segment.
     # first_seg[r]: the row's first segment; base[r]: its first partial's index.
+    # visits: tiles the items will load, times their rows (the work's size).
     n = positions.shape[0]
     first_seg = np.empty(n, np.int64)
     base = np.empty(n + 1, np.int64)
@@ -185,18 +356,50 @@ def _plan(
         count += n_kv * (positions[r1 - 1] // seg_len - first_seg[r0] + 1)
     items = np.empty((count, 4), np.int64)
     i = 0
+    visits = 0
     for r0, r1 in blocks:
+        p_last = positions[r1 - 1]
+        lo_first = max(0, positions[r0] - window + 1) if window > 0 else 0
         for kvh in range(n_kv):
-            for seg in range(first_seg[r0], positions[r1 - 1] // seg_len + 1):
+            for seg in range(first_seg[r0], p_last // seg_len + 1):
                 items[i, 0] = r0
                 items[i, 1] = r1
                 items[i, 2] = kvh
                 items[i, 3] = seg
                 i += 1
-    return items, first_seg, base
+                t_begin = max(seg * seg_len, lo_first) // TILE
+                t_end = min(seg * seg_len + seg_len - 1, p_last) // TILE
+                visits += (t_end - t_begin + 1) * (r1 - r0)
+    return items, first_seg, base, visits
 
 
 # --- one work item: a query block against one segment of one KV head ---------
+
+
+@njit(inline="always")
+def _tree_max(x: Any) -> Any:  # pragma: no cover - numba
+    # max of x[0:32] (consumed) by halves: 16, 8, 4, 2, 1 lanes, each an
+    # elementwise loop LLVM vectorises (a max is exact in any order)
+    for i in range(16):
+        x[i] = max(x[i], x[i + 16])
+    for i in range(8):
+        x[i] = max(x[i], x[i + 8])
+    for i in range(4):
+        x[i] = max(x[i], x[i + 4])
+    return max(max(x[0], x[2]), max(x[1], x[3]))
+
+
+@njit(inline="always")
+def _tree_sum(w: Any, x: Any) -> Any:  # pragma: no cover - numba
+    # sum of w[0:32] into scratch x by halves, in one fixed order for every row:
+    # a sequential sum is a chain of 32 dependent adds, this is 5 vector steps
+    for i in range(16):
+        x[i] = w[i] + w[i + 16]
+    for i in range(8):
+        x[i] = x[i] + x[i + 8]
+    for i in range(4):
+        x[i] = x[i] + x[i + 4]
+    return (x[0] + x[2]) + (x[1] + x[3])
 
 
 @njit(inline="always")
@@ -219,7 +422,7 @@ def _rows_times_panel(x: Any, w: Any, out: Any, panel: int, k_in: int, ncols: in
         _tile1(x, w, out, r, panel, k_in, ncols)
 
 
-@njit(inline="always")
+@njit(cache=True, nogil=True, fastmath={"contract"})
 def _item(
     q: Any,
     k_cache: Any,
@@ -239,8 +442,12 @@ def _item(
     first_seg: Any,
     base: Any,
 ) -> None:  # pragma: no cover - numba
+    # One compiled function that both drivers call (not inlined into them): its
+    # arithmetic is then the same on either, and it compiles once per cache type.
+    # Only "contract" (fused multiply-add) of the fast-math flags: no reassociation,
+    # so each sum runs in the order written, the same in vector body and remainder.
     n_heads, head_dim = q.shape[1], q.shape[2]
-    bs = k_cache.shape[2]
+    bs = k_cache.shape[3]  # K: (num_blocks, n_kv, head_dim, block_size)
     group = n_heads // k_cache.shape[1]
     nq = (r1 - r0) * group
     n_vp = (head_dim + TILE - 1) // TILE  # V panels of 32 columns
@@ -258,6 +465,7 @@ def _item(
     lsum = np.zeros(nq, np.float32)  # running sum of exp(score - m)
     acc = np.zeros((nq, head_dim), np.float32)  # running sum of exp(score - m) * v
     started = np.zeros(nq, np.bool_)
+    red = np.empty(TILE, np.float32)  # a reduction's scratch
     seg_lo = seg * seg_len
     seg_hi = seg_lo + seg_len - 1
     p_last = positions[r1 - 1]
@@ -265,20 +473,23 @@ def _item(
     t_begin = max(seg_lo, lo_first) // TILE * TILE
     t_end = min(seg_hi, p_last)
     for t0 in range(t_begin, t_end + 1, TILE):
-        # load the tile once for every query vector of the item; positions past
-        # the item's last row are zeros (never weighted: finite is what matters)
-        for t in range(TILE):
+        # load the tile once for every query vector of the item, a block's run of
+        # positions at a time; positions past the item's last row are zeros
+        # (never weighted: finite is what matters)
+        n_valid = min(TILE, p_last - t0 + 1)
+        t = 0
+        while t < n_valid:
             pos = t0 + t
-            if pos <= p_last:
-                b = table[pos // bs]
-                o = pos % bs
-                for j in range(head_dim):
-                    kp[0, j, t] = _value(k_cache, k_scale, b, kvh, o, j)
-                    vp[j // TILE, t, j % TILE] = _value(v_cache, v_scale, b, kvh, o, j)
-            else:
-                for j in range(head_dim):
-                    kp[0, j, t] = np.float32(0.0)
-                    vp[j // TILE, t, j % TILE] = np.float32(0.0)
+            b = table[pos // bs]
+            o = pos % bs
+            n = min(bs - o, n_valid - t)  # this block's positions in the tile
+            _load_keys(k_cache, k_scale, b, kvh, o, kp, t, n)
+            for u in range(n):
+                _load_values(v_cache, v_scale, b, kvh, o + u, vp, t + u)
+            t += n
+        if n_valid < TILE:
+            kp[0, :, n_valid:] = np.float32(0.0)
+            vp[:, n_valid:, :] = np.float32(0.0)
         _rows_times_panel(qb, kp, sc, 0, head_dim, TILE)  # sc = q . k, all vectors
         for r in range(r0, r1):
             p = positions[r]
@@ -291,25 +502,24 @@ def _item(
                     for t in range(TILE):
                         sc[qi, t] = np.float32(0.0)
                     continue
-                # the online softmax: raise the max, rescale the past, add the tile
-                mt = sc[qi, a] * scale
-                for t in range(a + 1, z + 1):
-                    mt = max(mt, sc[qi, t] * scale)
+                # the online softmax: raise the max, rescale the past, add the tile.
+                # Every loop runs over all 32 lanes (a constant trip count: the
+                # same vector code for every lane of every row, no remainder);
+                # lanes outside a..z are masked by value, never by trip count.
+                first = sc[qi, a] * scale
+                for t in range(TILE):  # outside a..z: a valid score (the max is unchanged)
+                    red[t] = sc[qi, t] * scale if a <= t <= z else first
+                mt = _tree_max(red)
                 m_new = max(m[qi], mt) if started[qi] else mt
-                for t in range(a, z + 1):
-                    sc[qi, t] = _exp(sc[qi, t] * scale - m_new)
-                for t in range(0, a):
-                    sc[qi, t] = np.float32(0.0)
-                for t in range(z + 1, TILE):
-                    sc[qi, t] = np.float32(0.0)
+                for t in range(TILE):
+                    e = _exp(sc[qi, t] * scale - m_new)
+                    sc[qi, t] = e if a <= t <= z else np.float32(0.0)
+                total = _tree_sum(sc[qi], red)  # exact zeros outside a..z add nothing
                 if started[qi]:
                     alpha = _exp(m[qi] - m_new)
-                    total = lsum[qi] * alpha
+                    total = lsum[qi] * alpha + total
                 else:
                     alpha = np.float32(0.0)
-                    total = np.float32(0.0)
-                for t in range(a, z + 1):
-                    total += sc[qi, t]
                 lsum[qi] = total
                 m[qi] = m_new
                 if started[qi]:
@@ -342,7 +552,10 @@ def _item(
                 parts[index, h, 2 + j] = acc[qi, j]
 
 
-@njit(cache=True, nogil=True, parallel=True, fastmath={"contract"})
+# --- the drivers: every item, on both cores or on this thread -----------------
+
+
+@njit(cache=True, nogil=True, parallel=True)
 def _attend(
     q: Any,
     k_cache: Any,
@@ -360,8 +573,6 @@ def _attend(
     seg_len: int,
     parts: Any,
 ) -> None:  # pragma: no cover - numba
-    # Only "contract" (fused multiply-add) of the fast-math flags: no reassociation,
-    # so each sum runs in the order written, the same in vector body and remainder.
     for i in prange(items.shape[0]):
         r0 = items[i, 0]
         _item(
@@ -385,11 +596,56 @@ def _attend(
         )
 
 
-@njit(cache=True, nogil=True, parallel=True, fastmath={"contract"})
+@njit(cache=True, nogil=True)
+def _attend_serial(
+    q: Any,
+    k_cache: Any,
+    v_cache: Any,
+    k_scale: Any,
+    v_scale: Any,
+    positions: Any,
+    row_chunk: Any,
+    block_tables: Any,
+    window: int,
+    scale: Any,
+    items: Any,
+    first_seg: Any,
+    base: Any,
+    seg_len: int,
+    parts: Any,
+) -> None:  # pragma: no cover - numba
+    # _attend's loop on the calling thread: no parallel region to open (and no
+    # worker to wake) for a few tiles' work.
+    for i in range(items.shape[0]):
+        r0 = items[i, 0]
+        _item(
+            q,
+            k_cache,
+            v_cache,
+            k_scale,
+            v_scale,
+            positions,
+            block_tables[row_chunk[r0]],
+            r0,
+            items[i, 1],
+            items[i, 2],
+            items[i, 3],
+            seg_len,
+            window,
+            scale,
+            parts,
+            first_seg,
+            base,
+        )
+
+
+@njit(cache=True, nogil=True, fastmath={"contract"})
 def _merge(parts: Any, base: Any, out: Any) -> None:  # pragma: no cover - numba
-    # out[r, h] = sum_s acc_s exp(m_s - M) / sum_s l_s exp(m_s - M), segments in order
+    # out[r, h] = sum_s acc_s exp(m_s - M) / sum_s l_s exp(m_s - M), segments in order.
+    # On this thread: a few vectors per row and head, less than a parallel region's
+    # wake-up for a decode step, and a few ms for a 2048-row prefill.
     n, n_heads, head_dim = out.shape
-    for item in prange(n * n_heads):
+    for item in range(n * n_heads):
         r = item // n_heads
         h = item % n_heads
         big = parts[base[r], h, 0]
@@ -408,6 +664,46 @@ def _merge(parts: Any, base: Any, out: Any) -> None:  # pragma: no cover - numba
             out[r, h, j] *= inv
 
 
+# --- the public driver ----------------------------------------------------------
+
+
+@dataclass(frozen=True, eq=False)
+class AttentionPlan:
+    """One step's work items, and where each row's partial results go.
+
+    Depends only on the rows' positions and chunks, the window and the head
+    shape, so one plan serves every layer with the same window: the forward
+    builds it once per step (``llama.py``), not once per layer.
+
+    Trap: a plan is valid only for the arrays it was built from; passing it
+    with other positions reads partials that belong to other rows.
+    """
+
+    items: np.ndarray  # (n_items, 4) int64: rows [r0, r1), KV head, segment
+    first_seg: np.ndarray  # (n,) int64: each row's first segment
+    base: np.ndarray  # (n + 1,) int64: each row's first partial's index in parts
+    seg_len: int  # positions per segment (SEGMENT_POSITIONS when planned)
+    window: int  # 0, or the sliding window the plan masks to
+    parts: np.ndarray  # (n_partials, n_heads, head_dim + 2) float32 scratch, reused
+    parallel: bool  # False: fewer than PARALLEL_MIN_TILES tile visits, one thread
+
+
+def plan_attention(
+    positions: np.ndarray,
+    row_chunk: np.ndarray,
+    window: int,
+    n_kv_heads: int,
+    n_heads: int,
+    head_dim: int,
+) -> AttentionPlan:
+    """Plan :func:`paged_attention` for these rows (see :class:`AttentionPlan`)."""
+    seg_len = SEGMENT_POSITIONS  # a multiple of TILE: a tile never straddles two segments
+    items, first_seg, base, visits = _plan(positions, row_chunk, int(window), seg_len, n_kv_heads)
+    parts = np.empty((int(base[-1]), n_heads, head_dim + 2), np.float32)
+    parallel = len(items) > 1 and visits >= PARALLEL_MIN_TILES
+    return AttentionPlan(items, first_seg, base, seg_len, int(window), parts, parallel)
+
+
 _NO_SCALES = np.zeros((1, 1, 1, 1), np.int16)  # the scale argument of an unscaled cache
 
 
@@ -423,18 +719,22 @@ def paged_attention(
     out: np.ndarray,
     k_scale: np.ndarray | None = None,
     v_scale: np.ndarray | None = None,
+    plan: AttentionPlan | None = None,
 ) -> None:
     """Causal attention of every row over its own sequence's cached positions.
 
-    q: (n, n_heads, head_dim) float32, RoPE applied; k_cache, v_cache: one
-    layer's pool, (num_blocks, n_kv_heads, block_size, head_dim) in the cache's
-    storage (float32, int16 f16 bits, uint16 bf16 bits, or int8 with
-    ``k_scale``/``v_scale`` (num_blocks, n_kv_heads, block_size, head_dim // 32)
-    int16 f16 scales: q8_0), already holding this step's K/V; positions: (n,)
-    int64; row_chunk: (n,) int64, the row's index into block_tables:
-    (n_chunks, max_blocks) int64; window: 0, or attend only to the last
-    ``window`` positions (a sliding-window layer passes its own); out: (n,
-    n_heads, head_dim) float32.
+    q: (n, n_heads, head_dim) float32, RoPE applied; one layer's pool, already
+    holding this step's K/V, in the cache's storage (float32, int16 f16 bits,
+    uint16 bf16 bits, or int8 with f16 scales as int16: q8_0):
+    k_cache (num_blocks, n_kv_heads, head_dim, block_size), K transposed
+    within a block, and v_cache (num_blocks, n_kv_heads, block_size,
+    head_dim); q8_0's k_scale (num_blocks, n_kv_heads, head_dim // 32,
+    block_size) and v_scale (num_blocks, n_kv_heads, block_size, head_dim //
+    32). positions: (n,) int64; row_chunk: (n,) int64, the row's index into
+    block_tables: (n_chunks, max_blocks) int64; window: 0, or attend only to
+    the last ``window`` positions (a sliding-window layer passes its own);
+    out: (n, n_heads, head_dim) float32; plan: :func:`plan_attention` of these
+    rows, built here when not given.
 
     Row i sees positions ``lo .. positions[i]`` of its sequence and nothing
     else: the block table is the only way in, so another sequence's blocks are
@@ -442,13 +742,16 @@ def paged_attention(
     a reservation's stale data: they are in a tile, but outside the row's
     ``a..z`` range, so they are neither exponentiated nor summed).
     """
-    n_kv = k_cache.shape[1]
-    seg_len = SEGMENT_POSITIONS  # a multiple of TILE: a tile never straddles two segments
-    items, first_seg, base = _plan(positions, row_chunk, int(window), seg_len, n_kv)
-    parts = np.empty((int(base[-1]), q.shape[1], q.shape[2] + 2), np.float32)
+    if plan is None:
+        plan = plan_attention(
+            positions, row_chunk, window, k_cache.shape[1], q.shape[1], q.shape[2]
+        )
+    elif plan.window != int(window):
+        raise ValueError(f"the plan masks to window {plan.window}, the layer asks {window}")
     ks = _NO_SCALES if k_scale is None else k_scale
     vs = _NO_SCALES if v_scale is None else v_scale
-    _attend(
+    driver = _attend if plan.parallel else _attend_serial
+    driver(
         q,
         k_cache,
         v_cache,
@@ -457,12 +760,48 @@ def paged_attention(
         positions,
         row_chunk,
         block_tables,
-        int(window),
+        plan.window,
         np.float32(scale),
-        items,
-        first_seg,
-        base,
-        seg_len,
-        parts,
+        plan.items,
+        plan.first_seg,
+        plan.base,
+        plan.seg_len,
+        plan.parts,
     )
-    _merge(parts, base, out)
+    _merge(plan.parts, plan.base, out)
+
+
+def warm_up(storage: type) -> None:
+    """Compile (or load from numba's disk cache) attention for one storage dtype.
+
+    Both drivers and the merge, with the argument types the forward passes
+    (C-contiguous 4-D pools, int64 indices, a float32 scale). Only the pool's
+    own type: each compiles ``_item`` anew (the bulk of a cold start), so
+    compiling all four would make a cold start pay for three types nobody uses.
+    """
+    n, n_kv, hd, bs = 2, 2, 4, 4
+    q = np.ones((n, n_kv, hd), np.float32)
+    k_cache: np.ndarray = np.zeros((1, n_kv, hd, bs), storage)
+    v_cache: np.ndarray = np.zeros((1, n_kv, bs, hd), storage)
+    k_scale = np.zeros((1, n_kv, 1, bs), np.int16)
+    v_scale = np.zeros((1, n_kv, bs, 1), np.int16)
+    positions = np.arange(n, dtype=np.int64)
+    row_chunk = np.zeros(n, np.int64)
+    tables = np.zeros((1, 1), np.int64)
+    out = np.empty_like(q)
+    plan = plan_attention(positions, row_chunk, 0, n_kv, n_kv, hd)
+    for parallel in (True, False):
+        paged_attention(
+            q,
+            k_cache,
+            v_cache,
+            positions,
+            row_chunk,
+            tables,
+            0,
+            np.float32(0.5),
+            out,
+            k_scale,
+            v_scale,
+            dataclasses.replace(plan, parallel=parallel),
+        )

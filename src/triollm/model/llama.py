@@ -47,7 +47,7 @@ import numpy as np
 from triollm.errors import ModelLoadError
 from triollm.model import gemma, kernels, phi3
 from triollm.model.config import ModelConfig
-from triollm.model.kvcache import PagedKVCache
+from triollm.model.kvcache import KVDtype, PagedKVCache
 from triollm.model.matmul import PreparedWeight, linear, prepare
 from triollm.model.moe import Expert, MoeBlock, expert_keys, router_key
 from triollm.model.quant import QuantizedTensor, stack_rows
@@ -383,6 +383,8 @@ class LlamaModel:
         if self.embed_scale is not None:
             x *= self.embed_scale
 
+        # attention's work items, planned once per window and shared by the layers
+        plans: dict[int, kernels.AttentionPlan] = {}
         for i, layer in enumerate(self.layers):
             cos, sin, window = self._attention_kind[i]
             # attention rmsnorm
@@ -407,18 +409,24 @@ class LlamaModel:
                 k_heads = k.reshape(n * n_kv, hd)
                 kernels.rms_norm(q_heads, layer.q_norm, self.eps, q_heads)
                 kernels.rms_norm(k_heads, layer.k_norm, self.eps, k_heads)
-            # RoPE at each row's own position
-            kernels.rope(q3, rows.positions, cos, sin)
-            kernels.rope(k3, rows.positions, cos, sin)
+            # RoPE at each row's own position, queries and keys in one call
+            kernels.rope_qk(q3, k3, rows.positions, cos, sin)
             # write this step's K/V through the block tables, then attend over the pool
             # (in the cache's element type: kvcache.py rounds, attention widens)
-            k_store, k_scales = kv.encode(k3)
-            v_store, v_scales = kv.encode(v3)
-            kernels.write_kv(k_store, v_store, kv.k[i], kv.v[i], rows.block, rows.offset)
-            if k_scales is not None and v_scales is not None:  # q8_0's per-32 scales
-                kernels.write_kv(
-                    k_scales, v_scales, kv.k_scale[i], kv.v_scale[i], rows.block, rows.offset
-                )
+            if kv.dtype is not KVDtype.Q8_0:  # rounded on the way in, one call
+                kernels.store_kv(k3, v3, kv.k[i], kv.v[i], rows.block, rows.offset)
+            else:  # q8_0: numpy's blocks and scales, then two writes
+                k_store, k_scales = kv.encode(k3)
+                v_store, v_scales = kv.encode(v3)
+                kernels.write_kv(k_store, v_store, kv.k[i], kv.v[i], rows.block, rows.offset)
+                if k_scales is not None and v_scales is not None:
+                    kernels.write_kv(
+                        k_scales, v_scales, kv.k_scale[i], kv.v_scale[i], rows.block, rows.offset
+                    )
+            plan = plans.get(window)
+            if plan is None:
+                plan = kernels.plan_attention(rows.positions, rows.chunk, window, n_kv, n_h, hd)
+                plans[window] = plan
             kernels.paged_attention(
                 q3,
                 kv.k[i],
@@ -431,6 +439,7 @@ class LlamaModel:
                 att3,
                 kv.k_scale[i],
                 kv.v_scale[i],
+                plan,
             )
             # output projection + residual
             linear(att, layer.o_proj, out=proj)
