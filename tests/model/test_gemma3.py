@@ -123,8 +123,9 @@ def test_a_sliding_layer_never_reads_a_position_that_left_its_window() -> None:
         if poison_layer is not None:
             for pos in range(p - g.sliding_window + 1):
                 b, o = table[pos // block], pos % block
-                batch.kv.k[poison_layer, b, :, o] = 1e4
-                batch.kv.v[poison_layer, b, :, o] = -1e4
+                k_at, v_at = batch.kv.position(poison_layer, b, o)  # views into the pool
+                k_at[...] = 1e4
+                v_at[...] = -1e4
         step = ChunkPlan(0, (token,), p, table, sample=True, prefill=False)
         return model.model.forward([step], batch.kv)[0]
 
