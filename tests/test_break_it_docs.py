@@ -53,3 +53,19 @@ def test_the_page_quotes_the_recorded_table() -> None:
     page = break_it.PAGE.read_text()
     quoted = page.split(break_it.BEGIN, 1)[1].split(break_it.END, 1)[0].strip()
     assert quoted == break_it.render_table(recorded)
+
+
+def test_each_exercise_runs_a_test_its_row_was_recorded_failing() -> None:
+    """`--try KEY` runs one test (PROOFS): one the row's own run saw fail, so the
+    exercise shows the mechanism's guard, not a test that happens to pass."""
+    recorded = json.loads(break_it.RESULTS.read_text())
+    assert set(break_it.PROOFS) == {m.key for m in break_it.MUTATIONS}
+    for key, proof in break_it.PROOFS.items():
+        assert proof in recorded[key]["failing"], f"{key}: {proof} was not seen failing"
+
+
+def test_the_reservation_row_fails_on_the_deadlock_not_on_the_policy_guard() -> None:
+    """Row 3 breaks reservation the way the Scheduler's guard allows (grow a block at a
+    time): its failures must include the simulator's deadlock, not the guard alone."""
+    recorded = json.loads(break_it.RESULTS.read_text())["no-answer-reservation"]
+    assert any(t.startswith("tests/test_sim.py::") for t in recorded["failing"])

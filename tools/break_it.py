@@ -86,10 +86,24 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "no-answer-reservation",
-        "reserving the answer at admission (the prompt alone is taken)",
+        "reserving the answer at admission (the prompt alone is taken, then a block at a time)",
         "src/triollm/policies.py",
-        "        return blocks_for(seq.prompt_len + seq.max_tokens, view.block_size), 0\n",
-        "        return blocks_for(seq.n_tokens, view.block_size), 0\n",
+        # Both halves, or the Scheduler's own guard refuses the policy ("must take at
+        # least N blocks") and every failure is that guard, not the deadlock it prevents.
+        """    grows: bool = False
+    deterministic: bool = True
+    orders_by_priority: bool = False  # set it when an answer reads SeqView.priority
+
+    def admission_blocks(self, seq: SeqView, view: SchedulerView) -> tuple[int, int]:
+        return blocks_for(seq.prompt_len + seq.max_tokens, view.block_size), 0
+""",
+        """    grows: bool = True  # broken: grow a block at a time, as the guard then allows
+    deterministic: bool = True
+    orders_by_priority: bool = False  # set it when an answer reads SeqView.priority
+
+    def admission_blocks(self, seq: SeqView, view: SchedulerView) -> tuple[int, int]:
+        return blocks_for(seq.n_tokens, view.block_size), 0  # broken: the prompt alone
+""",
         ("tests/test_scheduler.py", "tests/test_sim.py", "tests/mechanisms", "property_tests"),
     ),
     Mutation(
