@@ -1,16 +1,19 @@
 """Quantized weights times int8 activations, against a plain numpy copy of the scheme.
 
-``reference_product`` below recomputes what ``quant_int8.py`` computes, lane by
-lane: the activations quantized per block, the weights read as unsigned
-integers with their offset, integer sums four values to a lane (exact), the
-float32 scale arithmetic multiply-then-add in the kernel's order, and the
-lanes summed pairwise. The kernel (VNNI and portable) must equal it bit for
-bit. Blocks are raw random bytes (so Q8_0 holds -128, scales run wild) with
-float16 scales drawn from a range, plus whole zero blocks.
+``reference_product`` below recomputes what ``quant_int8.py`` computes from the
+GGUF blocks themselves (not from the packed layout the kernel reads, so the
+repacking is proved too): the activations quantized per block, the weights
+read as unsigned integers with their offset, exact integer sums per block (per
+sub-block for the K-quants, times the integer sub-block scale), then the
+float32 scale arithmetic multiply-then-add in the kernel's order. The kernel
+(VNNI and portable) must equal it bit for bit. Blocks are raw random bytes (so
+Q8_0 holds -128, scales run wild) with float16 scales drawn from a range, plus
+whole zero blocks.
 """
 
 from __future__ import annotations
 
+import numba
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -104,60 +107,45 @@ def unsigned(w: QuantizedTensor) -> dict[str, np.ndarray]:
 OFFSET = {QuantType.Q4_0: 8, QuantType.Q5_0: 16, QuantType.Q8_0: 128}
 
 
-def _sum_lanes(v: np.ndarray) -> np.ndarray:
-    while v.shape[-1] > 1:
-        h = v.shape[-1] // 2
-        v = v[..., :h] + v[..., h:]
-    return v[..., 0]
+def _i32_to_f32(v: np.ndarray) -> np.ndarray:
+    assert np.abs(v).max(initial=0) < 2**31  # the kernel's int32 lanes hold it exactly
+    return v.astype(np.int32).astype(F32)
 
 
 def reference_product(x: np.ndarray, w: QuantizedTensor) -> np.ndarray:
-    """``x @ W.T`` the way quant_int8 computes it, every lane and rounding in its order."""
+    """``x @ W.T`` the way quant_int8 computes it: exact integer sums per block (or
+    per sub-block, times its integer scale), then the float32 roundings in its order."""
     kind = w.qtype
     block = 256 if kind >= QuantType.Q4_K else 32
     q, dx, sums = reference_rows(x, block)
     W = unsigned(w)
-    u = W["u"]
     n, k = q.shape
-    # products (n, rows, k) as exact integers; lane l of a 4-value group
-    prod = q.astype(np.int64)[:, None, :] * u[None, :, :]
-    four = prod.reshape(n, u.shape[0], k // 4, 4).sum(axis=3)  # exact
-    if kind < QuantType.Q4_K:
-        acc = np.zeros((n, u.shape[0], 8), F32)
-        for bi in range(k // 32):
-            isum = four[:, :, 8 * bi : 8 * bi + 8].copy()
-            xsum = (sums[:, 2 * bi] + sums[:, 2 * bi + 1]).astype(np.int64)  # (n,)
-            off = OFFSET.get(kind, 0)
-            isum[:, :, 0] -= off * xsum[:, None]
-            scale = W["d"][None, :, bi] * dx[:, bi, None]  # float32 product
-            acc = acc + isum.astype(np.int32).astype(F32) * scale[:, :, None]
+    rows = W["u"].shape[0]
+    qb = q.astype(np.int64).reshape(n, k // block, block)
+    ub = W["u"].reshape(rows, k // block, block)
+    acc = np.zeros((n, rows), F32)
+    for bi in range(k // block):
+        scale = W["d"][None, :, bi] * dx[:, bi, None]  # float32 (rows' d times x's d)
+        if kind < QuantType.Q4_K:
+            xsum = sums[:, 2 * bi].astype(np.int64) + sums[:, 2 * bi + 1]  # (n,)
+            isum = qb[:, bi] @ ub[:, bi].T - OFFSET.get(kind, 0) * xsum[:, None]
+            acc = acc + _i32_to_f32(isum) * scale
             if "m" in W:
-                mx = dx[:, bi] * xsum.astype(F32)
-                lane0 = np.zeros_like(acc)
-                lane0[:, :, 0] = W["m"][None, :, bi] * mx[:, None]
-                acc = acc + lane0
-        return _sum_lanes(acc)
-    acc = np.zeros((n, u.shape[0], 16), F32)
-    for bi in range(k // 256):
-        iacc = np.zeros((n, u.shape[0], 16), np.int64)
-        for g in range(4):
-            lanes = four[:, :, 64 * bi + 16 * g : 64 * bi + 16 * g + 16]
-            if kind == QuantType.Q6_K:
-                sub = W["sc"][:, bi, 4 * g + np.arange(16) // 4]  # sub-blocks of 16
-            else:
-                sub = W["sc"][:, bi, 2 * g + np.arange(16) // 8]  # sub-blocks of 32
-            iacc += lanes * sub[None]
-        assert np.abs(iacc).max(initial=0) < 2**31
-        # the correction, per 16 values: c (weight side) * (dx * sum of x)
-        xcorr = sums[:, 16 * bi : 16 * bi + 16].astype(F32) * dx[:, bi, None]  # (n, 16)
-        if kind == QuantType.Q6_K:
-            c = W["sc"][:, bi, :].astype(F32) * (W["d"][:, bi] * F32(32))[:, None]
-        else:
-            c = W["mn"][:, bi, np.arange(16) // 2].astype(F32) * W["dmin"][:, bi, None]
-        scale = (W["d"][None, :, bi] * dx[:, bi, None])[:, :, None]
-        main = iacc.astype(np.int32).astype(F32) * scale
-        acc = (acc + main) - c[None, :, :] * xcorr[:, None, :]
-    return _sum_lanes(acc)
+                acc = acc + W["m"][None, :, bi] * (dx[:, bi] * xsum.astype(F32))[:, None]
+            continue
+        sub = 16 if kind == QuantType.Q6_K else 32
+        xs = qb[:, bi].reshape(n, block // sub, sub)
+        us = ub[:, bi].reshape(rows, block // sub, sub)
+        per_sub = np.einsum("nsv,rsv->nrs", xs, us)  # (n, rows, sub-blocks), exact
+        if kind == QuantType.Q6_K:  # offset 32, per sub-block of 16: its sum of q
+            per_sub = per_sub - 32 * sums[:, None, 16 * bi : 16 * bi + 16].astype(np.int64)
+        total = (per_sub * W["sc"][None, :, bi, :]).sum(axis=2)
+        acc = acc + _i32_to_f32(total) * scale
+        if kind != QuantType.Q6_K:  # - dmin * dx * sum_j mn_j * (sum of q over sub-block j)
+            bs = sums[:, 16 * bi : 16 * bi + 16].astype(np.int64).reshape(n, 8, 2).sum(axis=2)
+            mins = bs @ W["mn"][:, bi, :].T  # (n, rows)
+            acc = acc - _i32_to_f32(mins) * (W["dmin"][None, :, bi] * dx[:, bi, None])
+    return acc
 
 
 # --- blocks ------------------------------------------------------------------------
@@ -201,9 +189,46 @@ def test_the_int8_product_equals_the_numpy_scheme_bit_for_bit(
     acts = quant_int8.quantize_rows(x, quant_int8.activation_block(int(kind)))
     for portable in (False, True):
         got = np.empty((n, rows), F32)
-        quant_int8.product(acts, w.blocks, int(kind), got, 16, portable=portable)
+        quant_int8.product(acts, w.packed(), int(kind), got, 16, portable=portable)
         np.testing.assert_array_equal(got, want, err_msg=f"portable={portable}")
     np.testing.assert_array_equal(matmul.linear(x, w), want)  # the default path
+
+
+@pytest.mark.parametrize("kind", TYPES, ids=lambda k: k.name)
+def test_the_thread_count_and_the_split_of_the_rows_change_no_bit(kind: QuantType) -> None:
+    # every output lane is one weight row's own chain: how many threads take how
+    # many groups of 16 rows must not show in the bits (a 1-row and a 9-row x)
+    rng = np.random.default_rng(int(kind))
+    rows, nb = 83, 2 if kind >= QuantType.Q4_K else 9
+    w = QuantizedTensor(kind, (rows, nb * kind.block_values), raw_blocks(kind, rows, nb, rng, -3))
+    before = numba.get_num_threads()
+    try:
+        for n in (1, 9):
+            x = rng.standard_normal((n, w.shape[1])).astype(F32)
+            acts = quant_int8.quantize_rows(x, quant_int8.activation_block(int(kind)))
+            results = []
+            for threads, block_rows in ((1, 16), (2, 16), (2, 48), (2, 256)):
+                numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+                got = np.empty((n, rows), F32)
+                results.append(quant_int8.product(acts, w.packed(), int(kind), got, block_rows))
+            for got in results[1:]:
+                np.testing.assert_array_equal(got, results[0])
+    finally:
+        numba.set_num_threads(before)
+
+
+@pytest.mark.parametrize("kind", TYPES, ids=lambda k: k.name)
+def test_the_packed_layout_holds_each_row_once_in_its_lane(kind: QuantType) -> None:
+    # one nonzero weight row among zero rows: its product lands in its own column only
+    rng = np.random.default_rng(3)
+    rows, nb = 35, 1
+    blocks = raw_blocks(kind, rows, nb, rng, 0)
+    blocks[np.arange(rows) != 21] = 0
+    w = QuantizedTensor(kind, (rows, kind.block_values), blocks)
+    x = rng.standard_normal((2, w.shape[1])).astype(F32)
+    got = matmul.linear(x, w)
+    np.testing.assert_array_equal(got, reference_product(x, w))
+    assert (got[:, np.arange(rows) != 21] == 0).all()
 
 
 @settings(max_examples=30, deadline=None)

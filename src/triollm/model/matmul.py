@@ -458,6 +458,9 @@ def prepare(w: np.ndarray | Quantized, *, bf16: bool = False) -> PreparedWeight 
     integer array without the flag is rejected, never read as numbers.
     """
     if isinstance(w, QuantizedTensor | QuantizedStack):  # GGUF blocks: kept (quant.py)
+        for part in w.parts if isinstance(w, QuantizedStack) else (w,):
+            if not part.exact_activations:
+                part.packed()  # the int8 product's interleaved copy, made now, not mid-request
         return w
     if w.ndim != 2:
         raise ValueError(f"weight must be 2-D [out, in], got shape {w.shape}")

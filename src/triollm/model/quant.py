@@ -77,7 +77,7 @@ Hazards
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Any
 
@@ -88,7 +88,7 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from triollm.model import quant_int8
+from triollm.model import quant_int8, quant_pack
 from triollm.model.quant_int8 import Int8Rows
 from triollm.model.threads import start_parallel_runtime
 
@@ -604,6 +604,9 @@ class QuantizedTensor:
     # and the weights are widened (what transformers computes: the
     # conformance suite's path, `--exact-activations`)
     exact_activations: bool = False
+    # the int8 product's copy of the blocks, sixteen rows interleaved
+    # (quant_pack.py), made once by packed(): at load through matmul.prepare
+    _packed: dict[str, np.ndarray] = field(default_factory=dict, repr=False, init=False)
 
     def __post_init__(self) -> None:
         rows, cols = self.shape
@@ -637,6 +640,16 @@ class QuantizedTensor:
     @property
     def in_features(self) -> int:
         return self.shape[1]
+
+    def packed(self) -> np.ndarray:
+        """The blocks repacked for the int8 product (:func:`quant_pack.pack`), made once.
+
+        Trap: the first call repacks the whole matrix (a second copy of its
+        bytes); ``matmul.prepare`` calls it at load so no request pays for it.
+        """
+        if "int8" not in self._packed:
+            self._packed["int8"] = quant_pack.pack(self.blocks, int(self.qtype))
+        return self._packed["int8"]
 
     def __getitem__(self, ids: Any) -> np.ndarray:
         """Rows ``ids`` (an integer array) widened to float32: only those rows are read."""
@@ -717,7 +730,10 @@ def stack_rows(parts: list[Any]) -> QuantizedTensor | QuantizedStack:
         return QuantizedStack(tuple(parts))
     blocks = np.concatenate([p.blocks for p in parts], axis=0)
     exact = parts[0].exact_activations
-    return QuantizedTensor(parts[0].qtype, (blocks.shape[0], cols), blocks, exact)
+    stacked = QuantizedTensor(parts[0].qtype, (blocks.shape[0], cols), blocks, exact)
+    if not exact:
+        stacked.packed()  # at load, as matmul.prepare does for a single weight
+    return stacked
 
 
 def quantize(w: np.ndarray, qtype: QuantType) -> QuantizedTensor:
@@ -782,7 +798,7 @@ def linear(
     cache = {} if int8_rows is None else int8_rows
     if block not in cache:
         cache[block] = quant_int8.quantize_rows(x, block)
-    return quant_int8.product(cache[block], w.blocks, int(w.qtype), out, rows)
+    return quant_int8.product(cache[block], w.packed(), int(w.qtype), out, rows)
 
 
 class QuantizingSource:
