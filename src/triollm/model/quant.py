@@ -6,7 +6,10 @@ bytes of scales and packed small integers. :class:`QuantizedTensor` holds
 those bytes untouched (a memory map of the file, when it comes from one) and
 :func:`linear` computes ``x @ W.T`` from them, so a decode step streams the
 quantized bytes, not a float copy: 34 bytes per 32 weights for Q8_0 against
-128 for float32.
+128 for float32. The default int8 product (:mod:`triollm.model.quant_int8`)
+reads the same bytes repacked once at load, sixteen rows interleaved
+(:mod:`triollm.model.quant_pack`); the widening kernels below (the
+``--exact-activations`` path) and the embedding lookup read the blocks.
 
 Block layouts (``docs/engine.md`` draws a Q4_K super-block)::
 

@@ -55,9 +55,15 @@ layout meet a stale cached tile.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
+from numba import njit, prange
 
 from triollm.model.quant_int8 import LAYOUTS, ROWS
+from triollm.model.threads import start_parallel_runtime
+
+start_parallel_runtime()  # passive OpenMP workers, before the first prange (threads.py)
 
 # type ids (quant.QuantType)
 _Q4_0, _Q4_1, _Q5_0, _Q5_1, _Q8_0 = 2, 3, 6, 7, 8
@@ -65,105 +71,80 @@ _Q4_K, _Q5_K, _Q6_K = 12, 13, 14
 _BLOCK_BYTES = {2: 18, 3: 20, 6: 22, 7: 24, 8: 34, 12: 144, 13: 176, 14: 210}
 
 
-# --- reading the GGUF blocks ------------------------------------------------------
+# --- GGUF blocks into records, one value at a time --------------------------------
 
 
-def _half_bits(b: np.ndarray, at: int) -> np.ndarray:
-    """The f16 at byte ``at`` of every block, as its 16 bits (kept exact)."""
-    return b[..., at : at + 2].copy().view(np.uint16)[..., 0]
+@njit(inline="always")
+def _value(b: Any, row: int, s: int, kind: int, i: int) -> int:  # pragma: no cover - numba
+    # value i of the block at byte s of row `row`, as the unsigned u (layouts: quant.py)
+    if kind == _Q8_0:  # int8 q: u = q + 128, its top bit flipped
+        return int(b[row, s + 2 + i]) ^ 0x80
+    if kind == _Q6_K:  # half h, group t of 32: low nibble (shifted 4 (t // 2)), 2 high bits
+        h, t, k = i // 128, (i % 128) // 32, i % 32
+        low = (int(b[row, s + 64 * h + 32 * (t % 2) + k]) >> (4 * (t // 2))) & 15
+        return low | (((int(b[row, s + 128 + 32 * h + k]) >> (2 * t)) & 3) << 4)
+    if kind in (_Q4_K, _Q5_K):  # 32 bytes per pair of sub-blocks: low 2j, high 2j + 1
+        j, k = i // 32, i % 32
+        u = (
+            int(b[row, s + (16 if kind == _Q4_K else 48) + 32 * (j // 2) + k]) >> (4 * (j % 2))
+        ) & 15
+        if kind == _Q5_K:  # bit j of byte k (of 32 at byte 16)
+            u |= ((int(b[row, s + 16 + k]) >> j) & 1) << 4
+        return u
+    # the 32-value types: d (m) | (qh: bit i is value i's fifth) | 16 bytes of nibbles
+    with_min = kind in (_Q4_1, _Q5_1)
+    five = kind in (_Q5_0, _Q5_1)
+    qh = 4 if with_min else 2
+    u = (int(b[row, s + (qh + 4 if five else qh) + i % 16]) >> (4 * (i // 16))) & 15
+    if five:
+        u |= ((int(b[row, s + qh + i // 8]) >> (i % 8)) & 1) << 4
+    return u
 
 
-def _nibbles32(qs: np.ndarray) -> np.ndarray:
-    """16 bytes of a 32-value block: low nibbles are values 0-15, high 16-31."""
-    return np.concatenate([qs & 15, qs >> 4], axis=-1)
-
-
-def _unsigned(kind: int, b: np.ndarray) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-    """``u`` uint8 ``(rows, blocks, V)`` and the per-block fields of GGUF blocks ``b``.
-
-    ``b`` is ``(rows, blocks, block bytes)`` uint8. The fields: ``d``, ``m``
-    (f16 bits), ``sc``, ``mn`` (bytes, ``(rows, blocks, sub-blocks)``).
-    """
-    f: dict[str, np.ndarray] = {"d": _half_bits(b, 208 if kind == _Q6_K else 0)}
-    if kind == _Q8_0:
-        return b[..., 2:34] ^ np.uint8(0x80), f
-    if kind in (_Q4_0, _Q4_1, _Q5_0, _Q5_1):
-        with_min, five = kind in (_Q4_1, _Q5_1), kind in (_Q5_0, _Q5_1)
-        qh_at = 4 if with_min else 2
-        qs_at = qh_at + 4 if five else qh_at
-        u = _nibbles32(b[..., qs_at : qs_at + 16])
-        if five:  # bit i of the little-endian word qh is value i's fifth bit
-            qh = np.unpackbits(b[..., qh_at : qh_at + 4], axis=-1, bitorder="little")
-            u |= qh << np.uint8(4)
-        if with_min:
-            f["m"] = _half_bits(b, 2)
-        return u, f
-    if kind in (_Q4_K, _Q5_K):
-        s = b[..., 4:16]
-        f["m"] = _half_bits(b, 2)
-        lo_sc, lo_mn = s[..., 0:4] & 63, s[..., 4:8] & 63
-        hi_sc = (s[..., 8:12] & 15) | ((s[..., 0:4] >> 6) << 4)
-        hi_mn = (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)
-        f["sc"] = np.concatenate([lo_sc, hi_sc], axis=-1)
-        f["mn"] = np.concatenate([lo_mn, hi_mn], axis=-1)
-        qs_at = 16 if kind == _Q4_K else 48
-        # 32 bytes per pair of sub-blocks: low nibbles sub-block 2j, high 2j + 1
-        qs = b[..., qs_at : qs_at + 128].reshape(*b.shape[:2], 4, 32)
-        u = np.stack([qs & 15, qs >> 4], axis=3).reshape(*b.shape[:2], 256)
-        if kind == _Q5_K:  # bit j of byte i (of 32 at byte 16): sub-block j's value i
-            bits = np.unpackbits(b[..., 16:48, None], axis=-1, bitorder="little")  # (.., i, j)
-            u |= np.swapaxes(bits, -1, -2).reshape(*b.shape[:2], 256) << np.uint8(4)
-        return u, f
-    # Q6_K: 128 bytes low nibbles | 64 bytes high 2-bit pairs | 16 int8 scales | d.
-    # Half h (128 values), group t (32): low nibbles of bytes 64 h + 32 (t % 2) ..
-    # (shifted 4 (t // 2)), high bits 2t of bytes 128 + 32 h ..
-    lo = b[..., 0:128].reshape(*b.shape[:2], 2, 2, 32)  # (h, t % 2, i)
-    hi = b[..., 128:192].reshape(*b.shape[:2], 2, 1, 32)  # (h, -, i)
-    u = np.empty((*b.shape[:2], 2, 4, 32), np.uint8)
-    for t in range(4):
-        low = (lo[..., t % 2, :] >> np.uint8(4 * (t // 2))) & 15
-        u[..., t, :] = low | (((hi[..., 0, :] >> np.uint8(2 * t)) & 3) << 4)
-    f["sc"] = b[..., 192:208]
-    return u.reshape(*b.shape[:2], 256), f
-
-
-# --- interleaving sixteen rows ----------------------------------------------------
-
-
-def _group_fields(kind: int, u: np.ndarray, f: dict[str, np.ndarray]) -> np.ndarray:
-    """Records ``(groups, blocks, size)`` from ``u`` and fields of 16k rows (the layout above)."""
-    lay = LAYOUTS[kind]
-    rows, nb, v = u.shape
-    g = rows // ROWS
-    # vector c of a record: lane r holds u[r, 4c .. 4c + 3]
-    vec = u.reshape(g, ROWS, nb, v // 4, 4).transpose(0, 2, 3, 1, 4).reshape(g, nb, v // 4, 64)
-
-    def per_row(a: np.ndarray) -> np.ndarray:  # (rows, nb, ...) -> (g, nb, ..., 16) as bytes
-        a = a.reshape(g, ROWS, nb, -1).transpose(0, 2, 3, 1)
-        return np.ascontiguousarray(a).view(np.uint8).reshape(g, nb, -1)
-
-    parts = [per_row(f["d"])]
-    if lay.m is not None:
-        parts.append(per_row(f["m"]))
-    if lay.sc is not None:
-        parts.append(per_row(f["sc"]))
-    if lay.mn is not None:
-        parts.append(per_row(f["mn"]))
-    if kind in (_Q5_0, _Q5_1, _Q5_K):  # bit 4 of each byte, 64 to a little-endian word
-        parts.append(np.packbits((vec >> 4) & 1, axis=-1, bitorder="little").reshape(g, nb, -1))
-    elif kind == _Q6_K:  # bits 4-5 of four vectors in one
-        h = ((vec >> 4) & 3).reshape(g, nb, v // 16, 4, 64)
-        parts.append(h[:, :, :, 0] | h[:, :, :, 1] << 2 | h[:, :, :, 2] << 4 | h[:, :, :, 3] << 6)
-    if kind == _Q8_0:
-        parts.append(vec)
-    else:
-        parts.append((vec[:, :, 0::2] & 15) | ((vec[:, :, 1::2] & 15) << 4))
-    out = np.concatenate([p.reshape(g, nb, -1) for p in parts], axis=2)
-    assert out.shape[2] == lay.size, (kind, out.shape, lay)  # the layout table and this agree
-    return out
-
-
-_CHUNK_ROWS = 512  # rows repacked at a time: the intermediates stay a few MB
+@njit(cache=True, nogil=True, parallel=True)
+def _pack(b, kind, bb, values, size, fields, out):  # type: ignore[no-untyped-def]  # pragma: no cover
+    # b (rows, nb * bb) GGUF blocks; out (groups, nb * size) zeros; fields: the
+    # layout's offsets d, m, sc, mn, hi, q (-1: absent, a value numba can hold)
+    at_d, at_m, at_sc, at_mn, at_hi, at_q = fields
+    rows = b.shape[0]
+    nb = b.shape[1] // bb
+    for g in prange(out.shape[0]):
+        for r in range(min(ROWS, rows - g * ROWS)):  # rows past the end stay zero
+            row = g * ROWS + r
+            for bi in range(nb):
+                s, o = bi * bb, bi * size
+                dat = 208 if kind == _Q6_K else 0  # the f16s' bits, copied
+                out[g, o + at_d + 2 * r] = b[row, s + dat]
+                out[g, o + at_d + 2 * r + 1] = b[row, s + dat + 1]
+                if at_m >= 0:
+                    out[g, o + at_m + 2 * r] = b[row, s + 2]
+                    out[g, o + at_m + 2 * r + 1] = b[row, s + 3]
+                if kind == _Q6_K:  # sixteen int8 scales, as bytes
+                    for j in range(16):
+                        out[g, o + at_sc + 16 * j + r] = b[row, s + 192 + j]
+                elif at_mn >= 0:  # Q4_K/Q5_K: eight 6-bit scales and mins in 12 bytes
+                    for j in range(8):
+                        if j < 4:
+                            sc = int(b[row, s + 4 + j]) & 63
+                            mn = int(b[row, s + 8 + j]) & 63
+                        else:
+                            sc = (int(b[row, s + 8 + j]) & 15) | ((int(b[row, s + j]) >> 6) << 4)
+                            mn = (int(b[row, s + 8 + j]) >> 4) | (
+                                (int(b[row, s + 4 + j]) >> 6) << 4
+                            )
+                        out[g, o + at_sc + 16 * j + r] = sc
+                        out[g, o + at_mn + 16 * j + r] = mn
+                for i in range(values):
+                    u = _value(b, row, s, kind, i)
+                    c, lane = i // 4, 4 * r + i % 4  # vector c, byte `lane` of it
+                    if kind == _Q8_0:
+                        out[g, o + at_q + 64 * c + lane] = u
+                        continue
+                    out[g, o + at_q + 64 * (c // 2) + lane] |= (u & 15) << (4 * (c % 2))
+                    if kind == _Q6_K:  # bits 4-5 of vector 4p + j at bits 2j of one byte
+                        out[g, o + at_hi + 64 * (c // 4) + lane] |= ((u >> 4) & 3) << (2 * (c % 4))
+                    elif at_hi >= 0:  # bit 4 of each byte, 64 to a little-endian word
+                        out[g, o + at_hi + 8 * c + lane // 8] |= ((u >> 4) & 1) << (lane % 8)
 
 
 def pack(blocks: np.ndarray, kind: int) -> np.ndarray:
@@ -175,16 +156,8 @@ def pack(blocks: np.ndarray, kind: int) -> np.ndarray:
     lay = LAYOUTS[kind]
     rows = blocks.shape[0]
     nb = blocks.shape[1] // _BLOCK_BYTES[kind]
-    groups = -(-rows // ROWS)
-    out = np.empty((groups, nb * lay.size), np.uint8)
-    for r0 in range(0, rows, _CHUNK_ROWS):
-        r1 = min(rows, r0 + _CHUNK_ROWS)
-        b = np.asarray(blocks[r0:r1]).reshape(r1 - r0, nb, _BLOCK_BYTES[kind])
-        if (r1 - r0) % ROWS:  # the last group: zero rows after the real ones
-            pad = np.zeros((ROWS - (r1 - r0) % ROWS, nb, b.shape[2]), np.uint8)
-            b = np.concatenate([b, pad])
-        u, f = _unsigned(kind, b)
-        out[r0 // ROWS : r0 // ROWS + b.shape[0] // ROWS] = _group_fields(kind, u, f).reshape(
-            b.shape[0] // ROWS, -1
-        )
+    out = np.zeros((-(-rows // ROWS), nb * lay.size), np.uint8)
+    fields = tuple(-1 if f is None else f for f in (lay.d, lay.m, lay.sc, lay.mn, lay.hi, lay.q))
+    if rows:
+        _pack(blocks, kind, _BLOCK_BYTES[kind], lay.values, lay.size, fields, out)
     return out
