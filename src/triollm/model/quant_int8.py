@@ -269,6 +269,10 @@ def _can_vnni(context: Any) -> bool:
     return all(f"+{f}" in feats for f in ("avx512vnni", "avx512bw"))
 
 
+def _plus(at: int | None, k: int) -> int | None:
+    return None if at is None else at + k
+
+
 class _Record:
     """One group's record of one block (quant_pack's layout), read as IR values."""
 
@@ -277,7 +281,10 @@ class _Record:
         self.lay = LAYOUTS[kind]
         self._memo: dict[tuple[str, int], Any] = {}
 
-    def load(self, at: int, ty: Any) -> Any:
+    def load(self, at: int | None, ty: Any) -> Any:
+        """The ``ty`` at byte ``at`` of the record (``None``: a field this type lacks)."""
+        if at is None:  # a tile asking for a field of another type: a bug here, not input
+            raise ValueError(f"type {self.kind}'s record has no such field")
         return self.b.load(_ptr(self.b, self.base, ir.Constant(_I64, at), ty), align=1)
 
     def _once(self, what: str, k: int, make: Any) -> Any:
@@ -285,18 +292,18 @@ class _Record:
             self._memo[what, k] = make()
         return self._memo[what, k]
 
-    def halves(self, at: int) -> Any:
+    def halves(self, at: int | None) -> Any:
         """The sixteen rows' f16 at byte ``at``, as float32 lanes (exact: vcvtph2ps)."""
 
         def make() -> Any:
             h = self.b.bitcast(self.load(at, _vec(_I16, _LANES)), _vec(ir.HalfType(), _LANES))
             return self.b.fpext(h, _vec(_F32, _LANES))
 
-        return self._once("half", at, make)
+        return self._once("half", -1 if at is None else at, make)
 
-    def scales(self, field: int, j: int, signed: bool) -> Any:
+    def scales(self, field: int | None, j: int, signed: bool) -> Any:
         """Sub-block ``j``'s sixteen byte scales (or mins) at ``field``, as int32 lanes."""
-        v = self.load(field + _LANES * j, _vec(_I8, _LANES))
+        v = self.load(None if field is None else field + _LANES * j, _vec(_I8, _LANES))
         ext = self.b.sext if signed else self.b.zext
         return ext(v, _vec(_I32, _LANES))
 
@@ -311,10 +318,10 @@ class _Record:
             nib = b.lshr(nib, _const(_I8, 64, 4))
         u = b.and_(nib, _const(_I8, 64, 15))
         if kind in (_Q5_0, _Q5_1, _Q5_K):  # one bit per byte: a 64-bit mask
-            bits = b.bitcast(self.load(lay.hi + 8 * c, _I64), _vec(_I1, 64))
+            bits = b.bitcast(self.load(_plus(lay.hi, 8 * c), _I64), _vec(_I1, 64))
             u = b.or_(u, b.select(bits, _const(_I8, 64, 16), _const(_I8, 64, 0)))
         elif kind == _Q6_K:  # bits 2j, 2j + 1 of the shared byte, moved to bits 4-5
-            h = self._once("hi", c // 4, lambda: self.load(lay.hi + 64 * (c // 4), v64))
+            h = self._once("hi", c // 4, lambda: self.load(_plus(lay.hi, 64 * (c // 4)), v64))
             j = c % 4
             if j < 2:
                 h = b.shl(h, _const(_I8, 64, 4 - 2 * j))
