@@ -69,7 +69,8 @@ async def test_cors_is_off_by_default_and_answers_preflights_when_asked(loaded):
     }
     async with live_server(loaded) as live:
         r = await call("OPTIONS", live.url + "/v1/chat/completions", headers=pre)
-        assert "access-control-allow-origin" not in r.headers
+        # answered (not a 405), but without the headers that would let the page go on
+        assert r.status_code == 204 and "access-control-allow-origin" not in r.headers
         r = await call(
             "POST", live.url + "/v1/completions", json=BODY, headers={"origin": pre["origin"]}
         )
@@ -120,15 +121,33 @@ async def test_an_api_key_is_required_when_set_and_probes_stay_open(loaded):
         assert (await call("GET", live.url + "/metrics")).status_code == 401
 
 
-async def test_a_post_that_is_not_json_is_a_415(loaded):
+async def test_a_browsers_post_that_is_not_json_is_a_415_and_curl_d_is_read(loaded):
     async with live_server(loaded) as live:
         for ctype in ("text/plain", "application/x-www-form-urlencoded", None):
             headers = {"content-type": ctype} if ctype else {}
             r = await call(
-                "POST", live.url + "/v1/completions", content=b'{"prompt": "x"}', headers=headers
+                "POST",
+                live.url + "/v1/completions",
+                content=b'{"prompt": "x", "max_tokens": 2}',
+                headers={**headers, "origin": "https://evil.test"},
             )
             assert r.status_code == 415, ctype
             assert r.json()["error"]["code"] == "unsupported_media_type"
+            # No Origin: not a browser's form post (curl -d says form-urlencoded).
+            r = await call(
+                "POST",
+                live.url + "/v1/completions",
+                content=b'{"prompt": "x", "max_tokens": 2}',
+                headers=headers,
+            )
+            assert r.status_code == 200, ctype
+        r = await call(
+            "POST",
+            live.url + "/v1/completions",
+            content=b"prompt=x",
+            headers={"content-type": "application/x-www-form-urlencoded"},
+        )
+        assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
         r = await call(
             "POST",
             live.url + "/v1/completions",

@@ -12,15 +12,20 @@ Four checks, in this order, each answered in OpenAI's error shape:
 2. **CORS** (opt-in, ``--allowed-origins``): an ``OPTIONS`` preflight from an
    allowed origin gets 204 with the ``Access-Control-Allow-*`` headers, and every
    answer to that origin carries ``Access-Control-Allow-Origin``. Without the flag
-   no CORS header is ever sent, so browsers keep other sites' pages out.
+   no CORS header is ever sent, so browsers keep other sites' pages out; a preflight
+   from such an origin still gets its 204 (not a 405), only without the headers that
+   would let the page go on.
 3. **API key** (opt-in, ``--api-key`` or ``TRIOLLM_API_KEY``): ``Authorization:
    Bearer <key>``, compared in constant time (``hmac.compare_digest``); a missing or
    wrong key is a 401 ``invalid_api_key`` with ``WWW-Authenticate: Bearer``, as
    OpenAI answers. ``/health``, ``/ready`` and ``/metrics`` stay open unless
    ``--open-paths`` says otherwise (an orchestrator probes them without a key).
-4. **Content type**: a ``POST`` must say ``Content-Type: application/json``
-   (415 ``unsupported_media_type`` otherwise). A form post is what a hostile page
-   can send cross-site without a preflight; refusing it closes that door too.
+4. **Content type**: a ``POST`` from a browser (it carries an ``Origin`` header, as
+   every browser's POST does) must say ``Content-Type: application/json`` (415
+   ``unsupported_media_type`` otherwise): a form post is what a hostile page can send
+   cross-site without a preflight, and refusing it closes that door too. A POST with
+   no ``Origin`` (``curl -d``, which says ``x-www-form-urlencoded``) is let through;
+   its body must still parse as JSON (400 ``invalid_json``).
 
 Where it sits: inside :class:`~triollm.server.lifetime.Lifetime` (which logs every
 answer and closes a connection whose body was not read), around the Quart app.
@@ -124,19 +129,17 @@ class Door:
         origin = headers.get(b"origin", b"").decode("latin-1").rstrip("/")
         cors = bool(origin) and ("*" in policy.allowed_origins or origin in policy.allowed_origins)
         method = scope["method"]
-        if method == "OPTIONS" and cors and b"access-control-request-method" in headers:
+        if method == "OPTIONS" and b"access-control-request-method" in headers:
+            # Answered whatever the origin (a 405 read as a broken server, issue 26); the
+            # allow headers go only to an allowed origin, so the browser stops any other.
             asked = headers.get(b"access-control-request-headers", b"authorization, content-type")
-            await _respond(
-                send,
-                204,
-                b"",
-                [
-                    *_cors_headers(origin),
-                    (b"access-control-allow-methods", b"GET, POST, OPTIONS"),
-                    (b"access-control-allow-headers", asked),
-                    (b"access-control-max-age", b"600"),
-                ],
-            )
+            allow = [
+                *_cors_headers(origin),
+                (b"access-control-allow-methods", b"GET, POST, OPTIONS"),
+                (b"access-control-allow-headers", asked),
+                (b"access-control-max-age", b"600"),
+            ]
+            await _respond(send, 204, b"", allow if cors else [])
             return
         if cors:
             send = _with_cors(send, origin)
@@ -155,7 +158,7 @@ class Door:
                     extra=[(b"www-authenticate", b"Bearer")],
                 )
                 return
-        if method == "POST":
+        if method == "POST" and b"origin" in headers:
             ctype = headers.get(b"content-type", b"").decode("latin-1")
             if ctype.split(";", 1)[0].strip().lower() != "application/json":
                 await self._refuse(
