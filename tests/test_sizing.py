@@ -7,14 +7,27 @@ import pytest
 from triollm.errors import FieldError
 from triollm.policies import Policy
 from triollm.scheduler import SchedulerConfig
-from triollm.sizing import DEFAULT_CONTEXT_CAP, Capacity, MemoryReport, resolve_context
+from triollm.sizing import DEFAULT_KV_MEMORY_BYTES, Capacity, MemoryReport, resolve_context
 
 PER_POSITION = 1024  # bytes of K/V per position
 
 
-def test_the_default_context_is_the_models_capped() -> None:
+def test_the_default_context_is_the_models_own() -> None:
+    # A 4096 cap refused every max_tokens-4096 request (Continue's) on a 32768 model.
     assert resolve_context(2048, None) == 2048
-    assert resolve_context(131072, None) == DEFAULT_CONTEXT_CAP
+    assert resolve_context(131072, None) == 131072
+
+
+def test_the_default_pool_of_a_long_context_is_held_to_the_default_budget() -> None:
+    per_position = 28 * 1024  # Qwen2.5-1.5B's f16 K/V
+    cfg = Capacity(slots=4, block_size=32).resolve(32768, per_position)
+    assert cfg.context_tokens == 32768
+    assert cfg.num_blocks == DEFAULT_KV_MEMORY_BYTES // (per_position * 32)
+    assert cfg.largest_request == 32768  # one whole context still fits
+    report = MemoryReport(0, per_position, cfg).describe()
+    assert "whole contexts, not 4 (slots)" in report and "--kv-memory" in report
+    asked = Capacity(slots=4, block_size=32, context_tokens=32768).resolve(32768, per_position)
+    assert asked.num_blocks == 4 * 1024  # --context asked: every slot's whole context
 
 
 @pytest.mark.parametrize("context", [0, 1, -5])

@@ -51,8 +51,8 @@ def engine_config(
     """A scheduler config whose pool holds ``slots`` sequences of the whole context.
 
     The sizing rules are ``sizing.py``'s, shared with the server: ``context_tokens``
-    defaults to the model's ``max_position_embeddings`` capped at
-    ``sizing.DEFAULT_CONTEXT_CAP``, and the pool holds every slot's whole context, so
+    defaults to the model's ``max_position_embeddings``, and the pool holds every
+    slot's whole context (up to ``sizing.DEFAULT_KV_MEMORY_BYTES`` by default), so
     the reserve policy can admit every slot at once: offline there is no queue of
     strangers to be fair to, only the caller's own prompts. The one offline choice is
     the longer prefill chunk (``sizing.OFFLINE_CHUNK_TOKENS``). ``kv_dtype`` must be

@@ -3,12 +3,14 @@
 One owner for the sizing rules that ``triollm serve`` (``server/command.py``'s
 ``build_stack``) and ``triollm generate`` (``offline.py``'s ``engine_config``) share:
 
-1. **The context** is the model's ``max_position_embeddings`` capped at
-   :data:`DEFAULT_CONTEXT_CAP`, unless asked; asking for more than the model's limit,
-   or for less than 2 positions (a prompt token and an answer), is refused.
+1. **The context** is the model's own ``max_position_embeddings`` (a GGUF's context
+   length), unless asked; asking for more than the model's limit, or for less than 2
+   positions (a prompt token and an answer), is refused.
 2. **The pool** holds every slot's whole context (``slots x ceil(context / block)``
    blocks), so the reserve policy can admit every slot at once with a full
-   reservation; or whatever a memory budget holds; or exactly the blocks asked.
+   reservation, but by default at most :data:`DEFAULT_KV_MEMORY_BYTES` of it when the
+   context was not asked (a long-context model's slots x context would be tens of
+   GiB); or whatever a memory budget holds; or exactly the blocks asked.
 3. **The largest admissible request** is ``SchedulerConfig.largest_request``: the
    context, or less when the pool is smaller than one context. The service caps an
    unset ``max_tokens`` with it, ``/v1/models`` reports it as ``max_model_len``, and
@@ -54,11 +56,14 @@ class KVDtype(Enum):
 # (docs/engine.md) and K/V values of these models stay far below 65504.
 DEFAULT_KV_DTYPE = KVDtype.F16
 
-# The default context cap. A long-context model's own limit (Llama-3.1: 131072
-# positions) would make the default pool slots x 131072 x 128 KiB = 64+ GiB; 4096
-# positions of a 135M model's K/V are ~190 MB of float32, which a laptop holds.
-# --context asks for more explicitly.
-DEFAULT_CONTEXT_CAP = 4096
+# The default pool budget when the context is the model's own. Qwen2.5's 32768
+# positions x 4 slots of f16 K/V are 1.5 GiB (0.5B) to 3.5 GiB (1.5B); Llama-3.1's
+# 131072 would be 64 GiB. 2 GiB holds the first whole and leaves a long request room
+# in the others (the pool then limits the largest request, and the start-up lines
+# say so); --kv-memory, --kv-blocks or --context ask for another size. It was a
+# 4096-position context cap, which refused every request of a client that asks for
+# max_tokens 4096 (Continue) on a model of 32768 (issue 26).
+DEFAULT_KV_MEMORY_BYTES = 2 * 1024**3
 
 # The offline driver's prefill chunk. The server's 128 (SchedulerConfig.chunk_tokens)
 # is there to keep other streams' decode stalls short; `triollm generate` serves one
@@ -120,6 +125,9 @@ class Capacity:
                 )
         if num_blocks is None:
             num_blocks = slots * blocks_for(context, block_size)  # rule 2
+            if self.context_tokens is None:  # the model's own context: the default budget
+                budget = DEFAULT_KV_MEMORY_BYTES // (bytes_per_position * block_size)
+                num_blocks = max(1, min(num_blocks, budget))
         return SchedulerConfig(
             num_blocks=num_blocks,
             block_size=block_size,
@@ -140,7 +148,7 @@ def _or_default(value: Any, name: str) -> Any:
 def resolve_context(max_positions: int, context_tokens: int | None) -> int:
     """Rule 1: the context a sequence may reach (prompt + answer)."""
     if context_tokens is None:
-        return min(max_positions, DEFAULT_CONTEXT_CAP)
+        return max_positions
     if context_tokens < 2:
         raise FieldError(
             "context_tokens",
@@ -169,6 +177,17 @@ class MemoryReport:
     def pool_positions(self) -> int:
         return self.scheduler.num_blocks * self.scheduler.block_size
 
+    def _below_slots(self) -> list[str]:
+        """A line when the pool cannot hold every slot's whole context at once."""
+        s = self.scheduler
+        if self.pool_positions >= s.slots * s.context_tokens:
+            return []
+        return [
+            f"the pool holds {self.pool_positions / s.context_tokens:.1f} whole contexts, "
+            f"not {s.slots} (slots): long requests wait for room; --kv-memory, "
+            "--kv-blocks or --context change it"
+        ]
+
     def describe(self) -> str:
         mib = 1024 * 1024
         s = self.scheduler
@@ -183,6 +202,7 @@ class MemoryReport:
                 f"slots: {s.slots}; context: {s.context_tokens} positions per sequence",
                 f"largest admissible request: prompt + max_tokens <= {s.largest_request} "
                 f"positions (min of the context and the pool)",
+                *self._below_slots(),
                 *self.lines,
             ]
         )
