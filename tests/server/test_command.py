@@ -21,7 +21,7 @@ from triollm.errors import UserError
 from triollm.model.kvcache import DEFAULT_KV_DTYPE, KVDtype, kv_bytes_per_position
 from triollm.policies import Policy
 from triollm.server.command import parse_policy, parse_size, row_weights
-from triollm.sizing import DEFAULT_CONTEXT_CAP
+from triollm.sizing import DEFAULT_KV_MEMORY_BYTES
 
 
 def run_cli(*args: str) -> int:
@@ -194,13 +194,17 @@ def test_sigterm_drains_and_exits_zero():
             proc.wait()
 
 
-def test_a_long_context_model_gets_a_capped_default_and_a_pool_too_big_is_a_user_error(loaded):
+def test_a_long_context_model_gets_its_context_a_bounded_pool_and_a_pool_too_big_is_a_user_error(
+    loaded,
+):
     from dataclasses import replace
 
-    long = replace(loaded, config=replace(loaded.config, max_position_embeddings=131072))
+    long = replace(loaded, config=replace(loaded.config, max_position_embeddings=1 << 24))
     stack = stack_for(long, slots=2)
-    assert stack.report.scheduler.context_tokens == DEFAULT_CONTEXT_CAP
-    assert stack.report.pool_positions == 2 * DEFAULT_CONTEXT_CAP
+    assert stack.report.scheduler.context_tokens == 1 << 24  # the model's own
+    per_position = stack.report.kv_bytes_per_position
+    assert stack.report.pool_positions * per_position <= DEFAULT_KV_MEMORY_BYTES
+    assert "whole contexts" in stack.report.describe()
     with pytest.raises(UserError, match="--kv-memory") as info:
         stack_for(loaded, num_blocks=10**12)
     assert "GiB" in str(info.value) and "--context" in str(info.value)

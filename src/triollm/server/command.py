@@ -49,7 +49,7 @@ from triollm.server.lifetime import Lifetime
 from triollm.server.metrics import Metrics
 from triollm.server.ollama import ModelFacts
 from triollm.service import Service, ServiceConfig
-from triollm.sizing import DEFAULT_CONTEXT_CAP, Capacity, MemoryReport, default_of
+from triollm.sizing import DEFAULT_KV_MEMORY_BYTES, Capacity, MemoryReport, default_of
 from triollm.toolcalls import ToolCallFormat, detect_format
 
 log = logging.getLogger("triollm.server")
@@ -163,7 +163,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     mem = cap.add_mutually_exclusive_group()
     mem.add_argument("--kv-blocks", type=int, help="KV pool size in blocks")
     mem.add_argument(
-        "--kv-memory", help="KV pool budget, e.g. 256MiB or 2G (default: slots x context)"
+        "--kv-memory",
+        help="KV pool budget, e.g. 256MiB or 2G (default: slots x context, at most "
+        f"{DEFAULT_KV_MEMORY_BYTES // 2**30} GiB when --context is not given)",
     )
     cap.add_argument(
         "--block-size", type=int, help=f"positions per KV block ({default_of('block_size')})"
@@ -177,7 +179,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     cap.add_argument(
         "--context",
         type=int,
-        help=f"positions per sequence (default: the model's, at most {DEFAULT_CONTEXT_CAP})",
+        help="positions per sequence (default: the model's own; the default pool then "
+        f"takes at most {DEFAULT_KV_MEMORY_BYTES // 2**30} GiB)",
     )
     cap.add_argument(
         "--chunk",
