@@ -191,7 +191,8 @@ async def test_a_failed_choice_fails_the_response_and_the_writer_ends_the_others
         served = ServedModel("m", None, 32, 0)  # type: ignore[arg-type]
         writer = ResponseWriter(req, served, stream)
         body, status = await writer.whole()
-        assert status == 500 and body["error"]["code"] == "grammar_failed"
+        assert status == 400 and body["error"]["code"] == "grammar_failed"
+        assert body["error"]["type"] == "invalid_request_error"
         first, _, third = stream.outcomes
         for other in (first, third):
             assert isinstance(other, Failed) and other.code is EndCode.GRAMMAR_FAILED

@@ -41,7 +41,9 @@ STATUS_OF_END = {
     EndCode.INTERNAL: 500,
     EndCode.TOO_SLOW: 500,
     EndCode.CLIENT_CLOSED: 500,  # nobody reads it: the client has gone
-    EndCode.GRAMMAR_FAILED: 500,  # the grammar engine gave up mid-answer (a parser limit)
+    # The request's grammar could not be followed to its end (a parser limit, a token the
+    # engine refused): the request's 400, never a 500 the client retries (issue 26).
+    EndCode.GRAMMAR_FAILED: 400,
 }
 
 
@@ -271,7 +273,8 @@ class ResponseWriter:
             outcome = failed if failed is not None else self.stream.outcome
             code, message = self._failure(outcome)
             status = STATUS_OF_END[outcome.code] if isinstance(outcome, Failed) else 500
-            return ApiError(status, message, type="server_error", code=code).body(), status
+            kind = "server_error" if status >= 500 else "invalid_request_error"
+            return ApiError(status, message, type=kind, code=code).body(), status
         outcomes = [done[i] for i in range(n)]
         # the echo (deltas[i][0]) has no tokens
         lps = [[self._logprobs(d) for d in deltas[i][1:]] for i in range(n)]
