@@ -241,7 +241,9 @@ class Infeasible(FieldError):
 # rows. Qwen2.5-1.5B's layers hold 1.3 G; with 128-row chunks its 8 streams saw an ITL
 # p99 of 1.9 s against llama-server's 0.78 s (docs/performance.md). Qwen2.5-0.5B at 8
 # streams, 32 rows against 128: aggregate 1.09-1.29x, TTFT p50 0.87-0.95x, e2e p50
-# 0.76-0.91x (3 alternating rounds, busy machine; issue 23's report).
+# 0.76-0.91x on 32-token completions; ITL p99 0.26-0.53x on chat prompts, whose
+# template makes them several chunks (3 alternating rounds each, busy machine, load
+# 12-20; issue 23's report).
 CHUNK_STALL_ROW_WEIGHTS = 128 * 106_168_320
 # The floor: a short prompt (a chat turn; the benchmark's 32 tokens) stays one chunk,
 # so its first token takes one step; and below ~32 rows each chunk would read every
