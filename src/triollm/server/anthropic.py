@@ -240,9 +240,12 @@ def _tools(body: dict[str, Any]) -> Tools | None:
         name = tool.get("name")
         if not isinstance(name, str) or not name:
             raise bad_request(f"'tools[{i}].name' must be a non-empty string", f"tools[{i}].name")
-        fn: dict[str, Any] = {"name": name, "parameters": tool.get("input_schema", {})}
+        # In OpenAI's key order: a template that dumps the tool as JSON (Qwen's) renders
+        # the same prompt as chat's for the same tool.
+        fn: dict[str, Any] = {"name": name}
         if tool.get("description") is not None:
             fn["description"] = tool["description"]
+        fn["parameters"] = tool.get("input_schema", {})
         definitions.append({"type": "function", "function": fn})
     choice_raw = Reader(body).obj("tool_choice") or {}
     kind = choice_raw.get("type", "auto")
