@@ -197,8 +197,16 @@ async def test_a_forced_tool_use_round_trip(hermes_loaded):
             "messages[0].content[0].type",
         ),
         (
-            {"messages": [*HELLO, {"role": "assistant", "content": "The answer is"}]},
-            "messages[1]",
+            {
+                "messages": [
+                    *HELLO,
+                    {
+                        "role": "assistant",
+                        "content": [{"type": "tool_use", "id": "t", "name": "f"}],
+                    },
+                ]
+            },
+            "messages[1]",  # a tool_use needs its tool_result before anything else
         ),
         ({"temperature": 1.5}, "temperature"),
         ({"output_config": {"effort": "high"}}, "output_config.effort"),
@@ -272,3 +280,28 @@ def test_tools_translate_to_chat_s_tools_key_for_key_in_order():
     chat = parse_chat(json.dumps({"messages": ask, "tools": CHAT_TOOLS}).encode())
     assert ours.request.tools is not None and chat.tools is not None
     assert json.dumps(ours.request.tools.definitions) == json.dumps(chat.tools.definitions)
+
+
+async def test_a_final_assistant_turn_is_continued_as_chat_continues_it(loaded):
+    prefill = [*HELLO, {"role": "assistant", "content": "The answer is"}]
+    async with live_server(loaded) as live:
+        c = client(live.url)
+        got = await trio.to_thread.run_sync(
+            lambda: c.messages.create(
+                model=MODEL_ID, messages=prefill, max_tokens=8, extra_body=GREEDY
+            )
+        )
+        want = await chat(
+            live.url,
+            prefill,
+            max_tokens=8,
+            continue_final_message=True,
+            add_generation_prompt=False,
+        )
+        fresh = await chat(live.url, HELLO, max_tokens=8)
+    assert text_of(got) == want["choices"][0]["message"]["content"]
+    assert got.usage.output_tokens == want["usage"]["completion_tokens"]
+    # the prefill is in the prompt: more of it than without
+    assert (
+        got.usage.input_tokens + got.usage.cache_read_input_tokens > fresh["usage"]["prompt_tokens"]
+    )

@@ -196,3 +196,21 @@ async def test_num_ctx_stops_the_answer_at_the_bound(loaded):
             lambda: c.chat(model=NAME, messages=HELLO, options={"temperature": 0, "num_ctx": bound})
         )
     assert got.eval_count <= 5 and got.prompt_eval_count + got.eval_count <= bound
+
+
+async def test_a_final_assistant_message_is_continued(loaded):
+    prefill = [*HELLO, {"role": "assistant", "content": "The answer is"}]
+    async with live_server(loaded) as live:
+        c = client(live.url)
+        got = await trio.to_thread.run_sync(
+            lambda: c.chat(model=NAME, messages=prefill, options=GREEDY)
+        )
+        want = await chat(
+            live.url,
+            prefill,
+            max_tokens=10,
+            continue_final_message=True,
+            add_generation_prompt=False,
+        )
+    assert got.message.content == want["choices"][0]["message"]["content"]
+    assert got.prompt_eval_count == want["usage"]["prompt_tokens"]

@@ -35,9 +35,11 @@ token count) and ``message_stop``. A failure after the status line went out is a
 ``error`` event. Errors are Anthropic's shape, ``{"type": "error", "error": {"type",
 "message"}}``; the 400's message names the field.
 
-A conversation that ends with an assistant turn asks Anthropic to *continue* that
-turn (prefill); the chat template renders it as a finished turn and starts a new one,
-so it is refused by name rather than answered differently.
+A conversation that ends with an assistant turn asks to *continue* that turn
+(prefill): the request continues the final message (``continue_final_message``, the
+template leaves the turn open), and the answer holds only the continuation, as
+Anthropic answers. An assistant turn that ends in ``tool_use`` is not open: it needs
+its ``tool_result`` first (a 400 naming it).
 
 Auth: the door checks ``Authorization: Bearer``; the ``anthropic`` client sends that
 when given ``auth_token=`` (its ``api_key=`` goes into ``x-api-key``, which a server
@@ -86,7 +88,11 @@ MESSAGES_FIELDS = FieldTable(
     [
         Field("model", S.HONOURED, "the served model; another id is a 404"),
         Field("max_tokens", S.HONOURED, "required: the answer's budget"),
-        Field("messages", S.HONOURED, "user / assistant turns of text, tool_use, tool_result"),
+        Field(
+            "messages",
+            S.HONOURED,
+            "turns of text, tool_use, tool_result; a final assistant turn is continued",
+        ),
         Field("system", S.HONOURED, "a string or text blocks: the system message"),
         Field("stop_sequences", S.HONOURED, "stop strings; the matched one is in stop_sequence"),
         Field("temperature", S.HONOURED, "0 to 1"),
@@ -208,7 +214,8 @@ def _turn(i: int, message: Any) -> list[tuple[str, dict[str, Any]]]:
     return turns
 
 
-def _conversation(body: dict[str, Any]) -> tuple[ChatMessage, ...]:
+def _conversation(body: dict[str, Any]) -> tuple[tuple[ChatMessage, ...], bool]:
+    """The turns, and whether the last is an assistant turn to continue (prefill)."""
     turns: list[tuple[str, dict[str, Any]]] = []
     system = body.get("system")
     if system is not None:
@@ -218,14 +225,17 @@ def _conversation(body: dict[str, Any]) -> tuple[ChatMessage, ...]:
         raise bad_request("'messages' is required: a non-empty list of turns", "messages")
     for i, message in enumerate(messages):
         turns += _turn(i, message)
-    last = messages[-1]
-    if isinstance(last, dict) and last.get("role") == "assistant":
-        raise refuse(
+    last = turns[-1][1]
+    # Prefill: the answer continues the final assistant turn's text (the template
+    # leaves it open).
+    if last["role"] == "assistant" and last.get("tool_calls"):
+        raise bad_request(
+            f"'messages[{len(messages) - 1}]' ends in tool_use: its tool_result goes in a "
+            "user turn after it",
             f"messages[{len(messages) - 1}]",
-            "a conversation ending with an assistant turn (prefill) would start a new turn "
-            "here instead of continuing that one",
         )
-    return tuple(chat_message(m["role"], m["content"], p, m) for p, m in turns)
+    prefill = last["role"] == "assistant"
+    return tuple(chat_message(m["role"], m["content"], p, m) for p, m in turns), prefill
 
 
 def _tools(body: dict[str, Any]) -> Tools | None:
@@ -303,10 +313,13 @@ def parse_messages(raw: bytes) -> Translation:
     tools = _tools(body)
     grammar = _output_format(body)
     one_constraint(tools, grammar, "tool_choice")
+    messages, prefill = _conversation(body)
     req = GenerationRequest(
         kind="chat",
         model=r.string("model") or None,
-        messages=_conversation(body),
+        messages=messages,
+        add_generation_prompt=not prefill,
+        continue_final_message=prefill,
         max_tokens=max_tokens,
         temperature=r.number("temperature", 1.0, 0.0, 1.0),
         top_p=r.number("top_p", 1.0),

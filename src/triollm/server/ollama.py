@@ -105,7 +105,11 @@ CHAT_FIELDS = FieldTable(
     "ollama chat",
     [
         *_COMMON,
-        Field("messages", S.HONOURED, "system / user / assistant / tool turns, tool_calls"),
+        Field(
+            "messages",
+            S.HONOURED,
+            "system, user, assistant (a final one is continued), tool; tool_calls",
+        ),
         Field("tools", S.HONOURED, "function tools, parsed back as message.tool_calls"),
     ],
 )
@@ -313,7 +317,9 @@ def _num_ctx(limit: int | None) -> Callable[[GenerationSpec], GenerationSpec] | 
     return adjust
 
 
-def _messages(body: dict[str, Any]) -> tuple[ChatMessage, ...]:
+def _messages(body: dict[str, Any]) -> tuple[tuple[ChatMessage, ...], bool]:
+    """The turns, and whether the last is an assistant message to continue: Ollama
+    continues a final assistant message (prefill) rather than answering after it."""
     raw = Reader(body).items("messages")
     if not raw:
         raise bad_request("'messages' is required: a non-empty list of messages", "messages")
@@ -366,7 +372,9 @@ def _messages(body: dict[str, Any]) -> tuple[ChatMessage, ...]:
             if isinstance(name, str):
                 fields["name"] = name
         out.append(chat_message(role, content, param, fields))
-    return tuple(out)
+    last = raw[-1]
+    prefill = last.get("role") == "assistant" and not last.get("tool_calls")
+    return tuple(out), prefill
 
 
 def _tools(body: dict[str, Any]) -> Tools | None:
@@ -392,10 +400,13 @@ def parse_chat(raw: bytes, model: ServedModel) -> Translation:
     grammar = _format(body)
     one_constraint(tools, grammar, "tools")
     r = Reader(body)
+    messages, prefill = _messages(body)
     req = GenerationRequest(
         kind="chat",
         model=_model_id(r.string("model"), model),
-        messages=_messages(body),
+        messages=messages,
+        add_generation_prompt=not prefill,
+        continue_final_message=prefill,
         stream=r.boolean("stream", True),
         grammar=grammar,
         tools=tools,
