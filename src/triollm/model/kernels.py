@@ -208,7 +208,7 @@ def _encode(x, cache):  # type: ignore[no-untyped-def]  # numba: the overload is
     raise NotImplementedError
 
 
-@overload(_encode, inline="always")
+@overload(_encode)  # not inline="always": that tripped a numba IR-scope warning
 def _encode_impl(x, cache):  # type: ignore[no-untyped-def]
     dt = cache.dtype
     if dt == types.float32:
