@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 
 from triollm.model import attention, kernels
-from triollm.model.kvcache import STORAGE, KVDtype, PagedKVCache
+from triollm.model.kvstore import STORAGE, KVDtype, PagedKVCache
 from triollm.model.synthetic import measure_bandwidth
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from triollm.model.kvcache import KVDtype
+from triollm.model.kvstore import KVDtype
 from triollm.model.loader import LoadedModel, load_model
 from triollm.model.sampling import SamplingParams
 from triollm.offline import Engine, engine_config

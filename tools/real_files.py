@@ -126,7 +126,7 @@ def greedy_together(loaded: Any, prompts: list[list[int]], lengths: list[int]) -
     transformers' generate stopped there; an early EOS of ours shows as a mismatch).
     The KV cache is float32: a 16-bit cache rounds K/V, and the claim is
     transformers' arithmetic (``test_kv_dtype.py`` bounds the default cache)."""
-    from triollm.model.kvcache import KVDtype, PagedKVCache
+    from triollm.model.kvstore import KVDtype, PagedKVCache
     from triollm.plan import ChunkPlan
 
     tables, start = [], 0

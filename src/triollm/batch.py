@@ -5,7 +5,7 @@ The Scheduler (policy) decides which rows run in a step and hands over a
 the paged KV cache, then one sampled token per chunk that asked for one. It owns
 the two pieces of state the model needs across steps:
 
-- the paged KV pool (:class:`~triollm.model.kvcache.PagedKVCache`), allocated once
+- the paged KV pool (:class:`~triollm.model.kvstore.PagedKVCache`), allocated once
   at the size of the scheduler's block pool; block *ownership* stays with the
   KV-cache manager (``kvcache.KVCacheManager``, over ``kv.BlockPool``), the Batch
   only stores what the tables point at;
@@ -48,7 +48,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 
 from triollm.model.constrained import MaskFiller, MatcherFailed, SequenceMatcher
-from triollm.model.kvcache import DEFAULT_KV_DTYPE, KVDtype, PagedKVCache
+from triollm.model.kvstore import DEFAULT_KV_DTYPE, KVDtype, PagedKVCache
 from triollm.model.llama import LlamaModel
 from triollm.model.loader import LoadedModel
 from triollm.model.sampling import Sample, SequenceSampler, token_logprobs
@@ -89,7 +89,7 @@ class Batch:
 
     ``num_blocks`` and ``block_size`` must equal the scheduler's pool, since
     the block ids in the plans index this cache; ``kv_dtype`` is its element
-    type (``kvcache.py``: 16-bit f16 by default, f32 for exact conformance).
+    type (``model/kvstore.py``: 16-bit f16 by default, f32 for exact conformance).
     ``loaded`` may also be a bare :class:`LlamaModel` (the benchmark builds one
     without a directory).
 

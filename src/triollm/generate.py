@@ -32,7 +32,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, TextIO
 
 from triollm.errors import FieldError, UserError
-from triollm.model.kvcache import DEFAULT_KV_DTYPE, KVDtype  # numpy only, no numba
+from triollm.model.kvstore import DEFAULT_KV_DTYPE, KVDtype  # numpy only, no numba
 from triollm.plan import FinishReason, SampledToken
 from triollm.textstream import TextStream
 

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 from triollm.batch import Batch
 from triollm.model.constrained import MatcherFailed
-from triollm.model.kvcache import DEFAULT_KV_DTYPE, KVDtype, kv_bytes_per_position
+from triollm.model.kvstore import DEFAULT_KV_DTYPE, KVDtype, kv_bytes_per_position
 from triollm.model.loader import LoadedModel
 from triollm.model.sampling import SamplingParams
 from triollm.plan import Finished, FinishReason, SampledToken

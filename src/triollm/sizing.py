@@ -42,7 +42,7 @@ from triollm.scheduler import SchedulerConfig
 class KVDtype(Enum):
     """The KV cache's element type; the value is the CLI spelling (``--kv-cache-dtype``).
 
-    Here, not in ``model/kvcache.py`` (which stores it), because the memory
+    Here, not in ``model/kvstore.py`` (which stores it), because the memory
     arithmetic depends on it and this module stays free of numpy."""
 
     F16 = "f16"
@@ -99,7 +99,7 @@ class Capacity:
     # opening (docs/prefix-cache.md); results are bit-identical either way. A bare
     # SchedulerConfig leaves it off. ``--prefix-cache off`` restores the plain pool.
     prefix_cache: bool = True
-    # The KV cache's element type (model/kvcache.py): the pool's bytes per position,
+    # The KV cache's element type (model/kvstore.py): the pool's bytes per position,
     # so how many blocks a --kv-memory budget holds, follow it.
     kv_dtype: KVDtype = DEFAULT_KV_DTYPE
 

@@ -16,7 +16,7 @@ import pytest
 from fixture_models import loaded
 
 from triollm.batch import BadChunks, Batch
-from triollm.model.kvcache import DEFAULT_KV_DTYPE, KVDtype
+from triollm.model.kvstore import DEFAULT_KV_DTYPE, KVDtype
 from triollm.model.loader import LoadedModel
 from triollm.model.sampling import SamplingParams
 from triollm.plan import ChunkPlan, StepPlan

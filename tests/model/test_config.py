@@ -11,7 +11,7 @@ import pytest
 
 from triollm.errors import ModelLoadError, UserError
 from triollm.model.config import ModelConfig, RopeScaling
-from triollm.model.kvcache import KVDtype, kv_bytes_per_position
+from triollm.model.kvstore import KVDtype, kv_bytes_per_position
 from triollm.model.loader import load_model
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "models"

@@ -21,7 +21,7 @@ import pytest
 from fixture_models import loaded
 
 from triollm.batch import Batch
-from triollm.model.kvcache import KVDtype
+from triollm.model.kvstore import KVDtype
 from triollm.model.loader import LoadedModel
 from triollm.model.sampling import SamplingParams
 from triollm.plan import ChunkPlan, StepPlan

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from triollm.model import attention, kernels
 from triollm.model.config import ModelConfig
-from triollm.model.kvcache import KVDtype, PagedKVCache
+from triollm.model.kvstore import KVDtype, PagedKVCache
 
 SETTINGS = settings(max_examples=40, deadline=None)
 

@@ -24,7 +24,7 @@ from fixture_models import loaded
 from test_conformance import BLOCK, MODEL_NAMES, reference
 
 from triollm.batch import Batch
-from triollm.model.kvcache import KVDtype
+from triollm.model.kvstore import KVDtype
 from triollm.model.loader import LoadedModel
 from triollm.plan import ChunkPlan
 

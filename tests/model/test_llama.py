@@ -10,7 +10,7 @@ import pytest
 
 from triollm.errors import ModelLoadError
 from triollm.model.config import ModelConfig
-from triollm.model.kvcache import STORAGE, KVDtype
+from triollm.model.kvstore import STORAGE, KVDtype
 from triollm.model.llama import LlamaModel, PagedKVCache, inverse_frequencies
 from triollm.model.matmul import PreparedWeight
 from triollm.model.weights import Checkpoint, expected_shapes, f32_to_bf16_bits

@@ -25,7 +25,7 @@ from triollm.errors import ModelLoadError
 from triollm.model import kernels
 from triollm.model.config import ModelConfig
 from triollm.model.gguf import GGUFFile
-from triollm.model.kvcache import KVDtype
+from triollm.model.kvstore import KVDtype
 from triollm.model.llama import LlamaModel
 from triollm.model.loader import LoadedModel, load_model
 from triollm.model.quant import QuantizedTensor

@@ -18,7 +18,7 @@ from fixture_models import loaded
 from triollm import batch as batch_module
 from triollm.batch import BadChunks, Batch
 from triollm.kv import blocks_for
-from triollm.model.kvcache import KVDtype
+from triollm.model.kvstore import KVDtype
 from triollm.model.loader import LoadedModel
 from triollm.model.sampling import SamplingParams, log_softmax
 from triollm.plan import ChunkPlan, PromptScores, SampledToken, StepPlan

@@ -29,7 +29,7 @@ from test_conformance import BLOCK, generate_greedy
 from test_gguf import make
 
 from triollm.batch import Batch
-from triollm.model.kvcache import KVDtype
+from triollm.model.kvstore import KVDtype
 from triollm.model.loader import LoadedModel, load_model
 from triollm.plan import ChunkPlan
 

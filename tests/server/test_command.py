@@ -18,7 +18,7 @@ from serverkit import MODEL_DIR, MODEL_ID, stack_for
 
 from triollm import cli
 from triollm.errors import UserError
-from triollm.model.kvcache import DEFAULT_KV_DTYPE, KVDtype, kv_bytes_per_position
+from triollm.model.kvstore import DEFAULT_KV_DTYPE, KVDtype, kv_bytes_per_position
 from triollm.policies import Policy
 from triollm.server.command import parse_policy, parse_size, row_weights
 from triollm.sizing import DEFAULT_KV_MEMORY_BYTES

@@ -59,7 +59,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from triollm.model.kvcache import DEFAULT_KV_DTYPE, kv_bytes_per_position
+    from triollm.model.kvstore import DEFAULT_KV_DTYPE, kv_bytes_per_position
     from triollm.model.llama import LlamaModel, PagedKVCache
     from triollm.model.synthetic import (
         decode_weight_bytes,

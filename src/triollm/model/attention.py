@@ -7,7 +7,7 @@ half of a SmolLM2 prefill (docs/performance.md). This one works on tiles:
 - **a tile of K/V** is :data:`TILE` (32) consecutive positions of one KV head,
   aligned to multiples of 32 and gathered through the block table, widened
   once to float32 from the cache's storage (f32, f16, bf16 or q8_0,
-  ``kvcache.py``) and shared by every query vector of the work item: the rows
+  ``kvstore.py``) and shared by every query vector of the work item: the rows
   of a query block times the ``group`` query heads of the KV head (GQA). The
   pool stores K *transposed within a block* (``(head_dim, block_size)`` per
   block and head) and V as it comes (``(block_size, head_dim)``), so both
@@ -68,7 +68,7 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
-from triollm.model.kvcache import Q8_BLOCK
+from triollm.model.kvstore import Q8_BLOCK
 from triollm.model.matmul import PANEL as TILE
 from triollm.model.matmul import _tile1, _tile2, _tile4, _tile8
 from triollm.model.threads import start_parallel_runtime
@@ -92,7 +92,7 @@ SEGMENT_POSITIONS = 1024  # a multiple of TILE (32)
 PARALLEL_MIN_TILES = 10
 
 if TILE != Q8_BLOCK:  # _load_values takes one q8_0 scale per V panel row
-    raise ImportError(f"attention needs TILE ({TILE}) == kvcache.Q8_BLOCK ({Q8_BLOCK})")
+    raise ImportError(f"attention needs TILE ({TILE}) == kvstore.Q8_BLOCK ({Q8_BLOCK})")
 
 _LOG2E = np.float32(1.4426950408889634)
 _LN2_HI = np.float32(0.693359375)  # ln 2 split in two (Cody-Waite): n * hi is exact
@@ -121,7 +121,7 @@ def _f32_from_half(typingctx: Any, bits: Any) -> Any:
     """IEEE half bits (an int16) as float32: LLVM's ``fpext half``, exact for
     every half; in a vectorised loop one ``vcvtph2ps`` per 16 values (F16C, which
     the products' f16 panels already need). Hazard: an inf/NaN half stays one;
-    the write side (kvcache.py) saturates, so the cache holds none."""
+    the write side (kvstore.py) saturates, so the cache holds none."""
     if not isinstance(bits, types.Integer) or bits.bitwidth != 16:  # type: ignore[attr-defined]
         return None
 

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from triollm.model.kvcache import KVDtype, PagedKVCache
+from triollm.model.kvstore import KVDtype, PagedKVCache
 from triollm.plan import ChunkPlan
 
 if TYPE_CHECKING:  # a name only: importing llama compiles nothing, but the CLI need not load it

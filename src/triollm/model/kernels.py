@@ -31,7 +31,7 @@ from numba.extending import intrinsic, overload
 
 from triollm.model import attention
 from triollm.model.attention import AttentionPlan, paged_attention, plan_attention
-from triollm.model.kvcache import DEFAULT_KV_DTYPE, STORAGE, KVDtype
+from triollm.model.kvstore import DEFAULT_KV_DTYPE, STORAGE, KVDtype
 from triollm.model.threads import start_parallel_runtime
 
 start_parallel_runtime()  # passive OpenMP workers, before the first prange (threads.py)

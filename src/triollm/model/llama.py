@@ -47,7 +47,7 @@ import numpy as np
 from triollm.errors import ModelLoadError
 from triollm.model import gemma, kernels, phi3
 from triollm.model.config import ModelConfig
-from triollm.model.kvcache import KVDtype, PagedKVCache
+from triollm.model.kvstore import KVDtype, PagedKVCache
 from triollm.model.matmul import PreparedWeight, linear, prepare
 from triollm.model.moe import Expert, MoeBlock, expert_keys, router_key
 from triollm.model.quant import QuantizedTensor, stack_rows
@@ -412,7 +412,7 @@ class LlamaModel:
             # RoPE at each row's own position, queries and keys in one call
             kernels.rope_qk(q3, k3, rows.positions, cos, sin)
             # write this step's K/V through the block tables, then attend over the pool
-            # (in the cache's element type: kvcache.py rounds, attention widens)
+            # (in the cache's element type: kvstore.py rounds, attention widens)
             if kv.dtype is not KVDtype.Q8_0:  # rounded on the way in, one call
                 kernels.store_kv(k3, v3, kv.k[i], kv.v[i], rows.block, rows.offset)
             else:  # q8_0: numpy's blocks and scales, then two writes

@@ -38,7 +38,7 @@ import trio
 
 from triollm.errors import UserError
 from triollm.model.embed import Embedder, Pooling
-from triollm.model.kvcache import DEFAULT_KV_DTYPE, KVDtype, kv_bytes_per_position
+from triollm.model.kvstore import DEFAULT_KV_DTYPE, KVDtype, kv_bytes_per_position
 from triollm.policies import Claim, Policy, SchedulingPolicy, load_policy, policy_name
 from triollm.request import ServedModel
 from triollm.scheduler import Scheduler, serving_chunk_tokens
