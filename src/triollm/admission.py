@@ -213,6 +213,13 @@ class AdmissionQueue:
         self.signal()
         return seq_ids
 
+    def withdraw(self, seq_id: int) -> None:
+        """Take back a ticket nobody will wait for (another group of the same request
+        was refused): its members leave as a cancelled wait's do. Sync."""
+        waiter = self._tickets.pop(seq_id, None)
+        if waiter is not None:
+            self._leave(waiter)
+
     def drive(self) -> tuple[int, ...]:
         """One admission pass (what the driver does at each wake). Sync, so tests
         can run it at an exact point to order the cancel/admit race."""

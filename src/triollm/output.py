@@ -145,6 +145,9 @@ class _Request:
     delta_room: int  # n x stream_buffer_steps: each step gives each choice <= 1 delta
     open: int  # choices with no outcome yet; the channel closes when none is left
     members: list[Choice]
+    # Its first choice's index in the response: a list of prompts is one response,
+    # prompt i's choice j its ``base + j`` (OpenAI's ``i * n + j``), on one channel.
+    base: int = 0
     # A scored prompt (echo with logprobs): position -> its token's TokenInfo, filled
     # from the steps' PromptScores of whichever choice computed that position (they
     # share the prompt), and given to each choice in its first delta.
@@ -173,6 +176,12 @@ class Choice:
         return self.request.spec
 
     @property
+    def wire(self) -> int:
+        """Its index in the response (``index`` is its index among its prompt's choices:
+        its seed's offset)."""
+        return self.request.base + self.index
+
+    @property
     def prompt_ids(self) -> tuple[int, ...]:
         return self.request.spec.prompt_ids
 
@@ -186,9 +195,17 @@ class Pending:
     """A request built before it is queued (its text pipelines, its channel), so that
     nothing can fail once its sequences exist in the scheduler."""
 
-    def __init__(self, request: _Request, recv: trio.MemoryReceiveChannel[Event]) -> None:
+    def __init__(
+        self,
+        request: _Request,
+        recv: trio.MemoryReceiveChannel[Event],
+        requests: Sequence[_Request] = (),
+    ) -> None:
         self.request = request
         self.recv = recv
+        # A list of prompts: one request per prompt, all on ``recv`` (the first is
+        # ``request``).
+        self.requests = tuple(requests) or (request,)
 
 
 class RequestStream:
@@ -204,7 +221,7 @@ class RequestStream:
         self._output = output
         # Only a request that asked for logprobs needs its tokens' texts.
         self._describer = output.describer if pending.request.spec.want_logprobs else None
-        self._members = tuple(pending.request.members)
+        self._members = tuple(c for r in pending.requests for c in r.members)
         self._recv = pending.recv
         self.spec = pending.request.spec
         self.seq_ids = tuple(c.seq_id for c in self._members)
@@ -324,7 +341,29 @@ class OutputProcessor:
         n = spec.n
         delta_room = n * self.stream_buffer_steps
         send, recv = trio.open_memory_channel[Event](delta_room + n)  # and one end each
-        request = _Request(spec, send, delta_room, n, [])
+        return Pending(self._request(spec, send, delta_room), recv)
+
+    def pending_prompts(self, specs: Sequence[GenerationSpec]) -> Pending:
+        """:meth:`pending` for a list of prompts (``/v1/completions``): one request per
+        prompt, each of its ``n`` choices, all writing to one channel (each its own
+        clone of the sending end, closed when its last choice ends) with the response's
+        indices (``_Request.base``). The buffer is shared: ``delta_room`` is every
+        choice's, so the invariant (room for every end) holds across them."""
+        total = sum(spec.n for spec in specs)
+        delta_room = total * self.stream_buffer_steps
+        send, recv = trio.open_memory_channel[Event](delta_room + total)
+        requests, base = [], 0
+        with send:
+            for spec in specs:
+                requests.append(self._request(spec, send.clone(), delta_room, base))
+                base += spec.n
+        return Pending(requests[0], recv, requests)
+
+    def _request(
+        self, spec: GenerationSpec, send: trio.MemorySendChannel[Event], room: int, base: int = 0
+    ) -> _Request:
+        n = spec.n
+        request = _Request(spec, send, room, n, [], base)
         if spec.score_prompt:  # nothing predicts the first token: its logprob is None
             request.prompt_scores = [TokenInfo(spec.prompt_ids[0], None, ())]
             request.prompt_scores += [None] * (len(spec.prompt_ids) - 1)
@@ -340,21 +379,23 @@ class OutputProcessor:
             for _ in range(n)
         ]
         request.members = [Choice(-1, i, request, text, 0.0) for i, text in enumerate(texts)]
-        return Pending(request, recv)
+        return request
 
-    def track(self, pending: Pending, seq_ids: Sequence[int]) -> None:
-        """The request's sequences exist (queued): track each choice under its id."""
+    def track(self, pending: Pending, seq_ids: Sequence[int], which: int = 0) -> None:
+        """The request's sequences exist (queued): track each choice under its id
+        (``which``: the prompt, of a list of prompts)."""
         now = trio.current_time()
-        for choice, seq_id in zip(pending.request.members, seq_ids, strict=True):
+        for choice, seq_id in zip(pending.requests[which].members, seq_ids, strict=True):
             choice.seq_id = seq_id
             choice.arrived = now
             self.live[seq_id] = choice
 
     def untrack(self, pending: Pending) -> None:
         """The request never got its slots (refused, timed out, client gone): forget it."""
-        for choice in pending.request.members:
-            self.live.pop(choice.seq_id, None)
-        pending.request.send.close()
+        for request in pending.requests:
+            for choice in request.members:
+                self.live.pop(choice.seq_id, None)
+            request.send.close()
 
     def stream(self, pending: Pending) -> RequestStream:
         return RequestStream(self, pending)
@@ -382,7 +423,7 @@ class OutputProcessor:
         request = choice.request
         # The reader may have gone (close()): nobody to tell then.
         with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
-            request.send.send_nowait(Ended(choice.index, outcome))  # room: _Request's invariant
+            request.send.send_nowait(Ended(choice.wire, outcome))  # room: _Request's invariant
         request.open -= 1
         if request.open == 0:
             request.send.close()
@@ -503,7 +544,7 @@ class OutputProcessor:
         if request.send.statistics().current_buffer_used >= request.delta_room:
             self._too_slow(choice)
             return
-        request.send.send_nowait(Delta(text, info, piece.tool_calls, choice.index, prompt))
+        request.send.send_nowait(Delta(text, info, piece.tool_calls, choice.wire, prompt))
 
     def _text_failed(self, choice: Choice, exc: Exception) -> None:
         """One request's text pipeline (its detokenizer, its stop matcher) raised: that
@@ -514,7 +555,7 @@ class OutputProcessor:
         self.fail(choice, EndCode.INTERNAL, message)
 
     def _complete(self, choice: Choice, reason: FinishReason, final: Delta) -> None:
-        final = dataclasses.replace(final, index=choice.index)
+        final = dataclasses.replace(final, index=choice.wire)
         outcome = Completed(
             reason, final, len(choice.prompt_ids), choice.n_generated, choice.cached_tokens
         )

@@ -578,6 +578,34 @@ class Scheduler:
         if problem is not None:
             raise problem
 
+    def check_prompts(self, specs: Sequence[SequenceSpec]) -> None:
+        """:meth:`check_group` for a list of prompts admitted together (one request of
+        ``/v1/completions``): each group alone, then all of them against the slots and
+        an empty pool; :class:`Infeasible` names ``prompt`` with the numbers."""
+        cfg = self.config
+        for spec in specs:
+            self.check_group(spec)
+        total = sum(spec.n for spec in specs)
+        if total > cfg.slots:
+            raise Infeasible(
+                "prompt",
+                f"{len(specs)} prompts of n={specs[0].n} choices are {total} sequences, more "
+                f"than the {cfg.slots} slots: a request's choices run together",
+            )
+        need = 0
+        for spec in specs:
+            answer = (
+                cfg.context_tokens - spec.prompt_len if spec.max_tokens is None else spec.max_tokens
+            )
+            whole = blocks_for(spec.prompt_len + answer, cfg.block_size)
+            need += whole + (spec.n - 1) * (whole - self.kv.shareable_blocks(spec.prompt_len))
+        if need > cfg.num_blocks:
+            raise Infeasible(
+                "prompt",
+                f"{len(specs)} prompts of n={specs[0].n} choices need {need} blocks of "
+                f"{cfg.block_size} together, but the whole pool has {cfg.num_blocks}",
+            )
+
     def _group_infeasible(
         self, prompt_len: int, max_tokens: int | None, n: int
     ) -> Infeasible | None:

@@ -349,6 +349,49 @@ class Service:
             raise
         return self.output.stream(pending)
 
+    async def submit_prompts(self, specs: Sequence[GenerationSpec]) -> RequestStream:
+        """:meth:`submit` for a list of prompts (``/v1/completions``): each prompt's
+        ``n`` choices are a group as in :meth:`submit`, the groups queued at once, and
+        the request waits until every one is admitted; one stream carries them all,
+        prompt ``i``'s choice ``j`` as index ``i * n + j`` (OpenAI's numbering).
+
+        Admission is all or nothing: the scheduler first checks that the prompts'
+        choices fit the slots and the pool together (``Infeasible`` naming ``prompt``),
+        and a group refused or timed out while others were admitted ends them (their
+        blocks back) before the refusal is raised.
+        """
+        if len(specs) == 1:
+            return await self.submit(specs[0])
+        if specs[0].priority != 0 and not self.scheduler.policy.orders_by_priority:
+            return await self.submit(specs[0])  # its FieldError, as for one prompt
+        self.scheduler.check_prompts([spec.sequence() for spec in specs])
+        pending = self.output.pending_prompts(specs)
+        tickets: list[int] = []
+        taken = 0
+        try:
+            for which, spec in enumerate(specs):
+                seq_ids = self.queue.enqueue(spec.sequence())
+                self.output.track(pending, seq_ids, which)
+                tickets.append(seq_ids[0])
+            self.notify()
+            for ticket in tickets:
+                await self.queue.wait_admitted(ticket)
+                taken += 1
+        except BaseException:
+            # Sync cleanup (we may be cancelled): the groups never waited for leave the
+            # queue; the admitted ones end now; nothing of the request is left.
+            for ticket in tickets[taken:]:  # the one that failed its wait has left
+                self.queue.withdraw(ticket)
+            for request in pending.requests[:taken]:
+                for choice in request.members:
+                    self.output.abandon(
+                        choice, EndCode.CLIENT_CLOSED, "another prompt of the request was refused"
+                    )
+            self.output.untrack(pending)
+            self.notify()
+            raise
+        return self.output.stream(pending)
+
     def _on_admit(self, seq_id: int) -> None:
         live = self.output.live.get(seq_id)
         if live is None:

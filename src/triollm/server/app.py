@@ -79,6 +79,7 @@ from triollm.server.openai import (
     load_object,
     parse_chat,
     parse_completion,
+    parse_completions,
 )
 from triollm.server.responses import ResponseWriter, error_response, json_text
 from triollm.service import Lifecycle, RequestStream, Service
@@ -315,25 +316,31 @@ class Handlers:
     # -- generation -------------------------------------------------------------------
 
     async def completions(self) -> Response:
-        return await self.generate(parse_completion)
+        return await self.generate(parse_completions)
 
     async def chat_completions(self) -> Response:
-        return await self.generate(parse_chat)
+        return await self.generate(lambda raw: [parse_chat(raw)])
 
-    async def generate(self, parse: Callable[[bytes], GenerationRequest]) -> Response:
-        """Parse, prepare, submit, shape: one OpenAI chat or completions request."""
+    async def generate(self, parse: Callable[[bytes], list[GenerationRequest]]) -> Response:
+        """Parse, prepare, submit, shape: one OpenAI chat or completions request. A list
+        of prompts (completions) is a request per prompt, submitted together
+        (``Service.submit_prompts``) and written as one response."""
         life: RequestLife = request.scope[LIFE_KEY]  # type: ignore[literal-required]
-        req = await _parsed(parse, await read_body())
+        reqs = await _parsed(parse, await read_body())
+        req = reqs[0]  # the fields the prompts share
         self.check_model(req.model)
         with refusals():
-            spec = await self.preparer.prepare(req)
-        echo = ""
-        if req.echo:  # /v1/completions: the prompt's text, then the answer's
-            echo = req.prompt_text or ""
-            if req.prompt_ids is not None:
-                echo = await self.preparer.decode(req.prompt_ids)
-        stream = await self._start(spec, life, req.stream)
-        return await _respond(ResponseWriter(req, self.model, stream, echo), req.stream)
+            specs = [await self.preparer.prepare(r) for r in reqs]
+        echoes = []
+        for r in reqs:
+            echo = ""
+            if r.echo:  # /v1/completions: the prompt's text, then the answer's
+                echo = r.prompt_text or ""
+                if r.prompt_ids is not None:
+                    echo = await self.preparer.decode(r.prompt_ids)
+            echoes.append(echo)
+        stream = await self._start(specs, life, req.stream)
+        return await _respond(ResponseWriter(req, self.model, stream, echoes), req.stream)
 
     async def translated(self, parse: Callable[[bytes], Translation]) -> Response:
         """The same four moves for an API that translates onto chat (Responses,
@@ -346,27 +353,29 @@ class Handlers:
             spec = await self.preparer.prepare(t.request)
         if t.adjust is not None:
             spec = t.adjust(spec)
-        stream = await self._start(spec, life, t.request.stream)
+        stream = await self._start([spec], life, t.request.stream)
         return await _respond(t.writer(self.model, stream), t.request.stream)
 
     async def _start(
-        self, spec: GenerationSpec, life: RequestLife, streaming: bool
+        self, specs: list[GenerationSpec], life: RequestLife, streaming: bool
     ) -> RequestStream:
-        stream = await self._submit(spec, life)
+        stream = await self._submit(specs, life)
         life.stream = stream
         # "generating" for a whole-body answer, so a cut one is not logged as a stream.
         life.stage = Stage.STREAMING if streaming else Stage.GENERATING
         return stream
 
-    async def _submit(self, spec: GenerationSpec, life: RequestLife) -> RequestStream:
-        """Queue the spec and wait for admission; every refusal as its HTTP status."""
+    async def _submit(self, specs: list[GenerationSpec], life: RequestLife) -> RequestStream:
+        """Queue the specs (one per prompt) and wait for the admission of all; every
+        refusal as its HTTP status."""
         life.stage = Stage.QUEUED
         try:
-            return await self.service.submit(spec)
+            return await self.service.submit_prompts(specs)
         except Infeasible as exc:
             life.stage = Stage.REFUSED
-            # 'n': the choices do not fit the slots or the pool, whatever the context.
-            code = None if exc.field == "n" else "context_length_exceeded"
+            # 'n', 'prompt': the choices do not fit the slots or the pool together,
+            # whatever the context.
+            code = None if exc.field in ("n", "prompt") else "context_length_exceeded"
             raise field_error(exc, code=code) from None
         except FieldError as exc:  # a priority out of range, or one the policy ignores
             life.stage = Stage.REFUSED

@@ -53,6 +53,9 @@ MAX_CHAT_TOP_LOGPROBS = 20
 # the scheduler's door names (Scheduler.add_group). This one caps the work done for a
 # request before that check (a text pipeline per choice).
 MAX_CHOICES = 128
+# A list of prompts in /v1/completions: each is a group of n sequences admitted with the
+# others, so the slots bound it too (Scheduler.check_prompts); this caps the parsing.
+MAX_PROMPTS = 128
 # chat_template_kwargs: a template reads a handful of switches (enable_thinking ...)
 MAX_TEMPLATE_KWARGS = 32
 _IDENTIFIER = re.compile(r"[A-Za-z][A-Za-z0-9_]*")
@@ -298,7 +301,7 @@ FIELDS: dict[str, FieldRule] = {
     **_rows(
         _H,
         "OpenAI",
-        "a string or token ids; one prompt per request",
+        "a string or token ids, or a list of them (up to 128; choice i*n+j: prompt i)",
         "prompt",
         apis=_COMPLETION_ONLY,
     ),
@@ -685,58 +688,78 @@ def _load_object(raw: bytes) -> dict[str, Any]:
 
 
 def parse_completion(raw: bytes) -> GenerationRequest:
-    """``POST /v1/completions``: ``prompt`` is a string or a list of token ids.
+    """``POST /v1/completions`` of one prompt (``/tokenize`` and ``/render`` read it):
+    ``prompt`` is a string or a list of token ids, or a list of one of them (the
+    ``openai`` client sends that shape); several prompts are refused by name here."""
+    reqs = parse_completions(raw)
+    if len(reqs) > 1:
+        raise bad_request(
+            f"'prompt' must be one prompt (a string or a list of token ids) here; got {len(reqs)}",
+            "prompt",
+        )
+    return reqs[0]
 
-    A list holding one string or one list of ids is accepted (the ``openai``
-    client sends that shape); several prompts are refused by name.
-    """
+
+def parse_completions(raw: bytes) -> list[GenerationRequest]:
+    """``POST /v1/completions``: ``prompt`` is a string, a list of token ids, or a list
+    of those (up to :data:`MAX_PROMPTS`; OpenAI's and vLLM's batch, which lm-eval
+    sends): one request per prompt, every other field shared. Each prompt gets ``n``
+    choices; the writer numbers prompt ``i``'s choice ``j`` as ``i * n + j``."""
     body = _load_object(raw)
     fields = _common(body, "completion")
     prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
-        prompt = prompt[0]
+    if prompt is None:
+        raise bad_request("'prompt' is required: a string or a list of token ids", "prompt")
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+        if len(prompt) > MAX_PROMPTS:
+            raise bad_request(
+                f"'prompt' holds {len(prompt)} prompts, past the limit of {MAX_PROMPTS}",
+                "prompt",
+            )
+        prompts = [_one_prompt(p, f"prompt[{i}]", element=True) for i, p in enumerate(prompt)]
+    else:
+        prompts = [_one_prompt(prompt, "prompt")]
+    logprobs = _integer(body, "logprobs", 0, MAX_COMPLETION_LOGPROBS)
+    echo = _boolean(body, "echo")
+    return [
+        GenerationRequest(prompt_text=text, prompt_ids=ids, logprobs=logprobs, echo=echo, **fields)
+        for text, ids in prompts
+    ]
+
+
+def _one_prompt(
+    prompt: Any, param: str, element: bool = False
+) -> tuple[str | None, tuple[int, ...] | None]:
+    """One prompt: (its text, None) or (None, its token ids); ``param`` names it in
+    the 400 (``prompt`` or ``prompt[i]``)."""
     if isinstance(prompt, list) and any(isinstance(t, float) for t in prompt):
         # Token ids by the integral-float rule: [1, 2.0] is [1, 2]; 2.5 is named.
         prompt = [as_integer(t) for t in prompt]
         for i, t in enumerate(prompt):
             if isinstance(t, float):
                 raise bad_request(
-                    f"'prompt' token ids must be integers; prompt[{i}] is {t!r}", "prompt"
+                    f"'{param}' token ids must be integers; {param}[{i}] is {t!r}", param
                 )
-    prompt_text: str | None = None
-    prompt_ids: tuple[int, ...] | None = None
     if isinstance(prompt, str):
         if not prompt:
-            raise bad_request("'prompt' must not be empty", "prompt")
-        prompt_text = _text(prompt, "prompt")
-    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+            raise bad_request(f"'{param}' must not be empty", param)
+        return _text(prompt, param), None
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
         if any(isinstance(t, bool) or t < 0 for t in prompt):
-            raise bad_request("'prompt' token ids must be non-negative integers", "prompt")
-        prompt_ids = tuple(prompt)
-    elif isinstance(prompt, list) and len(prompt) > 1:
-        raise bad_request(
-            f"'prompt' must be one prompt (a string or a list of token ids); got {len(prompt)}",
-            "prompt",
-        )
-    elif prompt is None:
-        raise bad_request("'prompt' is required: a string or a list of token ids", "prompt")
-    elif isinstance(prompt, list) and not prompt:
-        raise bad_request("'prompt' must not be empty", "prompt")
-    elif isinstance(prompt, list):
+            raise bad_request(f"'{param}' token ids must be non-negative integers", param)
+        return None, tuple(prompt)
+    if isinstance(prompt, list) and not prompt:
+        raise bad_request(f"'{param}' must not be empty", param)
+    if isinstance(prompt, list):
         kinds = sorted({type(t).__name__ for t in prompt if not isinstance(t, int)})
+        what = "a prompt's token ids" if element else "token ids, or prompts"
         raise bad_request(
-            f"'prompt' as a list must hold token ids (integers); it holds {', '.join(kinds)}",
-            "prompt",
+            f"'{param}' as a list must hold {what} (integers); it holds {', '.join(kinds)}",
+            param,
         )
-    else:
-        raise bad_request(
-            "'prompt' must be a string or a list of token ids, got " + type(prompt).__name__,
-            "prompt",
-        )
-    logprobs = _integer(body, "logprobs", 0, MAX_COMPLETION_LOGPROBS)
-    echo = _boolean(body, "echo")
-    return GenerationRequest(
-        prompt_text=prompt_text, prompt_ids=prompt_ids, logprobs=logprobs, echo=echo, **fields
+    raise bad_request(
+        f"'{param}' must be a string or a list of token ids, got " + type(prompt).__name__,
+        param,
     )
 
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections import defaultdict
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -74,22 +73,34 @@ class ResponseWriter:
     media_type = sse.CONTENT_TYPE  # of the streamed body
 
     def __init__(
-        self, req: GenerationRequest, model: ServedModel, stream: RequestStream, echo: str = ""
+        self,
+        req: GenerationRequest,
+        model: ServedModel,
+        stream: RequestStream,
+        echo: str | list[str] = "",
     ) -> None:
         """``echo``: the prompt's text, when the completion request asked for ``echo``:
-        each choice's text starts with it (a stream's first events carry it)."""
+        each choice's text starts with it (a stream's first events carry it). A list of
+        prompts (completions): one echo per prompt, and the stream's choices are
+        ``req.n`` per prompt, prompt ``i``'s choice ``j`` at index ``i * n + j``."""
         self.req = req
-        self.echo = echo
+        self.echoes = [echo] if isinstance(echo, str) else echo
+        self.per_prompt = max(1, req.n)
         self.model = model
         self.stream = stream
         self.chat = req.kind == "chat"
         self.id = ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex[:24]
         self.created = int(time.time())
         # logprobs, per choice: where its next answer token's text starts (after the echo)
-        self.text_offsets: defaultdict[int, int] = defaultdict(lambda: len(echo))
+        self.text_offsets: dict[int, int] = {}
         # A scored prompt: the echoed text waits for the prompt's log-probabilities and
         # goes out with them, in each choice's first delta (Delta.prompt).
         self.echo_waits = req.scores_prompt
+
+    def echo(self, index: int) -> str:
+        """The echoed text of choice ``index`` (its prompt's)."""
+        prompt = index // self.per_prompt if len(self.echoes) > 1 else 0
+        return self.echoes[prompt]
 
     # -- logprobs -------------------------------------------------------------------
 
@@ -131,11 +142,12 @@ class ResponseWriter:
 
         for t, offset in zip(delta.prompt, delta.prompt_offsets, strict=True):
             entry(t, offset)
+        at = self.text_offsets.get(delta.index, len(self.echo(delta.index)))
         for t in delta.tokens:
             # Where this token's text starts in the returned text: the text is what
             # the detokenizer and stop matcher released, not the tokens' own strings.
-            entry(t, self.text_offsets[delta.index])
-        self.text_offsets[delta.index] += len(delta.text)
+            entry(t, at)
+        self.text_offsets[delta.index] = at + len(delta.text)
         return {
             "tokens": tokens,
             "token_logprobs": token_logprobs,
@@ -146,7 +158,7 @@ class ResponseWriter:
     def _text(self, delta: Delta) -> str:
         """A delta's text; the echoed prompt first in the one that carries its scores
         (a scored choice's first delta always does, the first token's at least)."""
-        return self.echo + delta.text if delta.prompt else delta.text
+        return self.echo(delta.index) + delta.text if delta.prompt else delta.text
 
     # -- chunks ---------------------------------------------------------------------
 
@@ -187,16 +199,17 @@ class ResponseWriter:
         )
 
     def _usage(self, outcomes: list[Completed]) -> dict[str, Any]:
-        """The prompt once (its choices shared it), every choice's completion tokens."""
-        prompt = outcomes[0].prompt_tokens
+        """Each prompt once (its choices shared it), every choice's completion tokens."""
+        firsts = outcomes[:: self.per_prompt]  # each prompt's first choice
+        prompt = sum(o.prompt_tokens for o in firsts)
         completion = sum(o.completion_tokens for o in outcomes)
         return {
             "prompt_tokens": prompt,
             "completion_tokens": completion,
             "total_tokens": prompt + completion,
-            # OpenAI's shape: how many prompt tokens were not computed again. The first
-            # choice's: it computed the prompt; the others read its blocks.
-            "prompt_tokens_details": {"cached_tokens": outcomes[0].cached_tokens},
+            # OpenAI's shape: how many prompt tokens were not computed again. Each
+            # prompt's first choice's: it computed the prompt; the others read its blocks.
+            "prompt_tokens_details": {"cached_tokens": sum(o.cached_tokens for o in firsts)},
         }
 
     @staticmethod
@@ -218,8 +231,8 @@ class ResponseWriter:
         for index in range(self.stream.n):
             if self.chat:
                 yield self._chunk(index, None, None, first=True)
-            elif self.echo and not self.echo_waits:
-                yield self._chunk(index, Delta(self.echo, (), index=index), None)
+            elif self.echo(index) and not self.echo_waits:
+                yield self._chunk(index, Delta(self.echo(index), (), index=index), None)
         done: dict[int, Completed] = {}
         async for event in self.stream.events():
             if isinstance(event, Delta):
@@ -255,8 +268,10 @@ class ResponseWriter:
     async def whole(self) -> tuple[dict[str, Any], int]:
         """The non-streaming body: (JSON object, status)."""
         n = self.stream.n
-        echo = "" if self.echo_waits else self.echo  # else it comes with the scores
-        deltas: list[list[Delta]] = [[Delta(echo, (), index=i)] for i in range(n)]
+        # the echo first, unless it comes with the scores
+        deltas: list[list[Delta]] = [
+            [Delta("" if self.echo_waits else self.echo(i), (), index=i)] for i in range(n)
+        ]
         done: dict[int, Completed] = {}
         failed: Outcome | None = None
         async for event in self.stream.events():
