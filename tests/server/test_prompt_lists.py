@@ -10,7 +10,7 @@ from typing import Any
 
 import httpx
 import trio
-from serverkit import MODEL_ID, live_server, sse_payloads
+from serverkit import MODEL_ID, StepGate, live_server, raw_post, read_until, sse_payloads
 
 from triollm.server.openai import MAX_PROMPTS
 
@@ -129,3 +129,24 @@ async def test_the_refusals_name_the_field_and_the_element(loaded):
         assert error["param"] == "prompt"
         assert "9 sequences" in error["message"] and "6 slots" in error["message"]
         assert live.pool_is_idle()
+
+
+async def test_a_prompt_refused_a_queue_place_takes_the_others_out_of_the_queue(loaded):
+    # slots 2, one waiter per slot: two running, one queued, then a list of two prompts
+    # whose first group takes the last place and whose second is refused (429): the
+    # first must leave the queue with it, and nothing of the request is left.
+    async with live_server(loaded, slots=2, queue_depth_per_slot=1) as live:
+        service = live.service
+        gate = StepGate(service)
+        running = await raw_post(live.port, "/v1/completions", completion(IDS[0], n=2, stream=True))
+        await service.wait_until(lambda: service.scheduler.statistics().running == 2)
+        queued = await raw_post(live.port, "/v1/completions", completion(IDS[1], stream=True))
+        await service.wait_until(lambda: service.scheduler.statistics().waiting == 1)
+        r = await post(live.url, completion(IDS[1:], max_tokens=2))
+        assert r.status_code == 429, r.text
+        assert service.scheduler.statistics().waiting == 1  # only the one queued before
+        gate.open()
+        for sock in (running, queued):
+            assert await read_until(sock, b"data: [DONE]", bytearray())
+            await sock.aclose()
+        await service.wait_until(live.pool_is_idle)
