@@ -116,6 +116,15 @@ async def test_an_api_key_is_required_when_set_and_probes_stay_open(loaded):
             await trio.to_thread.run_sync(
                 lambda: bad.completions.create(model=MODEL_ID, prompt="Hi", max_tokens=2)
             )
+        # Anthropic's client sends the key as x-api-key; a wrong one is still refused.
+        r = await call(
+            "POST", live.url + "/v1/completions", json=BODY, headers={"x-api-key": "sk-secret"}
+        )
+        assert r.status_code == 200
+        r = await call(
+            "POST", live.url + "/v1/completions", json=BODY, headers={"x-api-key": "sk-wrong"}
+        )
+        assert r.status_code == 401
     door = DoorPolicy.for_bind("127.0.0.1", api_key="sk-secret", open_paths=[])
     async with live_server(loaded, door=door) as live:
         assert (await call("GET", live.url + "/metrics")).status_code == 401

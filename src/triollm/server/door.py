@@ -16,7 +16,10 @@ Four checks, in this order, each answered in OpenAI's error shape:
    from such an origin still gets its 204 (not a 405), only without the headers that
    would let the page go on.
 3. **API key** (opt-in, ``--api-key`` or ``TRIOLLM_API_KEY``): ``Authorization:
-   Bearer <key>``, compared in constant time (``hmac.compare_digest``); a missing or
+   Bearer <key>`` (OpenAI's clients, Ollama's) or ``x-api-key: <key>`` (what the
+   ``anthropic`` client sends for ``/v1/messages``; without it that client could not
+   authenticate with its default ``api_key=``), compared in constant time
+   (``hmac.compare_digest``); a missing or
    wrong key is a 401 ``invalid_api_key`` with ``WWW-Authenticate: Bearer``, as
    OpenAI answers. ``/health``, ``/ready`` and ``/metrics`` stay open unless
    ``--open-paths`` says otherwise (an orchestrator probes them without a key).
@@ -146,14 +149,16 @@ class Door:
         if policy.api_key is not None and scope["path"] not in policy.open_paths:
             given = headers.get(b"authorization", b"").decode("latin-1")
             scheme, _, token = given.partition(" ")
-            ok = scheme.lower() == "bearer" and hmac.compare_digest(
-                token.strip().encode(), policy.api_key.encode()
-            )
+            key = policy.api_key.encode()
+            ok = scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key)
+            if not ok and b"x-api-key" in headers:
+                ok = hmac.compare_digest(headers[b"x-api-key"].strip(), key)
             if not ok:
                 await self._refuse(
                     send,
                     401,
-                    "Incorrect or missing API key: send it as 'Authorization: Bearer <key>'",
+                    "Incorrect or missing API key: send it as 'Authorization: Bearer <key>' "
+                    "(or 'x-api-key: <key>')",
                     "invalid_api_key",
                     extra=[(b"www-authenticate", b"Bearer")],
                 )
