@@ -18,38 +18,9 @@ import jsonschema
 import openai
 import pytest
 import trio
+from apikit import HERMES_TEMPLATE, WEATHER
 from serverkit import MODEL_DIR, MODEL_ID, live_server
 
-HERMES_TEMPLATE = """\
-{%- if tools %}<|im_start|>system
-tools:{% for t in tools %} {{ t.function.name }}{% endfor %}<|im_end|>
-{% endif %}
-{%- for m in messages %}
-{%- if m.role == 'assistant' and m.tool_calls %}<|im_start|>assistant
-{% for c in m.tool_calls %}<tool_call>
-{{ {"name": c.function.name, "arguments": c.function.arguments} | tojson }}
-</tool_call>
-{% endfor %}<|im_end|>
-{% elif m.role == 'tool' %}<|im_start|>user
-<tool_response>
-{{ m.content }}
-</tool_response><|im_end|>
-{% else %}<|im_start|>{{ m.role }}
-{{ m.content }}<|im_end|>
-{% endif %}
-{%- endfor %}
-{%- if add_generation_prompt %}<|im_start|>assistant
-{% endif %}"""
-
-WEATHER = {
-    "type": "object",
-    "properties": {
-        "city": {"type": "string", "maxLength": 10},
-        "unit": {"enum": ["celsius", "fahrenheit"]},
-    },
-    "required": ["city", "unit"],
-    "additionalProperties": False,
-}
 TOOLS = [
     {
         "type": "function",
