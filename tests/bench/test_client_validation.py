@@ -10,10 +10,12 @@ import json
 from collections.abc import AsyncIterator
 
 import httpx
+import pytest
 
-from triollm.bench.client import send
+from triollm.bench.client import send, word_ids
 from triollm.bench.stats import Outcome, Problem
 from triollm.bench.workload import Api, Request
+from triollm.errors import UserError
 
 IDS = (11, 12, 13, 14)
 
@@ -174,3 +176,81 @@ async def test_a_second_failure_before_any_response_is_no_connection() -> None:
     async with await served_after(failures) as client:
         r = await send(client, "http://127.0.0.1:1", Api.COMPLETIONS, request(), t0=0.0)
     assert r.outcome is Outcome.NO_CONNECTION and r.status is None
+
+
+def timed(text: str, predicted: int, finish: str | None = None, **extra) -> str:
+    """A llama-server chunk with timings_per_token: the tokens generated so far."""
+    payload: dict = {
+        "choices": [{"index": 0, "text": text, "finish_reason": finish}],
+        "timings": {"predicted_n": predicted},
+        **extra,
+    }
+    return f"data: {json.dumps(payload)}\n\n"
+
+
+async def test_the_servers_running_token_count_says_a_chunk_carried_three_tokens() -> None:
+    # "a" (1 token), then a CJK character held back until its 3rd byte-token arrived;
+    # the final chunk repeats the total (no new token) with the usage
+    events = [
+        timed("a", 1),
+        timed("\u5b57", 4),
+        timed("", 4, "length", usage=usage(completion=4)),
+        "data: [DONE]\n\n",
+    ]
+    r = await fetch(events, req=request(max_tokens=4))
+    assert r.problems == () and r.outcome is Outcome.OK
+    assert r.chunk_tokens == (1, 3) and len(r.chunk_s) == 2 and r.output_tokens == 4
+
+
+async def test_a_final_chunk_without_text_that_counts_tokens_is_a_chunk_of_output() -> None:
+    # the last two byte-tokens never made a character: no partial chunk, the final one
+    # counts them
+    events = [timed("a", 1), timed("", 3, "length", usage=usage()), "data: [DONE]\n\n"]
+    r = await fetch(events)
+    assert r.problems == () and r.chunk_tokens == (1, 2) and len(r.chunk_s) == 2
+
+
+async def test_running_counts_that_disagree_with_usage_are_reported() -> None:
+    events = [timed("a", 1), timed("b", 2, "length", usage=usage()), "data: [DONE]\n\n"]
+    r = await fetch(events)
+    assert kinds(r) == [Problem.USAGE_MISMATCH]
+    assert "add up to 2 but usage.completion_tokens=3" in r.problems[0][1]
+
+
+async def test_a_stream_without_counts_leaves_them_to_be_inferred() -> None:
+    r = await fetch(GOOD)
+    assert r.chunk_tokens == () and r.tokens_by_chunk == (1, 1, 1)
+
+
+def ignoring_eos(max_tokens: int = 3) -> Request:
+    req = request(max_tokens)
+    return Request(req.body | {"ignore_eos": True}, req.prompt_ids, max_tokens)
+
+
+async def test_ignore_eos_holds_every_answer_to_max_tokens() -> None:
+    assert (await fetch(GOOD, req=ignoring_eos())).problems == ()
+    # the server stopped at a stop token although ignore_eos was sent
+    stopped = [chunk("a"), chunk("b", "stop"), chunk(usage=usage(completion=2)), "data: [DONE]\n\n"]
+    r = await fetch(stopped, req=ignoring_eos())
+    assert kinds(r) == [Problem.NOT_MAX_TOKENS]
+    assert "max_tokens=3 but usage.completion_tokens=2, finish_reason 'stop'" in r.problems[0][1]
+    # without ignore_eos an early stop is the model's right
+    assert (await fetch(stopped, req=request())).problems == ()
+
+
+async def test_words_are_tokenized_by_the_server_with_their_leading_space() -> None:
+    vocab = {" the": [5], " world": [6, 7]}
+    seen: list[dict] = []
+
+    async def handler(req: httpx.Request) -> httpx.Response:
+        body = json.loads(req.content)
+        seen.append(body)
+        if req.url.path != "/tokenize":
+            return httpx.Response(404, json={"error": "no such route"})
+        return httpx.Response(200, json={"tokens": vocab[body["content"]]})
+
+    async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+        assert await word_ids(client, "http://127.0.0.1:1", ["the", "world"]) == ((5,), (6, 7))
+        assert all(b["add_special"] is False for b in seen)  # no BOS inside a prompt
+        with pytest.raises(UserError, match="--prompt-kind ids"):
+            await word_ids(client, "http://127.0.0.1:1/v1", ["the"])  # 404: no /tokenize

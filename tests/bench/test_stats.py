@@ -93,3 +93,58 @@ def test_multi_turn_reports_ttft_per_turn_and_the_last_turn_on_its_own() -> None
     assert s.ttft_by_turn_ms["2"]["p50"] == pytest.approx(400.0)
     assert s.last_turn_ttft_ms == s.ttft_by_turn_ms["2"]
     assert summarise([ok(0.0, (0.1,), 1.0, 1)]).last_turn_ttft_ms == {}
+
+
+def counted(chunks: tuple[float, ...], tokens: tuple[int, ...], done: float, total: int):
+    """A request whose server said how many tokens each chunk carried."""
+    return RequestRecord(
+        sent_s=0.0,
+        done_s=done,
+        outcome=Outcome.OK,
+        status=200,
+        chunk_s=chunks,
+        chunk_tokens=tokens,
+        output_tokens=total,
+        finish_reason="length",
+    )
+
+
+def test_a_chunk_of_three_tokens_adds_three_gaps_of_a_third_each() -> None:
+    # one token, one token, then a CJK character's 3 byte-tokens in one chunk 0.3 s later
+    r = counted((1.0, 1.1, 1.4), (1, 1, 3), done=1.4, total=5)
+    assert r.itl_s == pytest.approx([0.1, 0.1, 0.1, 0.1])
+    assert r.chunk_gap_s == pytest.approx([0.1, 0.3])  # the old per-chunk figure
+    s = summarise([r])
+    assert s.itl_ms["p99"] == pytest.approx(100.0)
+    assert s.chunk_gap_ms["p99"] == pytest.approx(298.0)  # 0.1 + 0.99 x (0.3 - 0.1)
+    assert (s.multi_token_chunks, s.token_chunks, s.itl_unplaced) == (1, 3, 0)
+
+
+def test_the_first_chunks_extra_tokens_add_no_gap_and_a_textless_tail_no_step() -> None:
+    # two tokens in the first chunk (inside TTFT), then one; a last chunk of text only
+    r = counted((0.5, 0.7, 0.8), (2, 1, 0), done=0.8, total=3)
+    assert r.itl_s == pytest.approx([0.2])
+
+
+def test_tpot_is_e2e_minus_ttft_over_the_tokens_after_the_first() -> None:
+    r = counted((0.5, 1.0, 2.0), (1, 2, 2), done=2.5, total=5)
+    assert r.ttft_s == pytest.approx(0.5)
+    assert r.tpot_s == pytest.approx((2.5 - 0.5) / 4)
+    assert summarise([r]).tpot_ms["p50"] == pytest.approx(500.0)
+    assert counted((0.5,), (1,), done=0.6, total=1).tpot_s is None  # one token: no TPOT
+
+
+def test_without_the_servers_counts_one_token_per_chunk_only_when_usage_agrees() -> None:
+    r = ok(0.0, (0.1, 0.2, 0.4), 0.5, tokens=3)
+    assert r.tokens_by_chunk == (1, 1, 1) and r.itl_s == pytest.approx([0.1, 0.2])
+    # four tokens in three chunks: which chunk carried two is unknown, so no ITL from
+    # it (TPOT still has it), and the level says how many requests were left out
+    short = ok(0.0, (0.1, 0.2, 0.4), 0.5, tokens=4)
+    assert short.tokens_by_chunk is None and short.itl_s is None
+    s = summarise([r, short])
+    assert s.itl_unplaced == 1 and s.tpot_ms["p50"] is not None
+    assert s.itl_ms["p50"] == pytest.approx(150.0)  # r's two gaps only
+
+
+def test_server_counts_that_do_not_add_up_to_usage_place_nothing() -> None:
+    assert counted((0.1, 0.2), (1, 1), done=0.3, total=3).itl_s is None

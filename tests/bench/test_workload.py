@@ -69,3 +69,23 @@ def test_spans_parse_fixed_and_ranges_and_name_the_flag_when_wrong() -> None:
 def test_turns_need_the_chat_api() -> None:
     with pytest.raises(UserError, match="--turns needs --api chat"):
         workload(turns=2)
+
+
+def test_a_word_prompt_is_made_of_whole_words_ids_cut_at_the_exact_length() -> None:
+    words = ((5,), (6, 7), (8, 9, 10))
+    src = Source(workload(word_ids=words, prompt_tokens=Span(4, 40)), 0)
+    for _ in range(30):
+        req = src.single()
+        ids = req.prompt_ids
+        assert ids is not None and 4 <= len(ids) <= 40 and req.body["prompt"] == list(ids)
+        # every id but the cut last word's starts where a whole word does
+        at = 0
+        while at < len(ids):
+            word = next(w for w in words if w[0] == ids[at])
+            assert ids[at : at + len(word)] == word[: len(ids) - at]
+            at += len(word)
+
+
+def test_each_chunks_token_count_is_asked_for_unless_turned_off() -> None:
+    assert Source(workload(), 0).single().body["timings_per_token"] is True
+    assert "timings_per_token" not in Source(workload(timings_per_token=False), 0).single().body

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import hashlib
 import ipaddress
 import json
 import os
@@ -25,7 +26,7 @@ from urllib.parse import urlsplit
 
 from triollm.bench.compare import metrics_for, ratio_table, read_jsonl
 from triollm.bench.stats import LevelSummary
-from triollm.bench.workload import Api, Span, Workload
+from triollm.bench.workload import WORDS, Api, Span, Workload
 from triollm.errors import UserError
 
 DEFAULT_URL = "http://127.0.0.1:8000"
@@ -78,7 +79,16 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     work.add_argument("--max-tokens", default="128", help="output length, N or LO-HI (128)")
     work.add_argument(
-        "--token-ids", default="20-255", help="range the prompt's token ids come from (20-255)"
+        "--prompt-kind",
+        choices=["words", "ids"],
+        default="words",
+        help="completions prompts of common words' token ids (the server's /tokenize), "
+        "or of random ids from --token-ids (words)",
+    )
+    work.add_argument(
+        "--token-ids",
+        default="20-255",
+        help="--prompt-kind ids: range the prompt's token ids come from (20-255)",
     )
     work.add_argument(
         "--turns", type=int, default=0, help="multi-turn chats of this many turns (chat API)"
@@ -88,6 +98,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
         dest="ignore_eos",
         action="store_false",
         help="let the model stop early (by default every request runs to --max-tokens)",
+    )
+    work.add_argument(
+        "--no-timings-per-token",
+        dest="timings_per_token",
+        action="store_false",
+        help="do not ask llama-server for each chunk's token count (timings_per_token): "
+        "to measure what asking costs; ITL then counts one token per chunk where that adds up",
     )
     work.add_argument("--seed", type=int, default=0, help="the workload's seed (0)")
     out = s.add_argument_group("output")
@@ -172,10 +189,14 @@ def _ms(d: dict[str, float | None], key: str) -> str:
     return "—" if v is None else f"{v:.0f}" if v >= 100 else f"{v:.1f}"
 
 
+# ITL is per token (stats.py); "chunk gap" is the old per-chunk figure, beside it; "k>1"
+# counts the chunks that carried more than one token (of the chunks that carried any).
 TABLE_HEAD = (
-    "| level | done | tok/s | stream tok/s p50 | TTFT p50 / p90 / p99 ms "
-    "| ITL p50 / p90 / p99 ms | e2e p50 ms | statuses | problems |"
+    "| level | done | tok/s | stream tok/s p50 | TTFT p50 / p90 / p99 ms | TPOT p50 / p99 ms "
+    "| ITL per token p50 / p90 / p99 ms | chunk gap p99 ms | k>1 chunks | e2e p50 ms "
+    "| statuses | problems |"
 )
+TABLE_RULE = "| --- |" + " ---: |" * 9 + " --- | --- |"
 
 
 def table_row(label: str, s: LevelSummary) -> str:
@@ -187,9 +208,14 @@ def table_row(label: str, s: LevelSummary) -> str:
     problems = ", ".join(f"{k}: {v}" for k, v in s.problems.items()) or "none"
     ttft = " / ".join(_ms(s.ttft_ms, p) for p in ("p50", "p90", "p99"))
     itl = " / ".join(_ms(s.itl_ms, p) for p in ("p50", "p90", "p99"))
+    if s.itl_unplaced:
+        itl += f" ({s.itl_unplaced} req. unplaced)"
+    tpot = " / ".join(_ms(s.tpot_ms, p) for p in ("p50", "p99"))
     row = (
         f"| {label} | {s.ok}/{s.requests} | {s.aggregate_tok_s:.1f} | "
-        f"{_ms(s.stream_tok_s, 'p50')} | {ttft} | {itl} | {_ms(s.e2e_ms, 'p50')} | "
+        f"{_ms(s.stream_tok_s, 'p50')} | {ttft} | {tpot} | {itl} | "
+        f"{_ms(s.chunk_gap_ms, 'p99')} | "
+        f"{s.multi_token_chunks}/{s.token_chunks} | {_ms(s.e2e_ms, 'p50')} | "
         f"{statuses} | {problems} |"
     )
     return row
@@ -251,6 +277,11 @@ async def serve_main(args: argparse.Namespace) -> int:
     timeout = httpx.Timeout(args.timeout, connect=10.0)
     async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
         model = args.model or await _first_model(client, base)
+        words: tuple[tuple[int, ...], ...] = ()
+        if api is Api.COMPLETIONS and args.prompt_kind == "words":
+            from triollm.bench.client import word_ids
+
+            words = await word_ids(client, base, WORDS)
         workload = Workload(
             api=api,
             model=model,
@@ -259,12 +290,18 @@ async def serve_main(args: argparse.Namespace) -> int:
             token_ids=Span.parse(args.token_ids, "--token-ids", minimum=0),
             turns=args.turns,
             ignore_eos=args.ignore_eos,
+            word_ids=words,
+            timings_per_token=args.timings_per_token,
             seed=args.seed,
         )
+        # Both servers must get the same prompts: the same words' ids (one GGUF, one
+        # tokenizer). The digest in every result line lets the tables check it.
+        words_digest = hashlib.sha256(json.dumps(words).encode()).hexdigest()[:12]
         label = args.label or base
         print(
             f"# {label}: {api.path}, model {model}, prompt {workload.prompt_tokens} tokens, "
             f"max_tokens {workload.max_tokens}"
+            + (f", prompts of words ({words_digest})" if words else "")
             + (f", {args.turns}-turn chats" if args.turns else ""),
             flush=True,
         )
@@ -272,7 +309,7 @@ async def serve_main(args: argparse.Namespace) -> int:
             warm = Level(args.warmup * per, concurrency=1)
             await run_level(client, base, workload, warm, level_seed=-1)
         print(TABLE_HEAD)
-        print("| --- |" + " ---: |" * 6 + " --- | --- |", flush=True)
+        print(TABLE_RULE, flush=True)
         results: list[dict[str, Any]] = []
         after_table: list[str] = []  # multi-turn TTFT per turn, below the table
         clean = True
@@ -306,6 +343,9 @@ async def serve_main(args: argparse.Namespace) -> int:
                 "prompt_tokens": str(workload.prompt_tokens),
                 "max_tokens": str(workload.max_tokens),
                 "turns": args.turns,
+                "prompt_kind": "words" if words else "ids" if api is Api.COMPLETIONS else "chat",
+                "prompt_words_digest": words_digest if words else None,
+                "timings_per_token": workload.timings_per_token,
                 "date": dt.datetime.now().astimezone().isoformat(timespec="seconds"),
                 "machine": before,
                 "load_avg_end": load_avg(),

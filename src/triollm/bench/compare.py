@@ -39,6 +39,8 @@ class Metric:
 SERVE_METRICS = (
     Metric("aggregate_tok_s", "aggregate tok/s", True),
     Metric("ttft_ms.p50", "TTFT p50 ms", False),
+    Metric("tpot_ms.p50", "TPOT p50 ms", False),
+    # per token since "itl_definition": "per token"; older files hold per-chunk gaps here
     Metric("itl_ms.p99", "ITL p99 ms", False),
 )
 ENGINE_METRICS = (Metric("tok_s", "tok/s", True),)

@@ -6,11 +6,26 @@ into one :class:`LevelSummary`, whose :meth:`LevelSummary.to_json` is one JSON l
 
 Definitions (the ones vLLM's ``bench serve`` and llama.cpp's server bench use):
 
-- **TTFT**: request sent -> first chunk carrying text.
-- **ITL**: the gaps between successive text-carrying chunks of one stream. A server
-  that packs several tokens into one chunk shows fewer, longer gaps; the token count
-  for throughput comes from ``usage`` when the server sends it.
-- **stream tok/s**: one stream's decode rate, ``(tokens - 1) / (end - first token)``.
+- **TTFT**: request sent -> first chunk carrying output (text, or tokens the server
+  counted).
+- **TPOT** (time per output token): one request's ``(e2e - TTFT) / (tokens - 1)``,
+  the tokens from ``usage``. It needs no chunk boundaries at all, so it is the same
+  measure on every server however it packs its chunks.
+- **ITL** (per token): a chunk that carried ``k`` tokens, ``gap`` seconds after the
+  previous token-carrying chunk, adds ``k`` gaps of ``gap / k``. Why: a server holds
+  back half a UTF-8 character (a CJK character is 3 byte-tokens) and sends the
+  tokens in one chunk, so one gap between chunks spans ``k`` engine steps; counted
+  as one gap it inflates the tail 2-3x, and differently on two servers that flush
+  partial characters differently. The ``k - 1`` extra tokens of the *first* chunk
+  add no gap (their time is inside TTFT). How ``k`` is known: the server says
+  (llama-server's ``timings.predicted_n`` with ``timings_per_token``), else one token
+  per chunk when the chunks add up to ``usage.completion_tokens``; otherwise the
+  request's tokens cannot be placed and it is left out of ITL (counted as
+  ``itl_unplaced``; TPOT still has it).
+- **chunk gap**: the old, per-chunk ITL: the gaps between successive chunks,
+  whatever each carried. Reported beside ITL, labelled as what it is.
+- **stream tok/s**: one stream's decode rate, ``(tokens - 1) / (end - first token)``
+  (``1 / TPOT``).
 - **aggregate tok/s**: every output token of the level / the level's wall time (first
   request sent -> last one done).
 """
@@ -47,6 +62,9 @@ class Problem(enum.Enum):
     BAD_EVENT = "unparsable event"  # not JSON, or JSON without ``choices``
     USAGE_MISSING = "usage missing"  # include_usage was asked for and never came
     USAGE_MISMATCH = "usage disagrees"  # usage vs the tokens that arrived / were sent
+    # ignore_eos was sent, so the answer must be max_tokens long: a shorter (or longer)
+    # one is not the work the other server was asked to do.
+    NOT_MAX_TOKENS = "not max_tokens"
     DATA_AFTER_DONE = "data after [DONE]"
 
 
@@ -58,9 +76,13 @@ class RequestRecord:
     done_s: float
     outcome: Outcome
     status: int | None = None
-    # Arrival time of every chunk that carried text (the first is the TTFT point).
+    # Arrival time of every chunk that carried output: text, or tokens the server
+    # counted (the first is the TTFT point).
     chunk_s: tuple[float, ...] = ()
-    output_tokens: int = 0  # usage.completion_tokens, else the text chunks counted
+    output_tokens: int = 0  # usage.completion_tokens, else the chunks counted
+    # Tokens each chunk of chunk_s carried, when the server said so for every chunk
+    # (llama-server's timings.predicted_n); () when it did not.
+    chunk_tokens: tuple[int, ...] = ()
     prompt_tokens: int | None = None  # usage.prompt_tokens when reported
     finish_reason: str | None = None
     retry_after: str | None = None  # the Retry-After header of a 429
@@ -77,8 +99,49 @@ class RequestRecord:
         return self.done_s - self.sent_s
 
     @property
-    def itl_s(self) -> list[float]:
+    def chunk_gap_s(self) -> list[float]:
+        """The gaps between successive chunks, whatever each carried (the old ITL)."""
         return [b - a for a, b in zip(self.chunk_s, self.chunk_s[1:], strict=False)]
+
+    @property
+    def tokens_by_chunk(self) -> tuple[int, ...] | None:
+        """How many tokens each chunk carried: the server's counts when they add up to
+        ``output_tokens``; else one per chunk when there are as many chunks as tokens;
+        else None (the tokens cannot be placed in their chunks)."""
+        if self.chunk_tokens:
+            ok = (
+                len(self.chunk_tokens) == len(self.chunk_s)
+                and sum(self.chunk_tokens) == self.output_tokens
+            )
+            return self.chunk_tokens if ok else None
+        if self.chunk_s and len(self.chunk_s) == self.output_tokens:
+            return (1,) * len(self.chunk_s)
+        return None
+
+    @property
+    def itl_s(self) -> list[float] | None:
+        """Per-token gaps (the module docstring's ITL); None when the tokens cannot be
+        placed in their chunks."""
+        counts = self.tokens_by_chunk
+        if counts is None:
+            return None
+        out: list[float] = []
+        prev: float | None = None
+        for t, k in zip(self.chunk_s, counts, strict=True):
+            if k == 0:  # text without a new token (a held-back tail): no step here
+                continue
+            if prev is not None:
+                out += [(t - prev) / k] * k
+            prev = t
+        return out
+
+    @property
+    def tpot_s(self) -> float | None:
+        """``(e2e - TTFT) / (tokens - 1)``: the mean time per token after the first."""
+        ttft = self.ttft_s
+        if ttft is None or self.output_tokens < 2:
+            return None
+        return (self.e2e_s - ttft) / (self.output_tokens - 1)
 
     @property
     def stream_tok_s(self) -> float | None:
@@ -114,9 +177,14 @@ class LevelSummary:
     aggregate_tok_s: float
     request_rate: float
     ttft_ms: dict[str, float | None]
-    itl_ms: dict[str, float | None]
+    itl_ms: dict[str, float | None]  # per token (module docstring)
     e2e_ms: dict[str, float | None]
     stream_tok_s: dict[str, float | None]
+    tpot_ms: dict[str, float | None] = field(default_factory=dict)
+    chunk_gap_ms: dict[str, float | None] = field(default_factory=dict)  # the old per-chunk ITL
+    itl_unplaced: int = 0  # completed requests whose tokens could not be placed in chunks
+    multi_token_chunks: int = 0  # chunks that carried more than one token (placed requests)
+    token_chunks: int = 0  # chunks that carried at least one token (placed requests)
     # Multi-turn chats only: TTFT per turn number, and the last turn's on its own
     # (the figure prefix caching should shrink). Empty for single requests.
     ttft_by_turn_ms: dict[str, dict[str, float | None]] = field(default_factory=dict)
@@ -143,7 +211,14 @@ class LevelSummary:
             "aggregate_tok_s": self.aggregate_tok_s,
             "request_rate": self.request_rate,
             "ttft_ms": self.ttft_ms,
+            # Runs before this field measured ITL per text chunk (now chunk_gap_ms).
+            "itl_definition": "per token",
             "itl_ms": self.itl_ms,
+            "tpot_ms": self.tpot_ms,
+            "chunk_gap_ms": self.chunk_gap_ms,
+            "itl_unplaced": self.itl_unplaced,
+            "token_chunks": self.token_chunks,
+            "multi_token_chunks": self.multi_token_chunks,
             "e2e_ms": self.e2e_ms,
             "stream_tok_s": self.stream_tok_s,
             "ttft_by_turn_ms": self.ttft_by_turn_ms,
@@ -167,7 +242,16 @@ def summarise(records: Sequence[RequestRecord]) -> LevelSummary:
     end = max((r.done_s for r in records), default=0.0)
     duration = end - start
     tokens = sum(r.output_tokens for r in records)
-    itl = [g for r in ok for g in r.itl_s]
+    itl: list[float] = []
+    unplaced = multi = token_chunks = 0
+    for r in ok:
+        gaps, counts = r.itl_s, r.tokens_by_chunk
+        if gaps is None or counts is None:
+            unplaced += 1
+            continue
+        itl += gaps
+        token_chunks += sum(1 for k in counts if k > 0)
+        multi += sum(1 for k in counts if k > 1)
     turns = sorted({r.turn for r in ok if r.turn})
     by_turn = {
         str(t): percentiles([r.ttft_s for r in ok if r.turn == t and r.ttft_s is not None], 1e3)
@@ -189,6 +273,11 @@ def summarise(records: Sequence[RequestRecord]) -> LevelSummary:
         itl_ms=percentiles(itl, 1e3),
         e2e_ms=percentiles([r.e2e_s for r in ok], 1e3),
         stream_tok_s=percentiles([s for r in ok if (s := r.stream_tok_s) is not None]),
+        tpot_ms=percentiles([t for r in ok if (t := r.tpot_s) is not None], 1e3),
+        chunk_gap_ms=percentiles([g for r in ok for g in r.chunk_gap_s], 1e3),
+        itl_unplaced=unplaced,
+        multi_token_chunks=multi,
+        token_chunks=token_chunks,
         ttft_by_turn_ms=by_turn,
         last_turn_ttft_ms=by_turn[str(turns[-1])] if turns else {},
     )

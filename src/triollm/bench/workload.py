@@ -3,10 +3,16 @@
 Pure (no I/O); one seed gives the same requests on every server, so two systems are
 measured on the same work.
 
-- ``completions`` with **token-id prompts**: ``prompt`` is a list of ids drawn from
-  ``token_ids`` (default 20-255: ids every byte-level or byte-fallback vocabulary
-  has, above the special tokens small vocabularies put first, SmolLM2's 0-16), so
-  the prompt length is exact whatever the tokenizer.
+- ``completions`` with **token-id prompts**, ``prompt`` a list of ids, so its length
+  is exact whatever the tokenizer. By default (``word_ids``) the ids are those of
+  common English words (:data:`WORDS`, each as the server's ``/tokenize`` split it,
+  ``client.word_ids``): the prompt is ordinary text, cut at the asked length, and so
+  is a greedy answer to it. With random ids from ``token_ids`` instead (``--prompt-kind
+  ids``; 20-255 are ids every byte-level or byte-fallback vocabulary has, above the
+  special tokens small vocabularies put first, SmolLM2's 0-16) the prompt is bytes
+  and greedy answers are rare CJK characters of 3 byte-tokens each, which servers
+  send as one chunk: the per-chunk gaps then measure the UTF-8 flushing, not the
+  engine (``stats.py``'s ITL).
 - ``chat``: the OpenAI chat API takes text only, so a prompt of N "tokens" is N short
   common words; the server's ``usage.prompt_tokens`` says what it made of them.
 - **Mixed lengths**: a length written ``LO-HI`` is drawn uniformly per request.
@@ -63,8 +69,9 @@ class Span:
         return str(self.lo) if self.lo == self.hi else f"{self.lo}-{self.hi}"
 
 
-# Short words that common BPE vocabularies hold as one token each (with the leading
-# space); the chat prompt is only approximately N tokens, and usage says how many.
+# Short common words; BPE vocabularies hold most as one token each (with the leading
+# space). The chat prompt of N words is only approximately N tokens (usage says how
+# many); a completions prompt is made of their ids, cut at exactly N (client.word_ids).
 WORDS = [
     "the",
     "of",
@@ -116,7 +123,19 @@ class Workload:
     max_tokens: Span
     token_ids: Span = Span(20, 255)
     turns: int = 0  # 0: independent requests; N >= 1: conversations of N turns
-    ignore_eos: bool = True  # every request produces max_tokens (llama.cpp and triollm honour it)
+    # Every request produces max_tokens. Not the same rule on both servers: llama-server
+    # bans the end-of-generation tokens (a -inf logit bias, server-schema.cpp), so greedy
+    # takes the next best; triollm, as vLLM, only does not stop on them, so EOS can
+    # still be sampled (a token without text) and the answer goes on. Either way the
+    # count is max_tokens, which client.check_usage holds every request to.
+    ignore_eos: bool = True
+    # Each word of WORDS as the server tokenizes it (client.word_ids); empty: the
+    # completions prompt is random ids from token_ids.
+    word_ids: tuple[tuple[int, ...], ...] = ()
+    # llama-server's field: every chunk carries timings.predicted_n, the tokens so far,
+    # so the client knows how many tokens each chunk carried. Servers without it
+    # ignore it. Off: the A/B of what asking costs.
+    timings_per_token: bool = True
     temperature: float = 0.0
     seed: int = 0
 
@@ -147,13 +166,22 @@ def _common(w: Workload, max_tokens: int) -> dict[str, Any]:
     }
     if w.ignore_eos:
         body["ignore_eos"] = True
+    if w.timings_per_token:
+        body["timings_per_token"] = True
     return body
 
 
 def completion_request(w: Workload, rng: random.Random) -> Request:
-    """A completions request whose prompt is ``prompt_tokens`` random token ids."""
+    """A completions request whose prompt is ``prompt_tokens`` token ids: random words'
+    ids (``word_ids``), cut at that length, or random ids from ``token_ids``."""
     n = w.prompt_tokens.draw(rng)
-    ids = tuple(rng.randint(w.token_ids.lo, w.token_ids.hi) for _ in range(n))
+    if w.word_ids:
+        words: list[int] = []
+        while len(words) < n:
+            words += rng.choice(w.word_ids)
+        ids = tuple(words[:n])
+    else:
+        ids = tuple(rng.randint(w.token_ids.lo, w.token_ids.hi) for _ in range(n))
     max_tokens = w.max_tokens.draw(rng)
     return Request(_common(w, max_tokens) | {"prompt": list(ids)}, ids, max_tokens)
 
