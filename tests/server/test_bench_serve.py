@@ -50,7 +50,11 @@ async def test_closed_loop_levels_complete_with_usage_that_matches_the_stream(
         assert lv["mode"] == "closed" and lv["requests"] == 3 and lv["ok"] == 3
         assert lv["by_outcome"] == {"200": 3} and lv["problems"] == {}
         assert lv["output_tokens"] == 15  # ignore_eos: every request runs to max_tokens
-        assert lv["ttft_ms"]["p50"] is not None and lv["itl_ms"]["p99"] is not None
+        assert lv["ttft_ms"]["p50"] is not None and lv["tpot_ms"]["p99"] is not None
+        # The fixture model's random tokens are often pieces of characters, sent with a
+        # later token: triollm does not say which chunk carried two, so such a request is
+        # left out of the per-token ITL (stats.py) and counted, never guessed.
+        assert 0 <= lv["itl_unplaced"] <= lv["ok"] and lv["itl_definition"] == "per token"
         assert lv["aggregate_tok_s"] > 0 and len(lv["machine"]["load_avg"]) == 3
     table = capsys.readouterr().out
     assert "| c=1 | 3/3 |" in table and "| c=2 | 3/3 |" in table
