@@ -401,6 +401,10 @@ class Workload:
     serve_prompt: int = 32
     serve_new: int = 32
     serve_requests: int = 8  # per concurrency level (c=8: one wave; c=1: eight in turn)
+    # Prompts of common words' ids (ordinary text in, ordinary text out), not random
+    # byte ids: their greedy answers are 3-byte-token CJK characters that both servers
+    # send as one chunk, which made the per-chunk ITL 2-3x the step (bench/stats.py).
+    serve_prompt_kind: str = "words"
     slot_context: int = 512  # positions per server slot, both servers
 
     def as_json(self) -> dict[str, Any]:
@@ -572,7 +576,8 @@ def serve(system: str, m: Model, w: Workload, scratch: Path, port: int) -> list[
                 sys.executable, "-m", "triollm.cli", "bench", "serve", "--url", url,
                 "--label", system, "--concurrency", ",".join(map(str, w.concurrency)),
                 "--requests", w.serve_requests, "--prompt-tokens", w.serve_prompt,
-                "--max-tokens", w.serve_new, "--warmup", 1, "--no-progress", "--json", tmp,
+                "--max-tokens", w.serve_new, "--prompt-kind", w.serve_prompt_kind,
+                "--warmup", 1, "--no-progress", "--json", tmp,
             ]  # fmt: skip
             # exit 1 means some request failed: counted in the JSON, not fatal here
             peerenv.run(bench, env=triollm_env(w), check=False, stdout=subprocess.DEVNULL)
@@ -698,12 +703,22 @@ def warm(m: Model, w: Workload) -> None:
 
 
 def measure(
-    keys: tuple[str, ...], parts: list[str], rounds: int, w: Workload, guard: Guard
+    keys: tuple[str, ...],
+    parts: list[str],
+    rounds: int,
+    w: Workload,
+    guard: Guard,
+    out: Path | None = None,
 ) -> Path:
+    """One run into a new directory under RESULTS, which becomes LATEST; or into
+    ``out`` (`run --results DIR`: a smoke run that must not become what `tables`
+    reads by default)."""
     ms = models(keys)
     RESULTS.mkdir(parents=True, exist_ok=True)
-    results = RESULTS / now().replace(":", "")[:17]
-    results.mkdir()
+    results = out or RESULTS / now().replace(":", "")[:17]
+    results.mkdir(parents=True, exist_ok=out is not None)
+    if any(results.glob("*.jsonl")):
+        raise SystemExit(f"{results} holds results already; give an empty directory")
     eta = estimate(ms, parts, rounds, w)
     log(f"estimated duration: {eta / 60:.0f} min ({len(ms)} model(s), {rounds} rounds)")
     meta = {
@@ -727,7 +742,8 @@ def measure(
         **machine_info(),
     }
     (results / "meta.json").write_text(json.dumps(meta, indent=1))
-    (RESULTS / "LATEST").write_text(results.name)
+    if out is None:
+        (RESULTS / "LATEST").write_text(results.name)
     for m in ms.values():
         warm(m, w)
         for group in round_groups(parts):
@@ -863,7 +879,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quiet-wait", type=float, default=120, help="s before busy (120)")
     p.add_argument(
         "--results",
-        help="`tables`: results dirs, comma-separated, oldest first (default: the latest run)",
+        help="`tables`: results dirs, comma-separated, oldest first (default: the latest run); "
+        "`run`: write into this one directory and leave LATEST alone",
     )
     p.add_argument("--no-doc", action="store_true", help="`tables`: print, leave the docs")
     args = p.parse_args(argv)
@@ -898,7 +915,9 @@ def main(argv: list[str] | None = None) -> int:
         show_guard(guard)
     runs = [Path(d) for d in args.results.split(",") if d] if args.results else []
     if args.step in ("run", "all"):
-        runs = [measure(keys, parts, args.rounds, w, guard)]
+        if len(runs) > 1:
+            p.error("--results: `run` writes into one directory")
+        runs = [measure(keys, parts, args.rounds, w, guard, out=runs[0] if runs else None)]
     if args.step in ("tables", "all"):
         from bench_peers_report import write_report  # tools/bench_peers_report.py
 
