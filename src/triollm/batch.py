@@ -220,7 +220,7 @@ class Batch:
                 sampler = self._samplers.get(chunk.seq_id)
                 if sampler is None:
                     raise ValueError(f"sequence {chunk.seq_id} is scored but was never added")
-                scoring.append((chunk, sampler.params.logprobs or 0))
+                scoring.append((chunk, sampler.params.scored_top_n))
         matchers = [m for _, _, m in rows if m is not None]
         filling = self._start_masks(matchers)
         hidden = None
@@ -287,6 +287,7 @@ class Batch:
         )
         top_of_row = [n for chunk, n in scoring for _ in chunk.score_ids]
         chosen = np.empty(len(hidden), dtype=np.float64)
+        ranks = np.empty(len(hidden), dtype=np.int64)
         best: list[tuple[tuple[int, float], ...]] = []
         for lo in range(0, len(hidden), SCORE_SLICE_ROWS):
             hi = min(lo + SCORE_SLICE_ROWS, len(hidden))
@@ -294,12 +295,18 @@ class Batch:
             tops = top_of_row[lo:hi]
             chosen[lo:hi], alts = token_logprobs(logits, ids[lo:hi], max(tops))
             best.extend(a[:n] for a, n in zip(alts, tops, strict=True))
+            # vLLM's rank: 1 + how many tokens the model found likelier (one compare
+            # per vocabulary entry; the head's product spent a hidden-size dot on each)
+            own = logits[np.arange(hi - lo), ids[lo:hi]]  # (rows,) float32
+            ranks[lo:hi] = 1 + (logits > own[:, None]).sum(axis=1)
         out: list[PromptScores] = []
         row = 0
         for chunk, _ in scoring:
             m = len(chunk.score_ids)
             lps = tuple(float(v) for v in chosen[row : row + m])
-            out.append(PromptScores(chunk.seq_id, chunk.start + 1, lps, tuple(best[row : row + m])))
+            rank = tuple(int(r) for r in ranks[row : row + m])
+            top = tuple(best[row : row + m])
+            out.append(PromptScores(chunk.seq_id, chunk.start + 1, lps, top, rank))
             row += m
         return tuple(out)
 

@@ -41,6 +41,8 @@ class TokenInfo:
     text: str = ""
     raw: bytes = b""
     top_text: tuple[tuple[str, bytes], ...] = ()
+    # a scored prompt token's rank: 1 + how many tokens were likelier (None: not known)
+    rank: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -236,9 +236,10 @@ def _emit(piece: str, text: list[str], out: TextIO | None) -> None:
 def _sampling_params(args: argparse.Namespace) -> Any:
     from triollm.model.sampling import SamplingParams
 
-    # Every sampling field is a flag, except the grammar (structured output is a
-    # server feature: it arrives in a request body, not on a command line).
-    fields = {f.name for f in dataclasses.fields(SamplingParams)} - {"grammar", "min_tokens"}
+    # Every sampling field is a flag, except the grammar and prompt_logprobs (server
+    # features: they arrive in a request body, not on a command line).
+    server_only = {"grammar", "min_tokens", "prompt_logprobs"}
+    fields = {f.name for f in dataclasses.fields(SamplingParams)} - server_only
     values = {name: getattr(args, name) for name in fields}
     try:
         return SamplingParams(**values)

@@ -219,8 +219,10 @@ class RequestStream:
 
     def __init__(self, output: OutputProcessor, pending: Pending) -> None:
         self._output = output
-        # Only a request that asked for logprobs needs its tokens' texts.
-        self._describer = output.describer if pending.request.spec.want_logprobs else None
+        # Only a request that asked for logprobs (or a scored prompt's) needs its
+        # tokens' texts.
+        spec = pending.request.spec
+        self._describer = output.describer if spec.want_logprobs or spec.score_prompt else None
         self._members = tuple(c for r in pending.requests for c in r.members)
         self._recv = pending.recv
         self.spec = pending.request.spec
@@ -375,6 +377,7 @@ class OutputProcessor:
                 tools=None if spec.tool_format is None else ToolCallParser(spec.tool_format),
                 include_stop=spec.include_stop,
                 min_tokens=spec.min_tokens,
+                skip_special=spec.skip_special_tokens,
             )
             for _ in range(n)
         ]
@@ -463,8 +466,9 @@ class OutputProcessor:
             if choice is None or choice.request.prompt_scores is None:
                 continue  # cancelled while the step ran
             kept, ids = choice.request.prompt_scores, choice.prompt_ids
-            for i, (lp, top) in enumerate(zip(chunk.logprobs, chunk.top, strict=True)):
-                kept[chunk.first + i] = TokenInfo(ids[chunk.first + i], lp, top)
+            ranks = chunk.ranks or (None,) * len(chunk.logprobs)
+            for i, (lp, top, rank) in enumerate(zip(chunk.logprobs, chunk.top, ranks, strict=True)):
+                kept[chunk.first + i] = TokenInfo(ids[chunk.first + i], lp, top, rank=rank)
 
     def _prompt_infos(self, choice: Choice) -> tuple[TokenInfo, ...]:
         """The scored prompt, for a choice's first delta; () for every other delta.

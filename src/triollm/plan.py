@@ -126,6 +126,8 @@ class PromptScores:
     first: int  # position of the first scored token: the chunk's start + 1
     logprobs: tuple[float, ...]
     top: tuple[tuple[tuple[int, float], ...], ...]
+    # ranks[i]: 1 + how many tokens were likelier than the prompt token there (vLLM's)
+    ranks: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -138,6 +138,7 @@ class TextStream:
         tools: ToolCallParser | None = None,
         include_stop: bool = False,
         min_tokens: int = 0,
+        skip_special: bool = True,
     ) -> None:
         self._detok = detokenizer
         self._matcher = StopMatcher(stops, include=include_stop)
@@ -150,6 +151,9 @@ class TextStream:
         keep = getattr(detokenizer, "keep_special", None)  # test fakes have none
         if tools is not None and keep is not None:
             keep(MARKERS[tools.fmt])  # the parser must see its markers, special or not
+        keep_all = getattr(detokenizer, "keep_every_special", None)
+        if not skip_special and keep_all is not None:
+            keep_all()  # skip_special_tokens false: every special token is text
         self.stop_ids = frozenset(stop_ids)
         self.finish_reason: FinishReason | None = None  # set once the text has ended
 

@@ -77,6 +77,9 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # OpenAI semantics over the answer
     seed: int | None = None  # None = OS entropy
     logprobs: int | None = None  # None = none; 0 = the chosen token's only; n = plus top-n
+    # vLLM's prompt_logprobs: a scored prompt's alternatives per position (None = as
+    # many as logprobs asks for the echo); the Batch scores with scored_top_n
+    prompt_logprobs: int | None = None
     # Structured output: the answer must follow this compiled grammar; the Batch masks
     # each row with it before sampling (model/constrained.py). None = unconstrained.
     grammar: Grammar | None = None
@@ -117,6 +120,22 @@ class SamplingParams:
                 f"logprobs must be an integer in [0, {MAX_LOGPROBS}] or null, "
                 f"got {self.logprobs!r}",
             )
+        if self.prompt_logprobs is not None and (
+            isinstance(self.prompt_logprobs, bool)
+            or not isinstance(self.prompt_logprobs, int)
+            or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS
+        ):
+            raise FieldError(
+                "prompt_logprobs",
+                f"prompt_logprobs must be an integer in [0, {MAX_LOGPROBS}] or null, "
+                f"got {self.prompt_logprobs!r}",
+            )
+
+    @property
+    def scored_top_n(self) -> int:
+        """How many alternatives a scored prompt's positions get: enough for the echo's
+        ``logprobs`` and for ``prompt_logprobs`` (each answer takes its own share)."""
+        return max(self.logprobs or 0, self.prompt_logprobs or 0)
 
     @property
     def greedy(self) -> bool:
