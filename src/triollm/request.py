@@ -153,13 +153,26 @@ class GenerationRequest:
     # vLLM's truncate_prompt_tokens: keep only the prompt's last k tokens (-1: as many as
     # the context holds); None: a prompt that cannot fit is refused, never cut
     truncate_prompt_tokens: int | None = None
+    # vLLM's skip_special_tokens: False keeps special tokens (chat markers) in the text
+    skip_special_tokens: bool = True
+    # vLLM's prompt_logprobs: each prompt token's log-probability and the k likeliest
+    # tokens at its place, beside the answer (None: not asked)
+    prompt_logprobs: int | None = None
+    # The body's fields that no table here lists: the edge logs each name once
+    # (apifields.UnknownFields); they change nothing.
+    unknown: tuple[str, ...] = ()
 
     @property
     def scores_prompt(self) -> bool:
-        """Does the answer need the prompt's log-probabilities? ``echo`` with
+        """Does the echoed answer need the prompt's log-probabilities? ``echo`` with
         ``logprobs`` (what lm-eval's loglikelihood tasks send), or ``echo`` with
         ``max_tokens`` 0: the answer is the prompt alone (Scheduler rule 11)."""
         return self.echo and (self.logprobs is not None or self.max_tokens == 0)
+
+    @property
+    def scores(self) -> bool:
+        """Is the prompt scored at all: for the echo, or for ``prompt_logprobs``?"""
+        return self.scores_prompt or self.prompt_logprobs is not None
 
 
 # --------------------------------------------------------------------------- the model served
@@ -483,6 +496,7 @@ class Preparer:
             frequency_penalty=req.frequency_penalty,
             seed=req.seed,
             logprobs=req.logprobs,
+            prompt_logprobs=req.prompt_logprobs,
             grammar=grammar,
             min_tokens=req.min_tokens,
         )
@@ -504,8 +518,9 @@ class Preparer:
             n=req.n,
             stop=req.stop,
             include_stop=req.include_stop_str_in_output,
-            score_prompt=req.scores_prompt,
+            score_prompt=req.scores,
             priority=req.priority,
             cache_salt=req.cache_salt,
             tool_format=tool_format,
+            skip_special_tokens=req.skip_special_tokens,
         )

@@ -108,8 +108,9 @@ class GenerationSpec:
     ``score_prompt``: each choice's first delta carries the prompt's log-probabilities
     (echo with logprobs; the scheduler's rule 11). ``priority`` and ``cache_salt`` go
     to the scheduler as they are. ``tool_format``: each choice's text is parsed for
-    tool calls in this syntax (None: not parsed). ``internal``: the warm-up request,
-    left out of the metrics.
+    tool calls in this syntax (None: not parsed). ``skip_special_tokens``: False keeps
+    special tokens (chat markers) in the answer's text, as their strings (vLLM's
+    field). ``internal``: the warm-up request, left out of the metrics.
     """
 
     prompt_ids: tuple[int, ...]
@@ -123,6 +124,7 @@ class GenerationSpec:
     priority: int
     cache_salt: str
     tool_format: ToolCallFormat | None
+    skip_special_tokens: bool
     internal: bool
 
     def __init__(
@@ -139,6 +141,7 @@ class GenerationSpec:
         priority: int = 0,
         cache_salt: str = "",
         tool_format: ToolCallFormat | None = None,
+        skip_special_tokens: bool = True,
         internal: bool = False,
     ) -> None:
         _set(self, "prompt_ids", tuple(prompt_ids))
@@ -152,6 +155,7 @@ class GenerationSpec:
         _set(self, "priority", priority)
         _set(self, "cache_salt", cache_salt)
         _set(self, "tool_format", tool_format)
+        _set(self, "skip_special_tokens", skip_special_tokens)
         _set(self, "internal", internal)
 
     @property

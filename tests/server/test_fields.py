@@ -9,6 +9,7 @@ and are honoured now, each checked for its effect.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from pathlib import Path
@@ -19,11 +20,11 @@ import pytest
 from serverkit import MODEL_DIR, live_server
 
 from triollm.request import GrammarKind
+from triollm.server.apifields import UnknownFields
 from triollm.server.openai import (
     COMPLETION,
     ENDPOINT_HEADINGS,
     FIELDS,
-    UNKNOWN_FIELDS,
     ApiError,
     Support,
     field_table,
@@ -106,6 +107,8 @@ VALID: dict[str, dict[str, Any]] = {
     },
     "add_generation_prompt": {"add_generation_prompt": False},
     "truncate_prompt_tokens": {"truncate_prompt_tokens": 5},
+    "skip_special_tokens": {"skip_special_tokens": False},
+    "prompt_logprobs": {"prompt_logprobs": 1},
     "n_predict": {"n_predict": 5},
     "repeat_penalty": {"repeat_penalty": 1.1},
     "grammar": {"grammar": 'root ::= "yes" | "no"'},
@@ -164,11 +167,35 @@ def test_a_refused_field_holding_its_neutral_value_asks_for_nothing() -> None:
     parse_chat(body("chat", {**neutral, "modalities": ["text"], "use_beam_search": False}))
 
 
-def test_an_unknown_field_is_ignored_and_logged_once(caplog) -> None:
-    UNKNOWN_FIELDS.seen.discard("frobnicate")
+def test_an_unknown_field_is_reported_ignored_and_logged_once_per_api(caplog) -> None:
+    req = parse_chat(body("chat", {"frobnicate": 1}))
+    assert req.unknown == ("frobnicate",)
+    assert dataclasses.replace(req, unknown=()) == parse_chat(body("chat", {}))  # ignored
+    log_once = UnknownFields()
     with caplog.at_level(logging.WARNING, logger="triollm.server"):
-        for _ in range(3):
-            parse_chat(body("chat", {"frobnicate": 1}))
+        for api in ("/v1/chat/completions", "/v1/chat/completions", "responses"):
+            log_once.note(api, req.unknown)
+    assert sum("frobnicate" in r.getMessage() for r in caplog.records) == 2  # once per API
+
+
+def test_the_log_of_unknown_fields_remembers_a_bounded_number_of_names(caplog) -> None:
+    log_once = UnknownFields()
+    with caplog.at_level(logging.WARNING, logger="triollm.server"):
+        log_once.note("chat", (f"f{i}" for i in range(UnknownFields.limit + 10)))
+        log_once.note("chat", ["f0", "late"])
+    assert len(caplog.records) == UnknownFields.limit
+
+
+async def test_a_live_chat_request_logs_an_unknown_field_once(loaded, caplog):
+    caplog.set_level(logging.WARNING, logger="triollm.server")
+    async with live_server(loaded) as live, httpx.AsyncClient(base_url=live.url) as http:
+        for _ in range(2):
+            r = await http.post(
+                "/v1/chat/completions",
+                json={"messages": USER, "max_tokens": 1, "frobnicate": True},
+                timeout=60,
+            )
+            assert r.status_code == 200, r.text
     assert sum("frobnicate" in r.getMessage() for r in caplog.records) == 1
 
 

@@ -44,3 +44,23 @@ async def test_render_gives_the_token_ids_the_server_would_run(loaded: Any) -> N
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "messages"
         # Nothing was generated: no step ran for a render.
         assert live.service.scheduler.statistics().running == 0
+
+
+async def test_a_list_of_prompts_is_rendered_and_tokenized_as_each_alone(loaded: Any) -> None:
+    prompts = ["Once upon a time", [5, 6, 7], "The end."]
+    async with (
+        live_server(loaded) as live,
+        httpx.AsyncClient(base_url=live.url, timeout=60) as http,
+    ):
+        alone = [
+            (await http.post("/tokenize", json={"prompt": p})).json()["tokens"] for p in prompts
+        ]
+        rendered = await http.post("/v1/completions/render", json={"prompt": prompts})
+        tokenized = await http.post("/tokenize", json={"prompt": prompts})
+        bad = await http.post("/tokenize", json={"prompt": ["fine", 7]})
+    assert rendered.status_code == 200 and tokenized.status_code == 200, tokenized.text
+    assert [entry["token_ids"] for entry in rendered.json()] == alone
+    # /tokenize mirrors the shape it was sent: a list of prompts, a list of each
+    assert tokenized.json()["tokens"] == alone
+    assert tokenized.json()["count"] == [len(ids) for ids in alone]
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "prompt[1]"

@@ -1045,7 +1045,14 @@ class IncrementalDetokenizer:
         are not one special token are ignored (they are ordinary text already).
         """
         ids = (self._tok.special_token_id(t) for t in texts)
-        self._keep = frozenset(i for i in ids if i is not None)
+        self._keep |= frozenset(i for i in ids if i is not None)
+
+    def keep_every_special(self) -> None:
+        """Emit every special token as its text (vLLM's ``skip_special_tokens: false``):
+        the answer's text is then ``decode(ids, skip_special_tokens=False)``, chat
+        markers and all. The ids the answer *ends* on never reach the detokenizer
+        (``TextStream`` stops before pushing them), so EOS stays out, as in vLLM."""
+        self._keep = self._tok.special_token_ids
 
     def push(self, token_id: int) -> str:
         """Add one generated id; return the text it completes (often ``""``)."""

@@ -101,17 +101,28 @@ class FieldTable:
 
 
 class UnknownFields:
-    """Logs each unknown field once per API, so a chatty client fills no log (vLLM's
-    behaviour). One per app: the set lives as long as the server."""
+    """The one log of fields nobody here knows, for every API (the OpenAI endpoints'
+    parsers report them in ``GenerationRequest.unknown``, the others' in
+    ``Translation.unknown`` or their own request): each is ignored, as vLLM ignores
+    it, and logged once per API and name, so a client misspelling a field learns it
+    from the log and one that sends it with every request does not flood it. One per
+    app (``Handlers.unknown``): the set lives as long as the server.
+
+    Hazard: the names are the client's. At most :attr:`limit` are remembered, and
+    each is cut to 80 characters in the log: a client inventing a new name per
+    request cannot grow the set or the log line without bound."""
+
+    limit = 256
 
     def __init__(self) -> None:
         self._seen: set[tuple[str, str]] = set()
 
     def note(self, api: str, names: Iterable[str]) -> None:
         for name in names:
-            if (api, name) not in self._seen:
-                self._seen.add((api, name))
-                log.warning("%s: ignoring the unknown field %r (logged once)", api, name[:80])
+            if (api, name) in self._seen or len(self._seen) >= self.limit:
+                continue
+            self._seen.add((api, name))
+            log.warning("%s: ignoring the unknown field %r (logged once)", api, name[:80])
 
 
 # --------------------------------------------------------------------------- readers

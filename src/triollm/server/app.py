@@ -76,9 +76,9 @@ from triollm.server.ollama import ModelFacts
 from triollm.server.openai import (
     ApiError,
     field_error,
+    is_prompt_list,
     load_object,
     parse_chat,
-    parse_completion,
     parse_completions,
 )
 from triollm.server.responses import ResponseWriter, error_response, json_text
@@ -265,14 +265,20 @@ class Handlers:
     async def tokenize(self) -> Any:
         # vLLM's and llama-server's endpoint: {"prompt": ...} (or llama-server's
         # "content"), or {"messages": [...]} through the chat template. Same parsing,
-        # same limits and the same worker thread as a generation request.
+        # same limits and the same worker thread as a generation request. A list of
+        # prompts, as /v1/completions takes it, gets a count and a token list each.
         body = load_object(await read_body())
         if "content" in body and "prompt" not in body:
             body["prompt"] = body.pop("content")
-        req = (parse_chat if "messages" in body else parse_completion)(json_text(body).encode())
+        raw = json_text(body).encode()
+        reqs = [parse_chat(raw)] if "messages" in body else parse_completions(raw)
+        self.unknown.note(request.path, reqs[0].unknown)
         with refusals():
-            ids = await self.preparer.tokenize(req)
-        return {"count": len(ids), "max_model_len": self.model.context_tokens, "tokens": ids}
+            ids = [await self.preparer.tokenize(r) for r in reqs]
+        limit = self.model.context_tokens
+        if "messages" in body or not is_prompt_list(body.get("prompt")):
+            return {"count": len(ids[0]), "max_model_len": limit, "tokens": ids[0]}
+        return {"count": [len(one) for one in ids], "max_model_len": limit, "tokens": ids}
 
     async def detokenize(self) -> Any:
         tokens = load_object(await read_body()).get("tokens")
@@ -300,18 +306,21 @@ class Handlers:
         # llm-d's precise prefix routing (and vllm-router's kv_aware, before it falls
         # back to /tokenize) hashes a request's exact token ids to find the replica that
         # holds its blocks: the ids this server would run, one entry per prompt (vLLM's
-        # and llm-d's simulator's shape). Nothing is generated and nothing queues.
-        return [{"token_ids": await self._render(parse_completion)}]
+        # and llm-d's simulator's shape; a list of prompts, as /v1/completions takes
+        # it, gets an entry each). Nothing is generated and nothing queues.
+        return [{"token_ids": ids} for ids in await self._render(parse_completions)]
 
     async def chat_completions_render(self) -> Any:
         # The same for a conversation: the ids after the chat template, as one object.
-        return {"token_ids": await self._render(parse_chat)}
+        (ids,) = await self._render(lambda raw: [parse_chat(raw)])
+        return {"token_ids": ids}
 
-    async def _render(self, parse: Callable[[bytes], GenerationRequest]) -> list[int]:
-        req = parse(await read_body())
-        self.check_model(req.model)
+    async def _render(self, parse: Callable[[bytes], list[GenerationRequest]]) -> list[list[int]]:
+        reqs = await _parsed(parse, await read_body())
+        self.unknown.note(request.path, reqs[0].unknown)
+        self.check_model(reqs[0].model)
         with refusals():
-            return await self.preparer.tokenize(req)
+            return [await self.preparer.tokenize(req) for req in reqs]
 
     # -- generation -------------------------------------------------------------------
 
@@ -328,6 +337,7 @@ class Handlers:
         life: RequestLife = request.scope[LIFE_KEY]  # type: ignore[literal-required]
         reqs = await _parsed(parse, await read_body())
         req = reqs[0]  # the fields the prompts share
+        self.unknown.note(request.path, req.unknown)
         self.check_model(req.model)
         with refusals():
             specs = [await self.preparer.prepare(r) for r in reqs]

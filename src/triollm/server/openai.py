@@ -407,11 +407,10 @@ FIELDS: dict[str, FieldRule] = {
         "truncate_prompt_tokens",
     ),
     **_rows(
-        _R,
+        _H,
         "vLLM",
-        "true only: special tokens are always left out of the text",
+        "false: special tokens (chat markers) stay in the answer's text",
         "skip_special_tokens",
-        neutral=(True,),
     ),
     **_rows(
         _R,
@@ -427,7 +426,10 @@ FIELDS: dict[str, FieldRule] = {
         _R, "vLLM", "no documents reach the template", "documents", apis=_CHAT_ONLY, neutral=([],)
     ),
     **_rows(
-        _R, "vLLM", "send echo with logprobs on /v1/completions for the prompt's", "prompt_logprobs"
+        _H,
+        "vLLM",
+        "0-20: each prompt token's logprob and rank, and the k likeliest there (not streamed)",
+        "prompt_logprobs",
     ),
     **_rows(_R, "vLLM", "no beam search", "use_beam_search", neutral=(False,)),
     **_rows(_R, "vLLM", "no beam search", "length_penalty", neutral=(1,)),
@@ -481,34 +483,11 @@ def field_table(api: str) -> str:
     return "\n".join(rows)
 
 
-class UnknownFields:
-    """Fields nobody here knows are ignored, as vLLM ignores them, and each name is
-    logged once (a client misspelling a field learns it from the log, and a client
-    that sends one with every request does not flood it). At most :attr:`limit` names
-    are remembered: a client inventing names cannot grow the set."""
-
-    limit = 256
-
-    def __init__(self) -> None:
-        self.seen: set[str] = set()
-
-    def note(self, body: dict[str, Any]) -> None:
-        for name in body.keys() - FIELDS.keys():
-            if name not in self.seen and len(self.seen) < self.limit:
-                self.seen.add(name)
-                log.warning(
-                    "ignoring the request field %r: this server does not know it "
-                    "(logged once per name)",
-                    name[:100],
-                )
-
-
-UNKNOWN_FIELDS = UnknownFields()
-
-
-def _refuse_unsupported(body: dict[str, Any], kind: str) -> None:
+def _refuse_unsupported(body: dict[str, Any], kind: str) -> tuple[str, ...]:
     """Fields we do not implement are refused by name, never silently ignored:
-    a client that asked for two choices and got one would miscount."""
+    a client that asked for two choices and got one would miscount. Returns the
+    fields nobody here knows (:data:`FIELDS` lists none of them), which are ignored,
+    as vLLM ignores them, and logged once by the edge (``apifields.UnknownFields``)."""
     for name, value in body.items():
         rule = FIELDS.get(name)
         if rule is None or not rule.asks(value):
@@ -534,11 +513,11 @@ def _refuse_unsupported(body: dict[str, Any], kind: str) -> None:
             f"and ranks none, got {best_of!r}",
             "best_of",
         )
-    UNKNOWN_FIELDS.note(body)
+    return tuple(sorted(body.keys() - FIELDS.keys()))
 
 
 def _common(body: dict[str, Any], kind: Literal["completion", "chat"]) -> dict[str, Any]:
-    _refuse_unsupported(body, kind)
+    unknown = _refuse_unsupported(body, kind)
     # OpenAI requires 'model'; a one-model server can do without it, as vLLM and
     # llama.cpp do, so `curl -d '{"prompt": "..."}'` just works. Absent means "the
     # served model"; present but wrong is still a 404 (app.py).
@@ -605,6 +584,13 @@ def _common(body: dict[str, Any], kind: Literal["completion", "chat"]) -> dict[s
                 "repeat_penalty",
             )
         repetition = repeat
+    prompt_logprobs = _integer(body, "prompt_logprobs", 0, MAX_CHAT_TOP_LOGPROBS)
+    if prompt_logprobs is not None and stream:
+        # vLLM's rule too: the prompt's scores come whole, in the answer's body.
+        raise bad_request(
+            "'prompt_logprobs' is not available when 'stream' is true; send stream false",
+            "prompt_logprobs",
+        )
     truncate = _integer(body, "truncate_prompt_tokens", -1)
     if truncate == 0:
         raise bad_request(
@@ -639,6 +625,9 @@ def _common(body: dict[str, Any], kind: Literal["completion", "chat"]) -> dict[s
         # and the service's to check (one owner each), the type is ours.
         "priority": _integer(body, "priority") or 0,
         "truncate_prompt_tokens": truncate,
+        "skip_special_tokens": _boolean(body, "skip_special_tokens", default=True),
+        "prompt_logprobs": prompt_logprobs,
+        "unknown": unknown,
     }
 
 
@@ -688,9 +677,9 @@ def _load_object(raw: bytes) -> dict[str, Any]:
 
 
 def parse_completion(raw: bytes) -> GenerationRequest:
-    """``POST /v1/completions`` of one prompt (``/tokenize`` and ``/render`` read it):
-    ``prompt`` is a string or a list of token ids, or a list of one of them (the
-    ``openai`` client sends that shape); several prompts are refused by name here."""
+    """``POST /v1/completions`` of one prompt: ``prompt`` is a string or a list of token
+    ids, or a list of one of them (the ``openai`` client sends that shape); several
+    prompts are refused by name here."""
     reqs = parse_completions(raw)
     if len(reqs) > 1:
         raise bad_request(
@@ -710,7 +699,7 @@ def parse_completions(raw: bytes) -> list[GenerationRequest]:
     prompt = body.get("prompt")
     if prompt is None:
         raise bad_request("'prompt' is required: a string or a list of token ids", "prompt")
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+    if is_prompt_list(prompt):
         if len(prompt) > MAX_PROMPTS:
             raise bad_request(
                 f"'prompt' holds {len(prompt)} prompts, past the limit of {MAX_PROMPTS}",
@@ -725,6 +714,12 @@ def parse_completions(raw: bytes) -> list[GenerationRequest]:
         GenerationRequest(prompt_text=text, prompt_ids=ids, logprobs=logprobs, echo=echo, **fields)
         for text, ids in prompts
     ]
+
+
+def is_prompt_list(prompt: Any) -> bool:
+    """Is ``prompt`` a list of prompts (strings or token-id lists), not one prompt? The
+    one rule for the shape, which /tokenize's answer mirrors."""
+    return isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], str | list)
 
 
 def _one_prompt(

@@ -11,7 +11,9 @@ text, or its bytes when the token is part of a character (``output.token_text``)
 A scored prompt (``echo`` with ``logprobs``) arrives as each choice's first delta's
 ``prompt``: its tokens become entries like the answer's, before them, with offsets
 into the echoed text, and the echoed text travels with them (a stream's first event
-of the choice carries both, as vLLM sends them). An outcome that is not a
+of the choice carries both, as vLLM sends them). vLLM's ``prompt_logprobs`` (whole
+bodies only) reads the same scores into vLLM's shape: a choice's
+``prompt_logprobs`` on completions, the body's on chat. An outcome that is not a
 completion becomes an SSE error event, or a status from :data:`STATUS_OF_END`.
 """
 
@@ -131,17 +133,20 @@ class ResponseWriter:
         top: list[dict[str, float] | None] = []
         offsets: list[int] = []
 
+        k = self.req.logprobs  # a scored prompt may carry more, for prompt_logprobs
+
         def entry(t: TokenInfo, offset: int) -> None:
             tokens.append(t.text)
             token_logprobs.append(t.logprob)
             # The first prompt token has no logprob and no alternatives: null, as in
             # OpenAI's and vLLM's answers.
-            alts = zip(t.top, t.top_text, strict=True)
+            alts = zip(t.top[:k], t.top_text[:k], strict=True)
             top.append(None if t.logprob is None else {text: lp for (_, lp), (text, _) in alts})
             offsets.append(offset)
 
-        for t, offset in zip(delta.prompt, delta.prompt_offsets, strict=True):
-            entry(t, offset)
+        if self.req.echo:  # a prompt scored for prompt_logprobs alone is not echoed
+            for t, offset in zip(delta.prompt, delta.prompt_offsets, strict=True):
+                entry(t, offset)
         at = self.text_offsets.get(delta.index, len(self.echo(delta.index)))
         for t in delta.tokens:
             # Where this token's text starts in the returned text: the text is what
@@ -154,6 +159,27 @@ class ResponseWriter:
             "top_logprobs": top,
             "text_offset": offsets,
         }
+
+    def _prompt_logprobs(self, deltas: list[Delta]) -> list[dict[str, Any] | None]:
+        """vLLM's ``prompt_logprobs`` of one choice: an entry per prompt position, None
+        for the first (nothing predicts it), else keyed by token id: the prompt token
+        first, then the ``prompt_logprobs`` likeliest there, each with its logprob, its
+        rank (1: the likeliest) and its text. The scores ride the choice's first delta."""
+        k = self.req.prompt_logprobs or 0
+        prompt = next((d.prompt for d in deltas if d.prompt), ())
+        out: list[dict[str, Any] | None] = []
+        for t in prompt:
+            if t.logprob is None:
+                out.append(None)
+                continue
+            entry = {
+                str(t.token_id): {"logprob": t.logprob, "rank": t.rank, "decoded_token": t.text}
+            }
+            alts = zip(t.top[:k], t.top_text[:k], strict=True)
+            for rank, ((tid, lp), (text, _)) in enumerate(alts, start=1):
+                entry.setdefault(str(tid), {"logprob": lp, "rank": rank, "decoded_token": text})
+            out.append(entry)
+        return out
 
     def _text(self, delta: Delta) -> str:
         """A delta's text; the echoed prompt first in the one that carries its scores
@@ -293,7 +319,7 @@ class ResponseWriter:
         outcomes = [done[i] for i in range(n)]
         # the echo (deltas[i][0]) has no tokens
         lps = [[self._logprobs(d) for d in deltas[i][1:]] for i in range(n)]
-        body = {
+        body: dict[str, Any] = {
             "id": self.id,
             "object": "chat.completion" if self.chat else "text_completion",
             "created": self.created,
@@ -301,6 +327,8 @@ class ResponseWriter:
             "choices": [self._choice(i, deltas[i], outcomes[i], lps[i]) for i in range(n)],
             "usage": self._usage(outcomes),
         }
+        if self.chat and self.req.prompt_logprobs is not None:
+            body["prompt_logprobs"] = self._prompt_logprobs(deltas[0])  # vLLM's place
         return body, 200
 
     def _choice(
@@ -317,7 +345,10 @@ class ResponseWriter:
         logprobs = merge_logprobs([x for x in lps if x is not None], self.chat)
         finish = outcome.finish_reason.value
         if not self.chat:
-            return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+            choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+            if self.req.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = self._prompt_logprobs(deltas)
+            return choice
         answer: dict[str, Any] = {"role": "assistant", "content": text}
         if tool_calls:
             # OpenAI: content is null when the answer is only calls.
