@@ -19,8 +19,10 @@ zmq = pytest.importorskip("zmq", reason="the events extra (pyzmq) is not install
 msgpack = pytest.importorskip("msgpack", reason="the events extra (msgpack) is not installed")
 
 from triollm.server.kvevents import (  # noqa: E402
+    END_SEQ,
     CacheIndex,
     KVEventPublisher,
+    KVEventsConfig,
     decode_event,
     encode_batch,
     encode_event,
@@ -70,7 +72,7 @@ def test_the_positional_encoding_is_vllms_and_the_map_carries_the_same_fields() 
         list(range(8)),
         4,
         None,  # lora_id
-        "CPU",  # medium
+        "GPU",  # medium: the engine's own cache ("CPU" is an offload tier, discounted)
         None,  # lora_name (vLLM's own BlockStored requires the field)
     ]
     as_map = encode_event(stored, "map")
@@ -82,7 +84,7 @@ def test_the_positional_encoding_is_vllms_and_the_map_carries_the_same_fields() 
     assert encode_event(BlockRemoved((digest(1),)), "array") == [
         "BlockRemoved",
         [hash63(digest(1))],
-        "CPU",
+        "GPU",
     ]
     assert encode_event(AllBlocksCleared(), "array") == ["AllBlocksCleared"]
     ts, events, rank = msgpack.unpackb(encode_batch([AllBlocksCleared()], ts=1.5))
@@ -189,3 +191,66 @@ async def test_live_messages_are_three_frames_topic_sequence_payload() -> None:
     finally:
         sub.close()
         publisher.close()
+
+
+def test_the_topic_is_llm_ds_convention_unless_given_whole() -> None:
+    # vllm-router's static sources match the topic exactly against vLLM's default (an
+    # empty one): under llm-d's kv@host:port@model it dropped every message (0 tokens
+    # credited); with --kv-events-topic '' it credited each replica's cached prefix.
+    default = KVEventsConfig("tcp://127.0.0.1:*", topic_prefix="kv@127.0.0.1:8000")
+    given = KVEventsConfig("tcp://127.0.0.1:*", topic_prefix="kv@127.0.0.1:8000", topic="")
+    for config, topic in ((default, "kv@127.0.0.1:8000@m"), (given, "")):
+        publisher = config.publisher("m")
+        try:
+            assert publisher.topic == topic
+        finally:
+            publisher.close()
+
+
+async def test_a_replay_carries_the_topic_as_current_vllm_and_old_replies_still_read() -> None:
+    publisher = KVEventPublisher(
+        "tcp://127.0.0.1:*", topic="kv@h:1@m", replay_endpoint="tcp://127.0.0.1:*"
+    )
+    ctx = zmq.Context.instance()
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.setsockopt(zmq.RCVTIMEO, 30_000)
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(publisher.serve_replay)
+            publisher.publish([AllBlocksCleared()])
+            address = publisher.replay_address
+            assert address is not None
+            dealer.connect(address)
+            dealer.send_multipart([b"", struct.pack(">q", 0)])
+            # vllm-router reads [empty, topic, seq, payload]: the sequence number second
+            # from last, and it stops at a reply of fewer frames (the older shape).
+            first = await trio.to_thread.run_sync(dealer.recv_multipart)
+            end = await trio.to_thread.run_sync(dealer.recv_multipart)
+            assert first[:3] == [b"", b"kv@h:1@m", struct.pack(">q", 0)]
+            assert msgpack.unpackb(first[3])[1] == [["AllBlocksCleared"]]
+            assert end == [b"", b"", END_SEQ, b""]
+            nursery.cancel_scope.cancel()
+    finally:
+        dealer.close()
+        publisher.close()
+
+    # Older vLLM and SGLang answer without the topic frame: read alike.
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    payload = encode_batch([AllBlocksCleared()])
+
+    def answer_old_style() -> None:
+        identity, _empty, _start = router.recv_multipart()
+        router.send_multipart([identity, b"", struct.pack(">q", 5), payload])
+        router.send_multipart([identity, b"", END_SEQ, b""])
+
+    server = threading.Thread(target=answer_old_style, daemon=True)
+    server.start()
+    try:
+        got = await trio.to_thread.run_sync(fetch_replay, f"tcp://127.0.0.1:{port}", 0)
+        assert got == [(5, payload)]
+    finally:
+        server.join(timeout=30)
+        router.close()

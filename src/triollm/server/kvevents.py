@@ -11,25 +11,30 @@ The wire (vLLM's ``vllm/distributed/kv_events.py``; decoded positionally by llm-
 vLLM adapter):
 
 - a ZMQ **PUB** socket; each message is three frames: the topic
-  (``kv@<host>:<port>@<model>``, llm-d's convention), the sequence number as 8
-  bytes big-endian, and the msgpack payload ``[timestamp, [event, ...], dp_rank]``;
+  (``kv@<host>:<port>@<model>`` by default, llm-d's convention; vLLM's own default
+  is empty, and a reader that matches the topic exactly, vllm-router's static
+  sources among them, drops every message under any other: ``--kv-events-topic``),
+  the sequence number as 8 bytes big-endian, and the msgpack payload
+  ``[timestamp, [event, ...], dp_rank]``;
 - an event is a positional array (``encoding="array"``)::
 
       ["BlockStored", [hash, ...], parent_hash | None, [token_id, ...], block_size,
-       None, "CPU", None]
-      ["BlockRemoved", [hash, ...], "CPU"]
+       None, "GPU", None]
+      ["BlockRemoved", [hash, ...], "GPU"]
       ["AllBlocksCleared"]
 
-  (the two ``None`` are vLLM's ``lora_id`` and ``lora_name``, ``"CPU"`` its ``medium``;
+  (the two ``None`` are vLLM's ``lora_id`` and ``lora_name``, ``"GPU"`` its ``medium``;
   current vLLM requires all eight positions), or a map with a
-  ``type`` key and the same field names (``encoding="map"``, what newer readers,
-  vllm-router among them, take);
+  ``type`` key and the same field names (``encoding="map"``: what vLLM itself sends
+  since 2026, and the only shape vllm-router decodes);
 - hashes are integers below 2^63: the manager's chained SHA-256 digests cut to their
   last 8 bytes and then to 63 bits, so readers that store them as signed 64-bit
   integers (Go's ``int64``) and unsigned ones agree;
 - an optional **ROUTER** replay socket: a late or lossy subscriber sends an empty
   frame and a start sequence number (8 bytes big-endian) and gets every buffered
-  batch from there on, ``[b"", seq, payload]`` each, then ``[b"", -1, b""]``. The
+  batch from there on, ``[b"", topic, seq, payload]`` each, then
+  ``[b"", b"", -1, b""]`` (current vLLM's reply; older vLLM and SGLang leave the
+  topic frame out, and readers take the sequence number second from last). The
   buffer is bounded (``buffer_batches``): older batches are gone, and a subscriber
   that sees its first replayed sequence above what it asked for knows it lost state.
 
@@ -55,7 +60,13 @@ from typing import Any
 import trio
 
 ENCODINGS = ("array", "map")
-MEDIUM = "CPU"  # where our KV blocks live (vLLM names its tiers GPU / CPU / DISK)
+# The tier the blocks sit in, in vLLM's words: "GPU" is the engine's own KV cache
+# (vLLM's block pool says "GPU" on every platform, its CPU backend included), "CPU"
+# an offload tier a block must be copied back from before it is used. Readers score
+# by it: llm-d weighs a "CPU" hit 0.8 of a "GPU" one, and vllm-router credited 102
+# of a 128-token "CPU" prefix (its host-tier discount) where a "GPU" one got 128.
+# Our pool is the engine's own cache, wherever the engine runs: "GPU".
+MEDIUM = "GPU"
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 HASH_BITS = 63
 _HASH_MASK = (1 << HASH_BITS) - 1
@@ -125,13 +136,16 @@ class KVEventsConfig:
     """``triollm serve --kv-events-*``: where the events go and in which shape.
 
     ``topic_prefix``: ``kv@<host>:<port>`` (the server's own address, llm-d's
-    convention); the served model's id is appended as ``@<model>``."""
+    convention); the served model's id is appended as ``@<model>``. ``topic``, when
+    given, is the whole topic instead (``""``: vLLM's default, which vllm-router's
+    static ``--kv-event-source`` requires: it matches the topic exactly)."""
 
     endpoint: str
     replay_endpoint: str | None = None
     encoding: str = "array"
     mode: str = "auto"
     topic_prefix: str = "kv"
+    topic: str | None = None
 
     def __post_init__(self) -> None:
         for name, value in (("endpoint", self.endpoint), ("replay-endpoint", self.replay_endpoint)):
@@ -147,7 +161,7 @@ class KVEventsConfig:
     def publisher(self, model_id: str) -> KVEventPublisher:
         return KVEventPublisher(
             self.endpoint,
-            topic=f"{self.topic_prefix}@{model_id}",
+            topic=f"{self.topic_prefix}@{model_id}" if self.topic is None else self.topic,
             replay_endpoint=self.replay_endpoint,
             encoding=self.encoding,
             mode=self.mode,
@@ -252,9 +266,12 @@ class KVEventPublisher:
                 if len(frames) != 3 or len(frames[2]) != 8:
                     continue  # not a replay request: [identity, b"", start]
                 identity, start = frames[0], _SEQ.unpack(frames[2])[0]
+                # Current vLLM's reply: the topic rides in each frame set (vllm-router
+                # reads the sequence number second from last and stops at fewer than
+                # four frames after the delimiter is gone, i.e. at the older shape).
                 for seq, payload in self.replay_from(start):
-                    sock.send_multipart((identity, b"", _SEQ.pack(seq), payload))
-                sock.send_multipart((identity, b"", END_SEQ, b""))
+                    sock.send_multipart((identity, b"", self._topic, _SEQ.pack(seq), payload))
+                sock.send_multipart((identity, b"", b"", END_SEQ, b""))
             await trio.lowlevel.wait_readable(fd)
 
     def close(self) -> None:
@@ -328,8 +345,10 @@ def fetch_replay(address: str, start: int, *, timeout_s: float = 30.0) -> list[t
     late subscriber does: ``[(seq, payload), ...]`` in order, up to the end marker.
 
     Blocking (run it in a thread). ``timeout_s`` bounds the wait for each reply frame
-    (a server that never answers raises ``zmq.Again`` instead of hanging). A reply
-    that is not ``[b"", seq, payload]`` raises ValueError: a reader must not guess."""
+    (a server that never answers raises ``zmq.Again`` instead of hanging). A reply is
+    ``[b"", topic, seq, payload]`` (current vLLM, and this server) or
+    ``[b"", seq, payload]`` (older vLLM, SGLang); anything else raises ValueError: a
+    reader must not guess."""
     import zmq
 
     ctx: Any = zmq.Context.instance()
@@ -342,9 +361,9 @@ def fetch_replay(address: str, start: int, *, timeout_s: float = 30.0) -> list[t
         out: list[tuple[int, bytes]] = []
         while True:
             frames = dealer.recv_multipart()
-            if len(frames) != 3 or frames[0] != b"" or len(frames[1]) != 8:
+            if len(frames) not in (3, 4) or frames[0] != b"" or len(frames[-2]) != 8:
                 raise ValueError(f"not a replay reply: {frames!r}")
-            _, seq, payload = frames
+            seq, payload = frames[-2:]
             if seq == END_SEQ:
                 if payload:
                     raise ValueError("the replay's end marker carries a payload")
