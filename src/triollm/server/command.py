@@ -126,6 +126,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
         default="auto",
         help="auto (vLLM's rule): bind a wildcard or ipc address, connect to a named host",
     )
+    ev.add_argument(
+        "--kv-events-topic",
+        metavar="TOPIC",
+        help="the topic on every message (default: kv@HOST:PORT@MODEL, llm-d's convention; "
+        "'' for vllm-router's --kv-event-source, which matches the topic exactly)",
+    )
     net.add_argument(
         "--metrics-names",
         choices=("triollm", "vllm"),
@@ -648,6 +654,7 @@ def _kv_events(args: argparse.Namespace) -> Any:
             encoding=args.kv_events_encoding,
             mode=args.kv_events_mode,
             topic_prefix=f"kv@{args.host}:{args.port}",
+            topic=args.kv_events_topic,
         )
     except ValueError as exc:
         raise UserError(str(exc)) from None
