@@ -223,14 +223,22 @@ async def failover(args: argparse.Namespace, sig: signal.Signals) -> Record:
 
 VLLM_ROUTER_PORT = 30000
 KV_EVENTS_PORT = 5557  # each replica on its own address, so every one uses vLLM's port
+KV_REPLAY_PORT = 5558
 # Each replica substitutes its own address for {host} (ClusterConfig formats it).
+# vllm-router (0.1.17) decodes only the map encoding, and its static sources take
+# only messages whose topic is exactly vLLM's default, the empty one: under llm-d's
+# kv@host:port@model it credited 0 tokens on every request.
 KV_EVENT_SERVE_ARGS = (
     "--kv-events-endpoint",
     f"tcp://{{host}}:{KV_EVENTS_PORT}",
+    "--kv-events-replay-endpoint",
+    f"tcp://{{host}}:{KV_REPLAY_PORT}",
     "--kv-events-mode",
     "bind",
     "--kv-events-encoding",
     "map",
+    "--kv-events-topic",
+    "",
 )
 
 
@@ -247,6 +255,7 @@ def kv_aware_args(cluster: Cluster, policy: str) -> list[str]:
     out = ["--kv-event-block-size", "32", "--kv-event-model", "triollm-demo"]
     for r in cluster.replicas:
         out += ["--kv-event-source", f"{r.url}=tcp://{r.endpoint.host}:{KV_EVENTS_PORT}"]
+        out += ["--kv-event-replay-source", f"{r.url}=tcp://{r.endpoint.host}:{KV_REPLAY_PORT}"]
     return out
 
 
