@@ -47,6 +47,7 @@ import trio
 
 from triollm.cluster.load import (
     WORDS,
+    CpuMeter,
     Result,
     closed_loop,
     counts,
@@ -100,7 +101,20 @@ async def warm(url: str, n: int = 4) -> None:
     await closed_loop(url, n, n, lambda rng: story_body(rng, 4), deadline_s=120)
 
 
+def cores(used: dict[str, float], names: list[str]) -> str:
+    """``name 0.97`` per process: its CPU seconds over the wall time (1.00 = a core)."""
+    return ", ".join(f"{n} {used[n] / used['wall']:.2f}" for n in names)
+
+
 async def scale(args: argparse.Namespace) -> Record:
+    """One replica alone at C streams against two behind Envoy at 2C, alternating.
+
+    Besides the rate, every level reads each process's CPU time (/proc/PID/stat)
+    before and after: the replicas, Envoy, this process (the load client and the
+    supervisor) and the machine's busy time nobody here accounts for (``other``).
+    On a 2-core host the harness shares the cores with the replicas it measures;
+    these figures say how much it took, and ``tokens per replica-CPU-second`` says
+    how the servers themselves scale, apart from the cores they were given."""
     c = args.concurrency
     config = ClusterConfig(
         replicas=2,
@@ -109,44 +123,87 @@ async def scale(args: argparse.Namespace) -> Record:
         lb="least_request",
         log_dir=logs(args, "scale"),
     )
-    rounds: list[dict[str, float]] = []
+    stream = args.scale_client == "stream"
+    max_tokens = args.scale_max_tokens
+    rounds: list[dict[str, Any]] = []
     async with trio.open_nursery() as nursery:
         cluster: Cluster = await nursery.start(Cluster(config).run)
         one = cluster.replicas[0].url
         await warm(one)
         await warm(cluster.replicas[1].url)
+        assert cluster.envoy is not None
+        pids = {f"replica{r.index}": r.process.pid for r in cluster.replicas if r.process}
+        pids |= {"envoy": cluster.envoy.pid, "client": os.getpid()}
+        names = [*pids, "other"]
         for k in range(args.rounds):
-            body = lambda rng: story_body(rng, args.max_tokens)  # noqa: E731
-            alone, wall1 = await closed_loop(
-                one + "/v1/completions", c, args.requests, body, seed=k
-            )
-            both, wall2 = await closed_loop(
-                cluster.url + "/v1/completions", 2 * c, 2 * args.requests, body, seed=k
-            )
+            body = lambda rng: story_body(rng, max_tokens, stream=stream)  # noqa: E731
+            levels = {}
+            for level, url, n in (
+                ("one", one + "/v1/completions", 1),
+                ("two", cluster.url + "/v1/completions", 2),
+            ):
+                meter = CpuMeter(pids)
+                meter.start()
+                results, _ = await closed_loop(url, n * c, n * args.scale_requests, body, seed=k)
+                used = meter.stop()
+                tokens = sum(r.tokens for r in results if r.outcome == "ok")
+                replica_cpu = sum(used[f"replica{i}"] for i in range(n))
+                levels[level] = {
+                    "tokens": tokens,
+                    "tok_s": tokens / used["wall"],
+                    "failed": len(results) - counts(results)["ok"],
+                    "cpu_s": used,
+                    # the servers' own efficiency, whatever share of the cores they got
+                    "tok_per_replica_cpu_s": tokens / replica_cpu if replica_cpu else 0.0,
+                    "replica_cores": replica_cpu / used["wall"],
+                }
             r = {
-                "one_tok_s": tokens_per_s(alone, wall1),
-                "two_tok_s": tokens_per_s(both, wall2),
-                "one_failed": len(alone) - counts(alone)["ok"],
-                "two_failed": len(both) - counts(both)["ok"],
+                "one": levels["one"],
+                "two": levels["two"],
+                "ratio": levels["two"]["tok_s"] / levels["one"]["tok_s"],
+                # ratio = server_scaling x core_ratio (tokens = efficiency x CPU seconds)
+                "server_scaling": levels["two"]["tok_per_replica_cpu_s"]
+                / levels["one"]["tok_per_replica_cpu_s"],
+                "core_ratio": levels["two"]["replica_cores"] / levels["one"]["replica_cores"],
+                "load": loadavg(),
             }
-            r["ratio"] = r["two_tok_s"] / r["one_tok_s"]
             rounds.append(r)
+            one_l, two_l = levels["one"], levels["two"]
             print(
-                f"  round {k + 1}: 1 replica {r['one_tok_s']:.1f} tok/s (c={c}), "
-                f"2 behind Envoy {r['two_tok_s']:.1f} tok/s (c={2 * c}): {r['ratio']:.2f}x "
-                f"[load {loadavg()}]",
+                f"  round {k + 1}: 1 replica {one_l['tok_s']:.1f} tok/s (c={c}), "
+                f"2 behind Envoy {two_l['tok_s']:.1f} tok/s (c={2 * c}): {r['ratio']:.2f}x "
+                f"= server scaling {r['server_scaling']:.2f} x replica cores "
+                f"{two_l['replica_cores']:.2f}/{one_l['replica_cores']:.2f} [load {r['load']}]\n"
+                f"    1 replica : cores {cores(one_l['cpu_s'], names)}; "
+                f"{one_l['tok_per_replica_cpu_s']:.0f} tok per replica-CPU-s\n"
+                f"    2 replicas: cores {cores(two_l['cpu_s'], names)}; "
+                f"{two_l['tok_per_replica_cpu_s']:.0f} tok per replica-CPU-s",
                 flush=True,
             )
         cluster.stop()
-    ratios = sorted(r["ratio"] for r in rounds)
-    median = ratios[len(ratios) // 2]
+
+    def median(key: str) -> float:
+        values = sorted(float(r[key]) for r in rounds)
+        return values[len(values) // 2]
+
     each = ", ".join(f"{r['ratio']:.2f}" for r in rounds)
     print(
-        f"  scale: 2 replicas / 1 replica, median {median:.2f}x of rounds {each} "
+        f"  scale ({'streamed' if stream else 'whole'} answers of {max_tokens} tokens): "
+        f"2 replicas / 1 replica, median {median('ratio'):.2f}x of rounds {each}; "
+        f"server scaling (tokens per replica-CPU-s, 2 vs 1) median "
+        f"{median('server_scaling'):.2f}, replica cores median {median('core_ratio'):.2f}x "
         "(the target: >= 1.8x; a verdict only on a quiet machine)",
         flush=True,
     )
-    return {"scenario": "scale", "rounds": rounds, "median_ratio": median}
+    return {
+        "scenario": "scale",
+        "client": args.scale_client,
+        "max_tokens": max_tokens,
+        "rounds": rounds,
+        "median_ratio": median("ratio"),
+        "median_server_scaling": median("server_scaling"),
+        "median_core_ratio": median("core_ratio"),
+    }
 
 
 async def failover(args: argparse.Namespace, sig: signal.Signals) -> Record:
@@ -579,6 +636,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests", type=int, default=24, help="requests per replica per level (24)")
     p.add_argument("--max-tokens", type=int, default=48, help="tokens per answer (48)")
     p.add_argument("--rounds", type=int, default=3, help="scale: alternating rounds (3)")
+    p.add_argument(
+        "--scale-client",
+        choices=("whole", "stream"),
+        default="whole",
+        help="scale: answers sent whole (one JSON each: the light client) or streamed "
+        "(an event per token, parsed in Python, forwarded by Envoy) (whole)",
+    )
+    p.add_argument(
+        "--scale-max-tokens", type=int, default=128, help="scale: tokens per answer (128)"
+    )
+    p.add_argument(
+        "--scale-requests",
+        type=int,
+        default=64,
+        help="scale: requests per replica per level (64: long enough that the ramp and "
+        "the tail of the closed loop are a small part of each level)",
+    )
     p.add_argument("--grace", type=float, default=30.0, help="each replica's drain (30 s)")
     p.add_argument(
         "--idle-timeout", type=float, default=60.0, help="a stream silent this long: hung"
