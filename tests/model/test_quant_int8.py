@@ -251,8 +251,12 @@ def test_activations_quantize_as_the_numpy_scheme_row_by_row(
     np.testing.assert_array_equal(got.d, d)
     np.testing.assert_array_equal(got.sums, sums)
     assert got.q.min(initial=0) >= -127  # never -128: its negation would not fit
-    alone = quant_int8.quantize_rows(x[-1:], block)  # a row's blocks depend on that row alone
+    # a row's blocks depend on that row alone, and not on the driver: one row runs on
+    # the calling thread (_quantize_rows_serial), several in a parallel region
+    alone = quant_int8.quantize_rows(x[-1:], block)
     np.testing.assert_array_equal(alone.q[0], got.q[-1])
+    np.testing.assert_array_equal(alone.d[0], got.d[-1])
+    np.testing.assert_array_equal(alone.sums[0], got.sums[-1])
 
 
 def test_an_activation_width_that_is_not_whole_blocks_is_refused() -> None:

@@ -859,5 +859,6 @@ def warm_up() -> None:
     """Compile (or load from numba's cache) both products and the row lookup once."""
     w = quantize(np.zeros((4, 32), np.float32), QuantType.Q8_0)
     for weight in (w, w.with_exact_activations()):
-        linear(np.zeros((1, 32), np.float32), weight, np.empty((1, 4), np.float32))
+        for n in (1, 2):  # one row quantizes on the calling thread, more in parallel
+            linear(np.zeros((n, 32), np.float32), weight, np.empty((n, 4), np.float32))
     w[np.zeros(1, np.int64)]

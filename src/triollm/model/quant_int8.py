@@ -169,28 +169,48 @@ class Int8Rows:
     block: int
 
 
+@njit(cache=True, nogil=True)
+def _quantize_row(
+    x: Any, r: int, block: int, q: Any, d: Any, sums: Any
+) -> None:  # pragma: no cover
+    # Row r. Both drivers call this one compiled function, so a row's bits do not
+    # depend on which one ran it (or on the rows beside it).
+    # float32 throughout (np.float32 constants: a Python float would promote to float64)
+    k = x.shape[1]
+    top = np.float32(127.0)
+    for b in range(k // block):
+        amax = np.float32(0.0)
+        for i in range(b * block, (b + 1) * block):
+            a = abs(x[r, i])
+            if a > amax:
+                amax = a
+        d[r, b] = amax / top
+        inv = top / amax if amax > 0 else np.float32(0.0)
+        for i in range(b * block, (b + 1) * block):
+            v = np.rint(x[r, i] * inv)  # |v| <= 127 (+ rounding), clamped below
+            q[r, i] = np.int8(min(max(v, -top), top))
+    for g in range(k // SUM_VALUES):
+        s = 0
+        for i in range(g * SUM_VALUES, (g + 1) * SUM_VALUES):
+            s += int(q[r, i])  # at most 16 * 127
+        sums[r, g] = s
+
+
 @njit(cache=True, nogil=True, parallel=True)
 def _quantize_rows(x: Any, block: int, q: Any, d: Any, sums: Any) -> None:  # pragma: no cover
-    # float32 throughout (np.float32 constants: a Python float would promote to float64)
-    n, k = x.shape
-    top = np.float32(127.0)
-    for r in prange(n):
-        for b in range(k // block):
-            amax = np.float32(0.0)
-            for i in range(b * block, (b + 1) * block):
-                a = abs(x[r, i])
-                if a > amax:
-                    amax = a
-            d[r, b] = amax / top
-            inv = top / amax if amax > 0 else np.float32(0.0)
-            for i in range(b * block, (b + 1) * block):
-                v = np.rint(x[r, i] * inv)  # |v| <= 127 (+ rounding), clamped below
-                q[r, i] = np.int8(min(max(v, -top), top))
-        for g in range(k // SUM_VALUES):
-            s = 0
-            for i in range(g * SUM_VALUES, (g + 1) * SUM_VALUES):
-                s += int(q[r, i])  # at most 16 * 127
-            sums[r, g] = s
+    for r in prange(x.shape[0]):
+        _quantize_row(x, np.int64(r), block, q, d, sums)  # type: ignore[arg-type]  # numba: int64
+
+
+@njit(cache=True, nogil=True)
+def _quantize_rows_serial(
+    x: Any, block: int, q: Any, d: Any, sums: Any
+) -> None:  # pragma: no cover
+    # _quantize_rows on the calling thread: one row (a batch-1 decode step) cannot
+    # be split, and a parallel region would wake the other (passive) worker for
+    # nothing, once per product (~120 times a SmolLM2 step; docs/engine.md).
+    for r in range(x.shape[0]):
+        _quantize_row(x, np.int64(r), block, q, d, sums)  # type: ignore[arg-type]  # numba: int64
 
 
 def quantize_rows(x: np.ndarray, block: int) -> Int8Rows:
@@ -202,7 +222,8 @@ def quantize_rows(x: np.ndarray, block: int) -> Int8Rows:
     d = np.empty((n, k // block), np.float32)
     sums = np.empty((n, k // SUM_VALUES), np.int32)
     if n:
-        _quantize_rows(np.ascontiguousarray(x, np.float32), block, q, d, sums)
+        driver = _quantize_rows if n > 1 else _quantize_rows_serial
+        driver(np.ascontiguousarray(x, np.float32), block, q, d, sums)
     return Int8Rows(q, d, sums, block)
 
 
