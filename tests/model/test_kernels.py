@@ -38,6 +38,24 @@ def test_rms_norm_equals_numpy(n: int, d: int, seed: int) -> None:
 
 
 @SETTINGS
+@given(n=st.integers(1, 9), d=st.integers(1, 70), seed=st.integers(0, 2**32 - 1))
+def test_add_rms_norm_is_the_residual_add_then_rms_norm_to_the_bit(
+    n: int, d: int, seed: int
+) -> None:
+    """The forward's fused residual add + norm changes no bit of either result."""
+    rng = rng_for(seed)
+    x, delta, w = f32(rng, n, d), f32(rng, n, d), f32(rng, d)
+    eps = np.float32(1e-5)
+    want_x = x + delta
+    want = np.empty_like(x)
+    kernels.rms_norm(want_x, w, eps, want)
+    out = np.empty_like(x)
+    kernels.add_rms_norm(x, delta, w, eps, out)
+    assert x.tobytes() == want_x.tobytes()  # the residual stream itself
+    assert out.tobytes() == want.tobytes()
+
+
+@SETTINGS
 @given(
     n=st.integers(1, 6),
     heads=st.integers(1, 4),
@@ -351,6 +369,8 @@ def test_kernels_release_the_gil_and_are_cached() -> None:
     """nogil keeps the server's event loop running during a step; cache avoids recompiling."""
     for kernel in (
         kernels.rms_norm,
+        kernels._rms_norm_row,
+        kernels.add_rms_norm,
         kernels.rope,
         kernels._silu_row,
         kernels._silu_rows,

@@ -38,21 +38,52 @@ start_parallel_runtime()  # passive OpenMP workers, before the first prange (thr
 
 
 @njit(cache=True, nogil=True, fastmath=True)
+def _rms_norm_row(
+    x: np.ndarray, weight: np.ndarray, eps: np.float32, out: np.ndarray, i: int
+) -> None:
+    # Row i of rms_norm. rms_norm and add_rms_norm call this one compiled function
+    # (not an inlined copy each): with fastmath the sum's order is LLVM's choice per
+    # copy, and a row must get the same bits from either kernel.
+    d = x.shape[1]
+    ss = np.float32(0.0)
+    for j in range(d):
+        ss += x[i, j] * x[i, j]
+    inv = np.float32(1.0) / np.sqrt(ss / np.float32(d) + np.float32(eps))
+    for j in range(d):
+        # HF rounds the normalised row before scaling by the weight; in float32
+        # both orders agree to the last bit or two, well inside tolerance.
+        out[i, j] = weight[j] * (x[i, j] * inv)
+
+
+@njit(cache=True, nogil=True, fastmath=True)
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: np.float32, out: np.ndarray) -> None:
     """``out[i] = x[i] / sqrt(mean(x[i]**2) + eps) * weight`` for each row i.
 
     x, out: (n, d) float32 (may be the same array); weight: (d,) float32.
     """
+    for i in range(x.shape[0]):
+        _rms_norm_row(x, weight, eps, out, np.int64(i))  # type: ignore[arg-type]  # numba: int64
+
+
+@njit(cache=True, nogil=True, fastmath=True)
+def add_rms_norm(
+    x: np.ndarray, delta: np.ndarray, weight: np.ndarray, eps: np.float32, out: np.ndarray
+) -> None:
+    """The residual add and the next sublayer's norm in one call: ``x += delta``,
+    then :func:`rms_norm` of the new ``x`` into ``out``, row by row.
+
+    x, delta, out: (n, d) float32 (out not x: x is the residual stream and must
+    keep its sum); weight: (d,) float32. The forward ends every sublayer so (the
+    attention's output into the MLP's norm, the MLP's into the next layer's): on a
+    135M model a kernel call's fixed cost is a visible part of a batch-1 step, and
+    the add was a numpy call of its own (docs/engine.md, "The step's fixed costs").
+    The bits are those of ``x += delta`` then ``rms_norm`` (one compiled row norm).
+    """
     n, d = x.shape
     for i in range(n):
-        ss = np.float32(0.0)
         for j in range(d):
-            ss += x[i, j] * x[i, j]
-        inv = np.float32(1.0) / np.sqrt(ss / np.float32(d) + np.float32(eps))
-        for j in range(d):
-            # HF rounds the normalised row before scaling by the weight; in float32
-            # both orders agree to the last bit or two, well inside tolerance.
-            out[i, j] = weight[j] * (x[i, j] * inv)
+            x[i, j] += delta[i, j]
+        _rms_norm_row(x, weight, eps, out, np.int64(i))  # type: ignore[arg-type]  # numba: int64
 
 
 @njit(inline="always")
@@ -284,6 +315,7 @@ def warm_up(kv_dtype: KVDtype = DEFAULT_KV_DTYPE) -> float:
     rope_qk(x, x.copy(), pos, tab, tab)
     x2 = x.reshape(2, 8)
     rms_norm(x2, np.ones(8, dtype=np.float32), np.float32(1e-6), x2)
+    add_rms_norm(x2, x2.copy(), np.ones(8, dtype=np.float32), np.float32(1e-6), x2.copy())
     silu_mul(np.ones((2, 16), dtype=np.float32), x2)  # two rows: the parallel driver
     silu_mul(np.ones((1, 16), dtype=np.float32), x2[:1])  # one: the serial one
     storage = STORAGE[kv_dtype]
@@ -301,6 +333,7 @@ def warm_up(kv_dtype: KVDtype = DEFAULT_KV_DTYPE) -> float:
 
 __all__ = [
     "AttentionPlan",
+    "add_rms_norm",
     "paged_attention",
     "plan_attention",
     "rms_norm",

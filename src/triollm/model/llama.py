@@ -385,10 +385,13 @@ class LlamaModel:
 
         # attention's work items, planned once per window and shared by the layers
         plans: dict[int, kernels.AttentionPlan] = {}
+        # the first layer's attention rmsnorm; each later layer's comes with the
+        # residual add that ends the layer before it (add_rms_norm, below)
+        kernels.rms_norm(x, self.layers[0].input_layernorm, self.eps, xn)
+        last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
             cos, sin, window = self._attention_kind[i]
-            # attention rmsnorm
-            kernels.rms_norm(x, layer.input_layernorm, self.eps, xn)
+            # (attention rmsnorm: xn holds it already)
             # q, k, v projections, one fused product (+ qwen2 / attention_bias biases).
             # Copied out into contiguous q, k, v: the kernels below take C-contiguous
             # arrays, and qwen3's per-head norm needs q as (n * n_heads, head_dim),
@@ -447,9 +450,8 @@ class LlamaModel:
                 proj += layer.o_proj_bias
             if layer.attn_out_norm is not None:  # Gemma 3: norm the output, then add
                 kernels.rms_norm(proj, layer.attn_out_norm, self.eps, proj)
-            x += proj
-            # mlp rmsnorm
-            kernels.rms_norm(x, layer.post_attention_layernorm, self.eps, xn)
+            # residual + mlp rmsnorm, one call
+            kernels.add_rms_norm(x, proj, layer.post_attention_layernorm, self.eps, xn)
             if layer.moe is not None:
                 # a sparse layer: each row's top-k experts, batched by expert (moe.py)
                 layer.moe.forward(xn, proj)
@@ -460,7 +462,10 @@ class LlamaModel:
                 linear(gate, layer.down_proj, out=proj)
             if layer.mlp_out_norm is not None:  # Gemma 3: norm the output, then add
                 kernels.rms_norm(proj, layer.mlp_out_norm, self.eps, proj)
-            x += proj  # residual
+            if i < last:  # residual + the next layer's attention rmsnorm, one call
+                kernels.add_rms_norm(x, proj, self.layers[i + 1].input_layernorm, self.eps, xn)
+            else:
+                x += proj  # residual (the final norm takes only the sampled rows)
 
         # final norm + output head, only on the rows that are sampled
         h = x[rows.sampled]  # (n_sampled, hidden) float32, a copy
