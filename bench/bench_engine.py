@@ -88,10 +88,35 @@ def prefill_plan(tokens: int) -> tuple[list[ChunkPlan], int]:
     return [ChunkPlan(0, ids, 0, tuple(range(n_blocks)), sample=True, prefill=True)], n_blocks
 
 
+def thread_sleeps() -> int:
+    """Times any thread of this process has blocked so far (voluntary context switches).
+
+    A passive OpenMP worker blocks on a futex after every parallel region and the
+    calling thread often does at the region's end, so sleeps per step count what
+    the step pays in wake-ups (about two per region; docs/engine.md, "The step's
+    fixed costs"). Linux only; 0 elsewhere.
+    """
+    total = 0
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return 0
+    for task in tasks:
+        try:
+            with open(f"/proc/self/task/{task}/status") as f:
+                for line in f:
+                    if line.startswith("voluntary_ctxt_switches"):
+                        total += int(line.split()[1])
+        except OSError:  # the thread ended meanwhile
+            continue
+    return total
+
+
 def time_steps(
     model: LlamaModel, chunks: list[ChunkPlan], kv: PagedKVCache, reps: int, warmup: int = 2
-) -> tuple[list[float], list[float]]:
-    """Wall seconds and process CPU seconds (all threads) of each timed step.
+) -> tuple[list[float], list[float], float]:
+    """Wall seconds and process CPU seconds (all threads) of each timed step, and
+    the threads' sleeps per step (:func:`thread_sleeps`).
 
     On a shared machine the wall time includes waiting for a core; the CPU
     time does not (passive OpenMP waiting burns none), so CPU / threads is
@@ -100,13 +125,14 @@ def time_steps(
     for _ in range(warmup):
         model.forward(chunks, kv)
     wall, cpu = [], []
+    slept = thread_sleeps()
     for _ in range(reps):
         c = time.process_time()
         t = time.perf_counter()
         model.forward(chunks, kv)
         wall.append(time.perf_counter() - t)
         cpu.append(time.process_time() - c)
-    return wall, cpu
+    return wall, cpu, (thread_sleeps() - slept) / reps
 
 
 # --- per-stage profile -------------------------------------------------------
@@ -141,7 +167,8 @@ def stage_timer(totals: dict[str, float]) -> Iterator[None]:
     wrap(kernels, "store_kv", "KV write (kernels.store_kv)")
     wrap(kernels, "write_kv", "KV write, q8_0 (kernels.write_kv)")
     wrap(kernels, "rope_qk", "RoPE (kernels.rope_qk)")
-    wrap(kernels, "rms_norm", "RMSNorm (kernels.rms_norm)")
+    wrap(kernels, "rms_norm", "RMSNorm (kernels.rms_norm, add_rms_norm)")
+    wrap(kernels, "add_rms_norm", "RMSNorm (kernels.rms_norm, add_rms_norm)")
     wrap(kernels, "silu_mul", "SwiGLU (kernels.silu_mul)")
     try:
         yield
@@ -281,7 +308,7 @@ def run(args: argparse.Namespace) -> int:
         for case, chunks, nb in cases:
             kv = PagedKVCache(config, nb, BLOCK_SIZE)
             reps = max(3, args.reps // 3) if case.name == "prefill" else args.reps
-            times, cpu_times = time_steps(model, chunks, kv, reps)
+            times, cpu_times, sleeps = time_steps(model, chunks, kv, reps)
             med = statistics.median(times)
             cpu_med = statistics.median(cpu_times)
             # floor: W once per step, plus each sequence's K/V read once
@@ -317,6 +344,7 @@ def run(args: argparse.Namespace) -> int:
                     "ms_step": med * 1e3,
                     "ms_best": min(times) * 1e3,
                     "cpu_ms_step": cpu_med * 1e3,
+                    "sleeps_step": sleeps,
                     "tok_s": case.tokens_per_step / med,
                     "floor_ms": floor * 1e3 if is_decode else None,
                     "bandwidth_gbs": best_bw / 1e9,
@@ -327,7 +355,7 @@ def run(args: argparse.Namespace) -> int:
             )
             print(
                 f"  {case.name:7s} batch {case.batch:3d} rows {case.rows:4d}: median "
-                f"{med * 1e3:7.1f} ms/step (CPU {cpu_med * 1e3:.1f} ms), "
+                f"{med * 1e3:7.1f} ms/step (CPU {cpu_med * 1e3:.1f} ms, {sleeps:.0f} sleeps), "
                 f"{case.tokens_per_step / med:7.1f} tok/s "
                 f"(floor {floor * 1e3:.1f} ms, x{med / floor:.2f}) load {load_average()}",
                 flush=True,
