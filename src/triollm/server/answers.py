@@ -49,6 +49,7 @@ __all__ = [
     "Writer",
     "arguments_object",
     "chat_message",
+    "chat_request",
     "collect",
     "function_tools",
     "one_constraint",
@@ -198,6 +199,31 @@ def function_tools(
         return structured.tools(body)
     except FieldError as exc:
         raise field_error(exc) from None
+
+
+def chat_request(
+    turns: tuple[tuple[ChatMessage, ...], bool],
+    tools: Tools | None,
+    grammar: GrammarSpec | None,
+    forced_by: str,
+    **fields: Any,
+) -> GenerationRequest:
+    """The chat request a translated API builds: its conversation and whether its final
+    assistant turn is to be continued (prefill: the template leaves that turn open), its
+    tools and output grammar (a forced call cannot also follow a grammar: the 400 names
+    ``forced_by``), and the rest of its :class:`~triollm.request.GenerationRequest`
+    fields as the API spells them out."""
+    one_constraint(tools, grammar, forced_by)
+    messages, prefill = turns
+    return GenerationRequest(
+        kind="chat",
+        messages=messages,
+        add_generation_prompt=not prefill,
+        continue_final_message=prefill,
+        tools=tools,
+        grammar=grammar,
+        **fields,
+    )
 
 
 def one_constraint(tools: Tools | None, grammar: GrammarSpec | None, param: str) -> None:

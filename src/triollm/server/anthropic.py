@@ -56,21 +56,8 @@ from typing import Any
 from triollm.output import RequestStream
 from triollm.plan import FinishReason
 from triollm.request import ChatMessage, GenerationRequest, GrammarKind, GrammarSpec, ServedModel
-from triollm.server import sse
-from triollm.server.answers import (
-    Answer,
-    Finish,
-    Piece,
-    StreamFailed,
-    Translation,
-    arguments_object,
-    chat_message,
-    collect,
-    function_tools,
-    one_constraint,
-    pieces,
-)
-from triollm.server.apifields import Field, FieldTable, Reader, refuse, required
+from triollm.server import answers, sse
+from triollm.server.apifields import Body, Field, FieldTable, Reader, refuse, required
 from triollm.server.apifields import Support as S
 from triollm.server.openai import ApiError, bad_request, load_object
 from triollm.toolcalls import ToolCall, ToolCallDelta, Tools
@@ -235,7 +222,7 @@ def _conversation(body: dict[str, Any]) -> tuple[tuple[ChatMessage, ...], bool]:
             f"messages[{len(messages) - 1}]",
         )
     prefill = last["role"] == "assistant"
-    return tuple(chat_message(m["role"], m["content"], p, m) for p, m in turns), prefill
+    return tuple(answers.chat_message(m["role"], m["content"], p, m) for p, m in turns), prefill
 
 
 def _tools(body: dict[str, Any]) -> Tools | None:
@@ -275,7 +262,7 @@ def _tools(body: dict[str, Any]) -> Tools | None:
             raise bad_request("'tool_choice' needs 'tools'", "tool_choice")
         return None
     parallel = not choice_raw.get("disable_parallel_tool_use", False)
-    return function_tools(definitions, choice, parallel)
+    return answers.function_tools(definitions, choice, parallel)
 
 
 def _output_format(body: dict[str, Any]) -> GrammarSpec | None:
@@ -303,23 +290,20 @@ def _output_format(body: dict[str, Any]) -> GrammarSpec | None:
     return GrammarSpec(GrammarKind.JSON_SCHEMA, schema, f"{where}.schema")
 
 
-def parse_messages(raw: bytes) -> Translation:
+def parse_messages(raw: bytes) -> answers.Translation:
     """``POST /v1/messages``: the body as a chat request (a 400 naming the field)."""
-    body = load_object(raw)
-    unknown = MESSAGES_FIELDS.screen(body)
-    r = Reader(body)
+    r = Body(raw, MESSAGES_FIELDS)
+    body = r.body
     max_tokens = required(r.integer("max_tokens", 1), "max_tokens", "the answer's budget")
     stops = r.stops("stop_sequences")
     tools = _tools(body)
     grammar = _output_format(body)
-    one_constraint(tools, grammar, "tool_choice")
-    messages, prefill = _conversation(body)
-    req = GenerationRequest(
-        kind="chat",
+    req = answers.chat_request(
+        _conversation(body),
+        tools,
+        grammar,
+        "tool_choice",
         model=r.string("model") or None,
-        messages=messages,
-        add_generation_prompt=not prefill,
-        continue_final_message=prefill,
         max_tokens=max_tokens,
         temperature=r.number("temperature", 1.0, 0.0, 1.0),
         top_p=r.number("top_p", 1.0),
@@ -328,14 +312,12 @@ def parse_messages(raw: bytes) -> Translation:
         # kept in the text so the writer can tell which one matched (module docstring)
         include_stop_str_in_output=bool(stops),
         stream=r.boolean("stream"),
-        tools=tools,
-        grammar=grammar,
     )
 
     def writer(model: ServedModel, stream: RequestStream) -> MessagesWriter:
         return MessagesWriter(model, stream, stops)
 
-    return Translation("messages", req, writer, unknown)
+    return answers.Translation("messages", req, writer, r.unknown)
 
 
 def parse_count_tokens(raw: bytes) -> GenerationRequest:
@@ -356,7 +338,7 @@ _STOP_REASONS = {
 
 
 def _tool_block(call: ToolCall) -> dict[str, Any]:
-    given = arguments_object(call.arguments)
+    given = answers.arguments_object(call.arguments)
     return {"type": "tool_use", "id": call.id, "name": call.name, "input": given or {}}
 
 
@@ -373,7 +355,7 @@ class MessagesWriter:
         self._index = -1  # the open content block's index
         self._open: str | None = None  # "text" or "tool_use"
 
-    def _ending(self, finish: Finish, text: str) -> tuple[str, str, str | None]:
+    def _ending(self, finish: answers.Finish, text: str) -> tuple[str, str, str | None]:
         """(the text without a matched stop string, stop_reason, stop_sequence)."""
         if finish.reason is FinishReason.STOP:
             for stop in self.stops:
@@ -381,7 +363,7 @@ class MessagesWriter:
                     return text[: -len(stop)], "stop_sequence", stop
         return text, _STOP_REASONS.get(finish.reason, "end_turn"), None
 
-    def _usage(self, finish: Finish) -> dict[str, Any]:
+    def _usage(self, finish: answers.Finish) -> dict[str, Any]:
         return {
             # Anthropic counts cache reads apart from input_tokens
             "input_tokens": finish.prompt_tokens - finish.cached_tokens,
@@ -407,8 +389,8 @@ class MessagesWriter:
 
     async def whole(self) -> tuple[dict[str, Any], int]:
         try:
-            answer: Answer = await collect(self.stream)
-        except StreamFailed as exc:
+            answer: answers.Answer = await answers.collect(self.stream)
+        except answers.StreamFailed as exc:
             err = ApiError(exc.status, exc.message, type="server_error", code=exc.code)
             return error_body(err), exc.status
         text, reason, stop = self._ending(answer.finish, answer.text)
@@ -430,8 +412,8 @@ class MessagesWriter:
         yield self._event("message_start", message=start)
         yield self._event("ping")
         try:
-            async for item in pieces(self.stream):
-                if isinstance(item, Piece):
+            async for item in answers.pieces(self.stream):
+                if isinstance(item, answers.Piece):
                     for event in self._piece(item.text, item.calls):
                         yield event
                     continue
@@ -447,7 +429,7 @@ class MessagesWriter:
                     usage=self._usage(item),
                 )
                 yield self._event("message_stop")
-        except StreamFailed as exc:
+        except answers.StreamFailed as exc:
             kind = "overloaded_error" if exc.status == 503 else "api_error"
             yield self._event("error", error={"type": kind, "message": exc.message})
 

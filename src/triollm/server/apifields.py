@@ -34,9 +34,13 @@ from triollm.server.openai import (
     Support,
     as_integer,
     bad_request,
+    load_object,
+    value_kind,
 )
+from triollm.server.openai import valid_text as text  # one owner of the Unicode rule
 
 __all__ = [
+    "Body",
     "Field",
     "FieldTable",
     "Reader",
@@ -128,23 +132,6 @@ class UnknownFields:
 # --------------------------------------------------------------------------- readers
 
 
-def text(value: str, param: str) -> str:
-    """Refuse a string that is not valid Unicode: JSON's ``"\\ud800"`` decodes to a lone
-    surrogate, which Python keeps but which the tokenizer and the log cannot encode."""
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise bad_request(
-            f"'{param}' is not valid Unicode text: a lone surrogate at character {exc.start}",
-            param,
-        ) from None
-    return value
-
-
-def _kind(value: Any) -> str:
-    return f"{value!r}" if isinstance(value, float) else type(value).__name__
-
-
 class Reader:
     """Typed reads of one JSON object's fields; ``prefix`` makes the names full
     (``Reader(options, "options.")`` names ``options.top_k``)."""
@@ -182,7 +169,7 @@ class Reader:
             return None
         full = self.param(name)
         if isinstance(value, bool) or not isinstance(value, int):
-            raise bad_request(f"'{full}' must be an integer, got {_kind(value)}", full)
+            raise bad_request(f"'{full}' must be an integer, got {value_kind(value)}", full)
         if (lo is not None and value < lo) or (hi is not None and value > hi):
             limit = f"at least {lo}" if hi is None else f"between {lo} and {hi}"
             raise bad_request(f"'{full}' must be {limit}, got {value}", full)
@@ -249,6 +236,22 @@ class Reader:
                     full,
                 )
         return tuple(items)
+
+
+class Body(Reader):
+    """One translated API's request body, read at its door (the one reader of the
+    Responses, Messages, Ollama and embeddings parsers): the JSON object (else the 400
+    ``invalid_json``), each refused field of ``table`` that asks for something refused
+    by name (:meth:`FieldTable.screen`), and the names the table does not know kept in
+    :attr:`unknown` for the log (``UnknownFields``). Its typed reads are
+    :class:`Reader`'s."""
+
+    body: dict[str, Any]  # the JSON object itself, for the API's own readers
+
+    def __init__(self, raw: bytes, table: FieldTable) -> None:
+        body = load_object(raw)
+        super().__init__(body)
+        self.unknown = table.screen(body)
 
 
 def required(value: Any, param: str, what: str) -> Any:

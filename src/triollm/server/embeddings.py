@@ -20,9 +20,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-from triollm.server.apifields import Field, FieldTable, Reader, text
+from triollm.server.apifields import Body, Field, FieldTable, text
 from triollm.server.apifields import Support as S
-from triollm.server.openai import as_integer, bad_request, load_object
+from triollm.server.openai import as_integer, bad_request
 
 if TYPE_CHECKING:
     import numpy as np
@@ -112,9 +112,7 @@ def _inputs(value: Any) -> tuple[str | tuple[int, ...], ...]:
 
 def parse_embeddings(raw: bytes, hidden_size: int) -> EmbeddingRequest:
     """The body as an :class:`EmbeddingRequest` (a 400 naming the field)."""
-    body = load_object(raw)
-    unknown = EMBEDDINGS_FIELDS.screen(body)
-    r = Reader(body)
+    r = Body(raw, EMBEDDINGS_FIELDS)
     fmt = r.string("encoding_format") or "float"
     if fmt not in ("float", "base64"):
         raise bad_request(
@@ -122,10 +120,10 @@ def parse_embeddings(raw: bytes, hidden_size: int) -> EmbeddingRequest:
         )
     return EmbeddingRequest(
         model=r.string("model") or None,
-        inputs=_inputs(body.get("input")),
+        inputs=_inputs(r.body.get("input")),
         base64=fmt == "base64",
         dimensions=r.integer("dimensions", 1, hidden_size),
-        unknown=unknown,
+        unknown=r.unknown,
     )
 
 

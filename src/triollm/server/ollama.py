@@ -46,23 +46,11 @@ from triollm import __version__
 from triollm.output import RequestStream
 from triollm.plan import FinishReason
 from triollm.request import ChatMessage, GenerationRequest, GrammarKind, GrammarSpec, ServedModel
-from triollm.server.answers import (
-    Answer,
-    Finish,
-    Piece,
-    StreamFailed,
-    Translation,
-    arguments_object,
-    chat_message,
-    collect,
-    function_tools,
-    one_constraint,
-    pieces,
-)
-from triollm.server.apifields import Field, FieldTable, Reader, refuse, text
+from triollm.server import answers
+from triollm.server.apifields import Body, Field, FieldTable, Reader, refuse, text
 from triollm.server.apifields import Support as S
 from triollm.server.embeddings import EmbeddingRequest
-from triollm.server.openai import ApiError, bad_request, load_object
+from triollm.server.openai import ApiError, bad_request
 from triollm.spec import GenerationSpec
 from triollm.toolcalls import ParsedDelta, ToolCall, Tools, merge
 
@@ -371,7 +359,7 @@ def _messages(body: dict[str, Any]) -> tuple[tuple[ChatMessage, ...], bool]:
             name = m.get("tool_name")
             if isinstance(name, str):
                 fields["name"] = name
-        out.append(chat_message(role, content, param, fields))
+        out.append(answers.chat_message(role, content, param, fields))
     last = raw[-1]
     prefill = last.get("role") == "assistant" and not last.get("tool_calls")
     return tuple(out), prefill
@@ -381,7 +369,7 @@ def _tools(body: dict[str, Any]) -> Tools | None:
     raw = Reader(body).items("tools")
     if not raw:
         return None
-    return function_tools(raw, "auto", True)  # Ollama has no tool_choice: the model decides
+    return answers.function_tools(raw, "auto", True)  # Ollama has no tool_choice: the model decides
 
 
 def _check_think(body: dict[str, Any]) -> None:
@@ -390,26 +378,21 @@ def _check_think(body: dict[str, Any]) -> None:
         raise refuse("think", "no separate thinking channel")
 
 
-def parse_chat(raw: bytes, model: ServedModel) -> Translation:
+def parse_chat(raw: bytes, model: ServedModel) -> answers.Translation:
     """``POST /api/chat``. ``model``: to read ``<id>:latest`` as the served id."""
-    body = load_object(raw)
-    unknown = CHAT_FIELDS.screen(body)
+    r = Body(raw, CHAT_FIELDS)
+    body = r.body
     _check_think(body)
     sampling, num_ctx, odd = _sampling(body)
     tools = _tools(body)
     grammar = _format(body)
-    one_constraint(tools, grammar, "tools")
-    r = Reader(body)
-    messages, prefill = _messages(body)
-    req = GenerationRequest(
-        kind="chat",
+    req = answers.chat_request(
+        _messages(body),
+        tools,
+        grammar,
+        "tools",
         model=_model_id(r.string("model"), model),
-        messages=messages,
-        add_generation_prompt=not prefill,
-        continue_final_message=prefill,
         stream=r.boolean("stream", True),
-        grammar=grammar,
-        tools=tools,
         **sampling,
     )
     name = r.string("model") or served_name(model)
@@ -417,16 +400,15 @@ def parse_chat(raw: bytes, model: ServedModel) -> Translation:
     def writer(served: ServedModel, stream: RequestStream) -> OllamaWriter:
         return OllamaWriter(name, stream, chat=True)
 
-    return Translation("ollama", req, writer, unknown + odd, _num_ctx(num_ctx))
+    return answers.Translation("ollama", req, writer, r.unknown + odd, _num_ctx(num_ctx))
 
 
-def parse_generate(raw: bytes, model: ServedModel) -> Translation:
+def parse_generate(raw: bytes, model: ServedModel) -> answers.Translation:
     """``POST /api/generate``: ``prompt`` through the template, or raw."""
-    body = load_object(raw)
-    unknown = GENERATE_FIELDS.screen(body)
+    r = Body(raw, GENERATE_FIELDS)
+    body = r.body
     _check_think(body)
     sampling, num_ctx, odd = _sampling(body)
-    r = Reader(body)
     prompt = r.string("prompt")
     if not prompt:
         raise bad_request("'prompt' is required: a non-empty string", "prompt")
@@ -443,8 +425,8 @@ def parse_generate(raw: bytes, model: ServedModel) -> Translation:
             raise bad_request("'system' has no place in a raw prompt: put it in 'prompt'", "system")
         req = GenerationRequest(kind="completion", prompt_text=prompt, **common)
     else:
-        turns = ([chat_message("system", system, "system")] if system else []) + [
-            chat_message("user", prompt, "prompt")
+        turns = ([answers.chat_message("system", system, "system")] if system else []) + [
+            answers.chat_message("user", prompt, "prompt")
         ]
         req = GenerationRequest(kind="chat", messages=tuple(turns), **common)
     name = r.string("model") or served_name(model)
@@ -452,14 +434,14 @@ def parse_generate(raw: bytes, model: ServedModel) -> Translation:
     def writer(served: ServedModel, stream: RequestStream) -> OllamaWriter:
         return OllamaWriter(name, stream, chat=False)
 
-    return Translation("ollama", req, writer, unknown + odd, _num_ctx(num_ctx))
+    return answers.Translation("ollama", req, writer, r.unknown + odd, _num_ctx(num_ctx))
 
 
 # --------------------------------------------------------------------------- the answer
 
 
 def _tool_call(call: ToolCall, index: int) -> dict[str, Any]:
-    given = arguments_object(call.arguments)
+    given = answers.arguments_object(call.arguments)
     return {
         "id": call.id,
         "function": {"index": index, "name": call.name, "arguments": given or {}},
@@ -490,7 +472,7 @@ class OllamaWriter:
         out["done"] = done
         return out
 
-    def _final(self, line: dict[str, Any], finish: Finish) -> dict[str, Any]:
+    def _final(self, line: dict[str, Any], finish: answers.Finish) -> dict[str, Any]:
         end = time.monotonic_ns()
         first = self.first_token if self.first_token is not None else end
         reason = "length" if finish.reason is FinishReason.LENGTH else "stop"
@@ -507,8 +489,8 @@ class OllamaWriter:
 
     async def whole(self) -> tuple[dict[str, Any], int]:
         try:
-            answer: Answer = await collect(self.stream)
-        except StreamFailed as exc:
+            answer: answers.Answer = await answers.collect(self.stream)
+        except answers.StreamFailed as exc:
             return {"error": exc.message}, exc.status
         self.first_token = self.first_token or time.monotonic_ns()
         return self._final(self._line(answer.text, True, answer.calls), answer.finish), 200
@@ -516,20 +498,20 @@ class OllamaWriter:
     async def events(self) -> AsyncIterator[bytes]:
         calls: list[ParsedDelta] = []  # a call goes out whole, once it is complete
         try:
-            async for item in pieces(self.stream):
-                piece = item if isinstance(item, Piece) else item.last
+            async for item in answers.pieces(self.stream):
+                piece = item if isinstance(item, answers.Piece) else item.last
                 if self.first_token is None:
                     self.first_token = time.monotonic_ns()
                 if piece.calls:
                     calls.append(ParsedDelta("", piece.calls))
                 if piece.text:
                     yield _encode(self._line(piece.text, False))
-                if isinstance(item, Finish):
+                if isinstance(item, answers.Finish):
                     _, whole = merge(calls)
                     if whole:
                         yield _encode(self._line("", False, whole))
                     yield _encode(self._final(self._line("", True), item))
-        except StreamFailed as exc:
+        except answers.StreamFailed as exc:
             yield _encode({"error": exc.message})
 
 
@@ -543,10 +525,8 @@ def _encode(obj: dict[str, Any]) -> bytes:
 
 def parse_embed(raw: bytes, model: ServedModel, hidden_size: int) -> EmbeddingRequest:
     """``POST /api/embed``: ``input`` (a string or strings) as an embeddings request."""
-    body = load_object(raw)
-    unknown = EMBED_FIELDS.screen(body)
-    r = Reader(body)
-    value = body.get("input")
+    r = Body(raw, EMBED_FIELDS)
+    value = r.body.get("input")
     items = [value] if isinstance(value, str) else value
     if not isinstance(items, list) or not items:
         raise bad_request("'input' is required: a string or a list of strings", "input")
@@ -559,7 +539,7 @@ def parse_embed(raw: bytes, model: ServedModel, hidden_size: int) -> EmbeddingRe
         inputs=tuple(items),
         base64=False,
         dimensions=r.integer("dimensions", 1, hidden_size),
-        unknown=unknown,
+        unknown=r.unknown,
     )
 
 

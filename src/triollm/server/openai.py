@@ -145,7 +145,7 @@ def as_integer(value: Any) -> Any:
     return value
 
 
-def _kind(value: Any) -> str:
+def value_kind(value: Any) -> str:
     """How an error names a wrong value: its type, and a float's value (``2.5``)."""
     return f"{value!r}" if isinstance(value, float) else type(value).__name__
 
@@ -158,7 +158,7 @@ def _integer(
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int):
-        raise bad_request(f"'{name}' must be an integer, got {_kind(value)}", name)
+        raise bad_request(f"'{name}' must be an integer, got {value_kind(value)}", name)
     if (lo is not None and value < lo) or (hi is not None and value > hi):
         limit = f"at least {lo}" if hi is None else f"between {lo} and {hi}"
         raise bad_request(f"'{name}' must be {limit}, got {value}", name)
@@ -178,7 +178,7 @@ def _boolean(
     return value
 
 
-def _text(value: str, param: str) -> str:
+def valid_text(value: str, param: str) -> str:
     """Refuse a string that is not valid Unicode text: JSON's ``"\\ud800"`` escape
     decodes to a lone surrogate, which Python keeps in a ``str`` but which cannot
     be encoded (tokenizer, logs, the 404 message echoing 'model'): a 500 later."""
@@ -198,7 +198,7 @@ def _string(body: dict[str, Any], name: str) -> str | None:
         return None
     if not isinstance(value, str):
         raise bad_request(f"'{name}' must be a string, got {type(value).__name__}", name)
-    return _text(value, name)
+    return valid_text(value, name)
 
 
 def _stop(body: dict[str, Any]) -> tuple[str, ...]:
@@ -213,7 +213,7 @@ def _stop(body: dict[str, Any]) -> tuple[str, ...]:
             f"'stop' may hold at most {MAX_STOP_SEQUENCES} sequences, got {len(items)}", "stop"
         )
     for s in items:
-        _text(s, "stop")
+        valid_text(s, "stop")
         if not s:
             raise bad_request("'stop' sequences must not be empty", "stop")
         if len(s) > MAX_STOP_CHARS:
@@ -525,7 +525,7 @@ def _common(body: dict[str, Any], kind: Literal["completion", "chat"]) -> dict[s
     if model is not None and (not isinstance(model, str) or not model):
         raise bad_request("'model' must be a non-empty string (or left out)", "model")
     if model is not None:
-        _text(model, "model")
+        valid_text(model, "model")
     # max_tokens' three spellings (OpenAI's two, llama.cpp's n_predict): one budget.
     sizes = {
         "max_tokens": _integer(body, "max_tokens", 0),
@@ -738,7 +738,7 @@ def _one_prompt(
     if isinstance(prompt, str):
         if not prompt:
             raise bad_request(f"'{param}' must not be empty", param)
-        return _text(prompt, param), None
+        return valid_text(prompt, param), None
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
         if any(isinstance(t, bool) or t < 0 for t in prompt):
             raise bad_request(f"'{param}' token ids must be non-negative integers", param)
@@ -790,7 +790,7 @@ def _message(index: int, item: Any) -> ChatMessage:
         raise bad_request(f"'{param}.content' must be a string or text parts", f"{param}.content")
     extra = _structured(structured.message_tool_fields, param, role, item)
     return ChatMessage(
-        role=role, content=_text(content, f"{param}.content"), tools=tuple(extra.items())
+        role=role, content=valid_text(content, f"{param}.content"), tools=tuple(extra.items())
     )
 
 

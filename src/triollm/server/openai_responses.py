@@ -45,23 +45,11 @@ from typing import Any
 
 from triollm.output import RequestStream
 from triollm.plan import FinishReason
-from triollm.request import ChatMessage, GenerationRequest, GrammarKind, GrammarSpec, ServedModel
-from triollm.server import sse
-from triollm.server.answers import (
-    Answer,
-    Finish,
-    Piece,
-    StreamFailed,
-    Translation,
-    chat_message,
-    collect,
-    function_tools,
-    one_constraint,
-    pieces,
-)
-from triollm.server.apifields import Field, FieldTable, Reader, refuse, required
+from triollm.request import ChatMessage, GrammarKind, GrammarSpec, ServedModel
+from triollm.server import answers, sse
+from triollm.server.apifields import Body, Field, FieldTable, Reader, refuse, required
 from triollm.server.apifields import Support as S
-from triollm.server.openai import ApiError, bad_request, load_object
+from triollm.server.openai import ApiError, bad_request
 from triollm.toolcalls import ToolCall, ToolCallDelta, Tools
 
 __all__ = ["RESPONSES_FIELDS", "ResponsesWriter", "parse_responses"]
@@ -180,7 +168,7 @@ def _conversation(instructions: str | None, items: Any) -> tuple[ChatMessage, ..
             raise refuse(f"{param}.type", _STATELESS)
         else:
             raise refuse(f"{param}.type", f"only message and function-call items, got {kind!r}")
-    return tuple(chat_message(m["role"], m["content"], p, m) for p, m in turns)
+    return tuple(answers.chat_message(m["role"], m["content"], p, m) for p, m in turns)
 
 
 def _call_item(item: dict[str, Any], param: str) -> dict[str, Any]:
@@ -207,7 +195,8 @@ def _tools(body: dict[str, Any]) -> Tools | None:
         choice = {"type": "function", "function": {"name": choice.get("name")}}
     if not definitions:
         choice = None if choice in (None, "none", "auto") else choice
-    return function_tools(definitions, choice, Reader(body).boolean("parallel_tool_calls", True))
+    parallel = Reader(body).boolean("parallel_tool_calls", True)
+    return answers.function_tools(definitions, choice, parallel)
 
 
 def _text_format(body: dict[str, Any]) -> GrammarSpec | None:
@@ -233,29 +222,22 @@ def _text_format(body: dict[str, Any]) -> GrammarSpec | None:
     return GrammarSpec(GrammarKind.JSON_SCHEMA, schema, "text.format.schema")
 
 
-def parse_responses(raw: bytes) -> Translation:
+def parse_responses(raw: bytes) -> answers.Translation:
     """``POST /v1/responses``: the body as a chat request (a 400 naming the field)."""
-    body = load_object(raw)
-    unknown = RESPONSES_FIELDS.screen(body)
-    r = Reader(body)
-    model = r.string("model") or None
+    r = Body(raw, RESPONSES_FIELDS)
+    body = r.body
     instructions = r.string("instructions")
-    messages = _conversation(instructions, body.get("input"))
-    tools = _tools(body)
-    grammar = _text_format(body)
-    one_constraint(tools, grammar, "tool_choice")
-    stream = r.boolean("stream")
-    req = GenerationRequest(
-        kind="chat",
-        model=model,
-        messages=messages,
+    req = answers.chat_request(
+        (_conversation(instructions, body.get("input")), False),  # nothing to continue
+        _tools(body),
+        _text_format(body),
+        "tool_choice",
+        model=r.string("model") or None,
         max_tokens=r.integer("max_output_tokens", 1),
         temperature=r.number("temperature", 1.0),
         top_p=r.number("top_p", 1.0),
-        stream=stream,
+        stream=r.boolean("stream"),
         user=r.string("user"),
-        grammar=grammar,
-        tools=tools,
     )
     # What the Response object repeats of the request (OpenAI's shape echoes them).
     echo = {
@@ -278,7 +260,7 @@ def parse_responses(raw: bytes) -> Translation:
     def writer(model: ServedModel, stream: RequestStream) -> ResponsesWriter:
         return ResponsesWriter(model, stream, echo)
 
-    return Translation("responses", req, writer, unknown)
+    return answers.Translation("responses", req, writer, r.unknown)
 
 
 # --------------------------------------------------------------------------- the answer
@@ -334,7 +316,7 @@ class ResponsesWriter:
         self._seq = itertools.count()
 
     def _response(
-        self, status: str, output: list[dict[str, Any]], finish: Finish | None = None
+        self, status: str, output: list[dict[str, Any]], finish: answers.Finish | None = None
     ) -> dict[str, Any]:
         usage = None
         if finish is not None:
@@ -360,20 +342,20 @@ class ResponsesWriter:
         }
 
     @staticmethod
-    def _status(finish: Finish) -> str:
+    def _status(finish: answers.Finish) -> str:
         return "incomplete" if finish.reason is FinishReason.LENGTH else "completed"
 
     # -- whole ------------------------------------------------------------------------
 
     async def whole(self) -> tuple[dict[str, Any], int]:
         try:
-            answer = await collect(self.stream)
-        except StreamFailed as exc:
+            answer = await answers.collect(self.stream)
+        except answers.StreamFailed as exc:
             err = ApiError(exc.status, exc.message, type="server_error", code=exc.code)
             return err.body(), exc.status
         return self._response(self._status(answer.finish), self._output(answer), answer.finish), 200
 
-    def _output(self, answer: Answer) -> list[dict[str, Any]]:
+    def _output(self, answer: answers.Answer) -> list[dict[str, Any]]:
         status = self._status(answer.finish)
         items = []
         if answer.text or not answer.calls:
@@ -392,11 +374,11 @@ class ResponsesWriter:
         yield self._event("response.created", response=self._response("in_progress", []))
         yield self._event("response.in_progress", response=self._response("in_progress", []))
         try:
-            async for item in pieces(self.stream):
-                piece = item if isinstance(item, Piece) else item.last
+            async for item in answers.pieces(self.stream):
+                piece = item if isinstance(item, answers.Piece) else item.last
                 for event in self._piece(piece):
                     yield event
-                if isinstance(item, Finish):
+                if isinstance(item, answers.Finish):
                     status = self._status(item)
                     if not self._done and self._open is None:  # an empty answer: as whole()
                         for event in self._open_message():
@@ -405,12 +387,12 @@ class ResponsesWriter:
                         yield event
                     kind = "response.completed" if status == "completed" else "response.incomplete"
                     yield self._event(kind, response=self._response(status, self._done, item))
-        except StreamFailed as exc:
+        except answers.StreamFailed as exc:
             failed = self._response("failed", self._done)
             failed["error"] = {"code": exc.code, "message": exc.message}
             yield self._event("response.failed", response=failed)
 
-    def _piece(self, piece: Piece) -> Iterator[bytes]:
+    def _piece(self, piece: answers.Piece) -> Iterator[bytes]:
         if piece.text:
             yield from self._text(piece.text)
         for call in piece.calls:
