@@ -506,7 +506,7 @@ class LiveSubscriber:
             sub.close()
 
 
-async def events(args: argparse.Namespace) -> Record:
+async def events(args: argparse.Namespace, loaded: Any = None) -> Record:
     """The KV events over a soak: one server in this process (so its pool can be read)
     with a pool too small for the system prompts in use, publishing on loopback.
 
@@ -524,7 +524,8 @@ async def events(args: argparse.Namespace) -> Record:
     from triollm.service import ServiceConfig
     from triollm.sizing import Capacity
 
-    loaded = load_model(resolve_model_dir(args.model))
+    if loaded is None:  # (a test passes the model it loaded once for both encodings)
+        loaded = load_model(resolve_model_dir(args.model))
     kv = KVEventsConfig(
         "tcp://127.0.0.1:*", "tcp://127.0.0.1:*", encoding=args.soak_encoding, mode="bind"
     )
@@ -618,11 +619,12 @@ async def events(args: argparse.Namespace) -> Record:
         "dropped_batches": publisher.dropped_batches,
         "state_mismatches": mismatches,
         "blocks_at_end": len(index.blocks),
+        "blocks_removed": index.removed,
         "pool_blocks": pool.num_blocks,
     }
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument(
         "--scenario",
@@ -683,7 +685,11 @@ def main(argv: list[str] | None = None) -> int:
         "log says which replica answered each request and how it ended)",
     )
     p.add_argument("--json", type=Path, help="append one JSON line per scenario")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
     scenarios = args.scenario or ["scale", "sigterm", "sigkill", "prefix"]
     broken = False

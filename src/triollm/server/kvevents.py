@@ -386,6 +386,7 @@ class CacheIndex:
     last_seq: int = -1
     gaps: int = 0
     batches: int = 0
+    removed: int = 0  # blocks BlockRemoved took out (evictions, as the reader saw them)
 
     def apply_message(self, seq: int, payload: bytes) -> None:
         import msgpack
@@ -406,6 +407,8 @@ class CacheIndex:
             for h in f["block_hashes"]:
                 if self.blocks.pop(h, None) is None:
                     self.violations.append(f"removed {h}, never stored")
+                else:
+                    self.removed += 1
         elif kind == "BlockStored":
             parent = f["parent_block_hash"]
             if parent is not None and parent not in self.blocks:
