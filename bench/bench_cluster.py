@@ -8,7 +8,11 @@ deadline). Scenarios:
 
 - ``scale``: one replica alone (straight to its port) at C streams against two
   replicas behind Envoy at 2C, alternating for ``--rounds`` rounds; each replica
-  runs ``--threads`` numba threads (1: a core each). Aggregate tokens/s and the ratio.
+  runs ``--threads`` numba threads (1: a core each). Aggregate tokens/s and the
+  ratio, and each process's CPU (replicas, Envoy, this client, the rest of the
+  host) with tokens per replica-CPU-second. Answers come whole by default: the
+  client shares the cores it measures, and a streamed answer costs it (and Envoy)
+  an event per token.
 - ``sigterm``: two replicas under load; replica 0 gets SIGTERM mid-load. Every
   request must succeed (drain: in-flight streams finish; /ready turns 503 and the
   health check takes it out; a 503 ``shutting_down`` in between is retried on the
