@@ -8,6 +8,7 @@ and L2-normalized, which is what sentence-transformers computes for these models
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import httpx
@@ -15,9 +16,12 @@ import numpy as np
 import openai
 import pytest
 import trio
+import trio.testing
 from serverkit import live_server
 
+from triollm.admission import QueueFull, QueueTimeout
 from triollm.model.embed import Embedder, Pooling
+from triollm.server.embeddings import EmbeddingQueue
 from triollm.sizing import KVDtype
 
 QWEN3 = Path(__file__).resolve().parents[1] / "fixtures" / "models" / "qwen3-headdim-f16"
@@ -26,6 +30,7 @@ IDS = [
     for seed, n in ((1, 9), (2, 40))
 ]
 TOL = 1e-4
+HANG_S = 60
 
 
 @pytest.fixture(scope="module")
@@ -120,3 +125,75 @@ async def test_bad_input_is_a_400_naming_the_field(qwen3, body, param):
         r = await http.post("/v1/embeddings", json=body)
     assert r.status_code in (400, 404), r.text
     assert r.json()["error"]["param"] == param
+
+
+async def test_an_embeddings_flood_waits_in_a_bounded_queue_and_is_refused_past_it(
+    loaded, monkeypatch
+):
+    """One embedding runs, ``queue_depth_per_slot`` (here 1) wait; the next is a 429 at
+    once, as generation's queue answers, and the held ones finish once released."""
+    entered, release = threading.Event(), threading.Event()
+    embed = Embedder.embed
+
+    def held(self, ids, dimensions=None):
+        entered.set()
+        release.wait(HANG_S)
+        return embed(self, ids, dimensions)
+
+    monkeypatch.setattr(Embedder, "embed", held)
+    answers: dict[str, httpx.Response] = {}
+    refused = trio.Event()
+    async with live_server(loaded, queue_depth_per_slot=1) as live:
+
+        async def send(name: str) -> None:
+            answers[name] = await trio.to_thread.run_sync(
+                lambda: httpx.post(live.url + "/v1/embeddings", json={"input": name}, timeout=60)
+            )
+            if answers[name].status_code == 429:
+                refused.set()
+
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(send, "first")
+                await trio.to_thread.run_sync(entered.wait, HANG_S)
+                nursery.start_soon(send, "second")  # these two arrive while the first runs:
+                nursery.start_soon(send, "third")  # one waits, the other is refused at once
+                with trio.fail_after(HANG_S):  # a hang guard, not a timing assertion
+                    await refused.wait()
+                release.set()
+        finally:
+            release.set()
+    assert answers["first"].status_code == 200
+    statuses = sorted(answers[k].status_code for k in ("second", "third"))
+    assert statuses == [200, 429]
+    no = next(r for r in answers.values() if r.status_code == 429)
+    assert no.headers["Retry-After"] == "30" and no.json()["error"]["code"] == "queue_full"
+
+
+async def test_a_wait_past_the_budget_is_a_queue_timeout(autojump_clock):
+    queue = EmbeddingQueue(max_waiters=1, wait_s=5)
+    done = trio.Event()
+
+    async def hold() -> None:
+        async with queue.place():
+            await done.wait()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(hold)
+        await trio.testing.wait_all_tasks_blocked()
+        with pytest.raises(QueueTimeout):
+            async with queue.place():
+                pass  # pragma: no cover (never admitted)
+        assert queue.waiting == 0  # the place was given back
+        nursery.start_soon(_enter, queue)  # one waits behind the holder ...
+        await trio.testing.wait_all_tasks_blocked()
+        assert queue.waiting == 1
+        with pytest.raises(QueueFull):  # ... so the next is refused at once
+            async with queue.place():
+                pass  # pragma: no cover
+        done.set()
+
+
+async def _enter(queue: EmbeddingQueue) -> None:
+    async with queue.place():
+        pass

@@ -5,7 +5,7 @@ The three chat-like APIs are one handler each around :meth:`Handlers.translated`
 API's parser builds the chat request and names its writer (``answers.py``), and the
 rest (prepare, admission, the stream) is the path /v1/chat/completions takes. What is
 here besides is what has no chat counterpart: Ollama's listings, Anthropic's token
-count, and embeddings, which do not generate and so do not queue.
+count, and embeddings, which do not generate and so queue apart (``EmbeddingQueue``).
 """
 
 from __future__ import annotations
@@ -18,12 +18,19 @@ from typing import Any
 import trio
 from quart import Response
 
+from triollm.admission import Refusal
 from triollm.errors import FieldError
 from triollm.request import GenerationRequest
 from triollm.scheduler import Infeasible
 from triollm.server import anthropic, ollama
 from triollm.server.app import Handlers, read_body, refusals
-from triollm.server.embeddings import EmbeddingRequest, Pooler, answer, parse_embeddings
+from triollm.server.embeddings import (
+    EmbeddingQueue,
+    EmbeddingRequest,
+    Pooler,
+    answer,
+    parse_embeddings,
+)
 from triollm.server.ollama import ModelFacts
 from triollm.server.openai import ApiError, load_object
 from triollm.server.openai_responses import parse_responses
@@ -39,8 +46,12 @@ class ApiRoutes:
         self.h = h
         self.model = h.model
         self.embedder = embedder
-        # One embedding at a time: each holds a private K/V cache of its text's size.
-        self.embed_limiter = trio.CapacityLimiter(1)
+        # One embedding at a time (each holds a private K/V cache of its text's size),
+        # a bounded number waiting: past it, 429 as for generation (embeddings.py).
+        config = h.service.config
+        self.embed_queue = EmbeddingQueue(
+            max_waiters=config.queue_depth_per_slot, wait_s=config.queue_wait_s
+        )
         self.facts = facts
 
     def routes(self) -> list[tuple[str, str, Callable[..., Any]]]:
@@ -122,18 +133,23 @@ class ApiRoutes:
         return ollama.embed_answer(name, vectors, tokens, started)
 
     async def _embed(self, api: str, req: EmbeddingRequest) -> tuple[list[Any], int]:
-        """Each input's vector, in order, one at a time; and the tokens they held."""
+        """Each input's vector, in order, one at a time; and the tokens they held. The
+        request holds the embeddings queue's running place while it tokenizes and pools,
+        so a flood of embeddings holds at most one of the tokenizer's threads (which
+        chat requests share) and one place at the model's lock, and past the queue's
+        bound it is refused (429)."""
         embedder = self._embedder()
         self.h.unknown.note(api, req.unknown)
         self.h.check_model(req.model)
-        ids = [await self._ids(i, item) for i, item in enumerate(req.inputs)]
-        vectors = []
-        for one in ids:
-            vectors.append(
-                await trio.to_thread.run_sync(
-                    partial(embedder.embed, one, req.dimensions), limiter=self.embed_limiter
-                )
-            )
+        try:
+            async with self.embed_queue.place():
+                ids = [await self._ids(i, item) for i, item in enumerate(req.inputs)]
+                vectors = [
+                    await trio.to_thread.run_sync(partial(embedder.embed, one, req.dimensions))
+                    for one in ids
+                ]
+        except Refusal as exc:
+            raise self.h.refused(exc) from None
         return vectors, sum(len(one) for one in ids)
 
     async def _ids(self, index: int, item: str | tuple[int, ...]) -> list[int]:

@@ -187,6 +187,18 @@ class Handlers:
             json_text(body), status=err.status, mimetype="application/json", headers=err.headers
         )
 
+    def refused(self, exc: Refusal) -> ApiError:
+        """A capacity refusal (a queue full or a wait expired) as its 429, counted: the
+        one mapping for generation's queue and embeddings'."""
+        self.metrics.ended_early(exc.reason)
+        return ApiError(
+            429,
+            str(exc),
+            type="rate_limit_error",
+            code=exc.reason.value,
+            headers={"Retry-After": str(exc.retry_after_s)},
+        )
+
     async def on_api_error(self, err: ApiError) -> Response:
         if err.status in (400, 404, 413):
             self.metrics.ended_early(Refused.BAD_REQUEST)
@@ -392,14 +404,7 @@ class Handlers:
             raise field_error(exc) from None
         except Refusal as exc:
             life.stage = Stage.REFUSED
-            self.metrics.ended_early(exc.reason)
-            raise ApiError(
-                429,
-                str(exc),
-                type="rate_limit_error",
-                code=exc.reason.value,
-                headers={"Retry-After": str(exc.retry_after_s)},
-            ) from None
+            raise self.refused(exc) from None
         except QueueClosed as exc:
             life.stage = Stage.REFUSED
             if self.service.state is Lifecycle.FAILED:

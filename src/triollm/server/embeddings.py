@@ -8,18 +8,28 @@ default and decodes itself), ``dimensions`` (a prefix of the vector, normalized 
 vocabulary checks as a prompt; the 400 names ``input[i]``) and pooled by the server's
 :class:`Pooler` (``model/embed.Embedder``, built by ``server/command.py``).
 
-Embeddings do not queue with generation: they hold no KV blocks of the pool. They run
-one at a time, each chunk of a text taking its turn at the model's lock with the batch
-loop's steps (``model/embed.py`` says why the chunks).
+Embeddings do not take a place in the generation queue: they hold no KV blocks of the
+pool (each keeps a private K/V cache of its own text's size, freed when it is pooled).
+They have a queue of their own, :class:`EmbeddingQueue`: one runs at a time, each chunk
+of its text taking its turn at the model's lock with the batch loop's steps
+(``model/embed.py`` says why the chunks), and a bounded number wait, as long as the
+generation queue lets a request wait; past either bound the request is refused with
+admission's own 429s (``queue_full``, ``queue_timeout``, ``Retry-After``). Without the
+bound a flood of embeddings would pile up without limit in front of the model and of
+the tokenizer's threads, which chat requests share.
 """
 
 from __future__ import annotations
 
 import base64
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
+import trio
+
+from triollm.admission import QueueFull, QueueTimeout, retry_after
 from triollm.server.apifields import Body, Field, FieldTable, text
 from triollm.server.apifields import Support as S
 from triollm.server.openai import as_integer, bad_request
@@ -30,6 +40,7 @@ if TYPE_CHECKING:
 __all__ = [
     "EMBEDDINGS_FIELDS",
     "MAX_INPUTS",
+    "EmbeddingQueue",
     "EmbeddingRequest",
     "Pooler",
     "answer",
@@ -68,6 +79,50 @@ class EmbeddingRequest:
     base64: bool
     dimensions: int | None
     unknown: tuple[str, ...] = ()
+
+
+class EmbeddingQueue:
+    """One embedding request runs at a time; at most ``max_waiters`` wait, each at most
+    ``wait_s`` (the generation queue's depth per slot and wait budget: the embedder is
+    one slot). Past either bound: :class:`~triollm.admission.QueueFull` or
+    :class:`~triollm.admission.QueueTimeout`, which the edge answers 429 with
+    ``Retry-After`` as it answers generation's.
+
+    The wait is FIFO (``trio.Lock`` is fair). A client that leaves while waiting gives
+    its place back at once (the ``finally``), and one that leaves while running releases
+    the lock when its thread's chunk returns.
+    """
+
+    def __init__(self, *, max_waiters: int, wait_s: float) -> None:
+        self._running = trio.Lock()
+        self.max_waiters = max_waiters
+        self.wait_s = wait_s
+        self.waiting = 0  # requests in place() that do not hold the lock yet
+
+    @asynccontextmanager
+    async def place(self) -> AsyncIterator[None]:
+        """Hold the one running place while the body runs (waiting for it if need be)."""
+        if self.waiting >= self.max_waiters:
+            raise QueueFull(
+                f"the embeddings queue is full: {self.waiting} requests wait behind the one "
+                f"running (at most {self.max_waiters}); retry later",
+                retry_after(self.wait_s),
+            )
+        self.waiting += 1
+        try:
+            with trio.move_on_after(self.wait_s) as waited:
+                await self._running.acquire()
+        finally:
+            self.waiting -= 1
+        if waited.cancelled_caught:  # our deadline: the client's own cancel passes through
+            raise QueueTimeout(
+                f"waited {self.wait_s:g} s for the embeddings queue without a turn",
+                retry_after(self.wait_s),
+            )
+        try:
+            yield
+        finally:
+            self._running.release()
 
 
 def _ids(value: list[Any], param: str) -> tuple[int, ...] | None:
