@@ -2,7 +2,8 @@
 
 The fake "model" produces scripted tokens; its detokenizer maps a token id to one
 letter. Steps run on the event loop through a gate the test opens one step at a
-time, so every interleaving below is exact.
+time, so every interleaving below is exact (one test runs the server's own worker
+thread runner, and asserts only an order the event loop itself decides).
 """
 
 from __future__ import annotations
@@ -291,6 +292,39 @@ async def test_the_idle_loop_sleeps_on_an_event_not_a_timer(autojump_clock):
         stream = await service.submit(gen([5], max_tokens=1))
         assert await read_all(stream) == "a"
         nursery.cancel_scope.cancel()
+
+
+async def test_the_next_step_computes_while_the_reader_takes_the_last_steps_token(monkeypatch):
+    """The thread runner (the server's) starts step N+1's thread before the loop
+    yields after dispatching step N, so the handler that dispatch woke writes its event
+    while N+1 computes, not in front of it (a fixed cost per token on a small model).
+    The one test here with a real worker thread: the order asserted is the event
+    loop's own (the reader cannot run before the loop yields), not a race."""
+    started: list[object] = []
+    real_start = trio.lowlevel.start_thread_soon
+
+    def recording_start(fn: Any, deliver: Any, name: str | None = None) -> None:
+        started.append(fn)
+        real_start(fn, deliver, name)
+
+    monkeypatch.setattr(trio.lowlevel, "start_thread_soon", recording_start)
+    sched = Scheduler(
+        SchedulerConfig(
+            num_blocks=16, block_size=4, slots=2, chunk_tokens=8, step_rows=16, context_tokens=32
+        )
+    )
+    service = Service(sched, FakeExecutor(), detokenizer=LetterDetok)  # the thread runner
+    with trio.fail_after(60):  # real time: a lost wake-up shows as an error, not a hang
+        async with trio.open_nursery() as nursery:
+            await nursery.start(service.run)
+            stream = await service.submit(gen([5], max_tokens=4))
+            seen = []
+            async for delta in stream:  # tokens 1-3 (the 4th rides on the outcome)
+                seen.append(delta.text)
+                # Token k came from step k; step k + 1's thread is already running.
+                assert len(started) >= len(seen) + 1, (seen, len(started))
+            assert "".join(seen) + stream.outcome.final.text == "abcd"
+            nursery.cancel_scope.cancel()
 
 
 # ----------------------------------------------------------------------------- backpressure

@@ -13,9 +13,10 @@ The batch loop is one task. Each turn:
    steps, because the executor's state is being read by a worker thread during a step;
 2. ``plan = scheduler.plan_step()``; an empty plan parks the loop on an event that the
    next admission sets (a sleep on an event, never on a timer);
-3. ``result = await trio.to_thread.run_sync(executor.run, plan)``: the forward pass runs
-   in a worker thread, so the event loop keeps accepting requests and writing SSE while
-   numpy/numba compute (the kernels release the GIL);
+3. ``result = await self.run_in_thread(plan)``: the forward pass runs in a worker
+   thread, so the event loop keeps accepting requests and writing SSE while
+   numpy/numba compute (the kernels release the GIL); the thread starts before the
+   loop yields, so the handlers write the last step's events while this one computes;
 4. ``finished = scheduler.commit(result)``, then the output processor
    (:class:`~triollm.output.OutputProcessor`) takes the result: each sampled token
    through its choice's text pipeline onto its request's channel, without ever
@@ -46,6 +47,7 @@ import math
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING, Any, Protocol
 
 import trio
@@ -173,6 +175,11 @@ class Service:
         # they can gate, because a worker thread is invisible to MockClock and
         # wait_all_tasks_blocked (the clock would autojump while the thread computes).
         self.step_runner = step_runner or self.run_in_thread
+        # The thread runner yields once its step is computing, which is when the
+        # handlers the last dispatch woke should write their events; the loop then
+        # needs no checkpoint of its own in front of the next step (run_in_thread).
+        # A runner swapped in later (tests/server/serverkit.StepGate) wraps this one.
+        self._runner_yields = step_runner is None
         self.config = config or ServiceConfig()
         self.output = OutputProcessor(
             detokenizer=detokenizer,
@@ -532,11 +539,38 @@ class Service:
             self._fail_sequences(result.failed)
             self.queue.signal()  # a step may have freed a slot (and a signal is cheap)
             self.notify()
-            await trio.lowlevel.checkpoint()  # let handlers write before the next step
+            if not self._runner_yields:
+                # A runner that may not yield at all (a test's, the looplag benchmark's
+                # inline one): without this, no handler would write until the loop idles.
+                await trio.lowlevel.checkpoint()
 
     async def run_in_thread(self, plan: StepPlan) -> StepResult:
-        # Not abandon_on_cancel: the thread writes the KV pool; shutdown waits for the step.
-        return await trio.to_thread.run_sync(self.executor.run, plan)
+        """Run ``executor.run(plan)`` in a worker thread and wait for its result.
+
+        The thread is started before this task yields. ``trio.to_thread.run_sync``
+        yields first (its CapacityLimiter's checkpoint), so every SSE handler the
+        last dispatch woke wrote its event *in front of* the step: on a small model,
+        where a step is a few milliseconds, that was a fixed cost per token
+        (docs/performance.md, "The server path"). Here they write while it computes.
+
+        Not cancellable (``Abort.FAILED``): the thread writes the KV pool, so a
+        cancelled loop (shutdown) still waits for the step; the cancellation lands
+        at the loop's next checkpoint. The thread comes from trio's own cache of
+        idle workers (``start_thread_soon``), the one ``to_thread`` uses.
+        """
+        task = trio.lowlevel.current_task()
+        token = trio.lowlevel.current_trio_token()
+
+        def deliver(result: Any) -> None:  # an outcome.Outcome, called in the thread
+            token.run_sync_soon(trio.lowlevel.reschedule, task, result)
+
+        # Hazard: self.executor.run is looked up now, not at __init__: a benchmark
+        # (bench/bench_serverpath.py) times the step by wrapping it on the instance.
+        trio.lowlevel.start_thread_soon(partial(self.executor.run, plan), deliver)
+        result: StepResult = await trio.lowlevel.wait_task_rescheduled(
+            lambda _: trio.lowlevel.Abort.FAILED
+        )
+        return result
 
     def _fail_sequences(self, failures: Sequence[SequenceFailure]) -> None:
         """Sequences the Batch could not sample (their grammar failed): each ends
