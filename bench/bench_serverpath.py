@@ -171,7 +171,7 @@ def instrument_app(stack: Any, timeline: Timeline) -> None:
         inner = life.app
 
         async def timed_app(scope: dict[str, Any], receive: Any, send: Any) -> None:
-            if scope["type"] != "http" or not timeline.recording:
+            if scope["type"] != "http" or scope["method"] != "POST" or not timeline.recording:
                 await inner(scope, receive, send)
                 return
             rec = [time.perf_counter(), 0.0]
@@ -378,6 +378,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--new", type=int, default=32, help="tokens per request (32)")
     p.add_argument("--slots", type=int, default=8, help="server slots (8, as the side-by-side)")
     p.add_argument("--engine-rounds", type=int, default=3, help="engine b=1 repeats (3)")
+    p.add_argument(
+        "--switch-interval-ms",
+        type=float,
+        help="sys.setswitchinterval for the server (default: Python's 5 ms)",
+    )
     args = p.parse_args(argv)
     args.concurrency = [int(x) for x in args.concurrency.split(",")]
 
@@ -395,6 +400,9 @@ def main(argv: list[str] | None = None) -> int:
         + ", ".join(f"{1e3 * s:.2f}" for s in steps)
         + f"; {1 / statistics.median(steps):.1f} tok/s"
     )
+    if args.switch_interval_ms is not None:
+        sys.setswitchinterval(args.switch_interval_ms / 1e3)
+    print(f"GIL switch interval {1e3 * sys.getswitchinterval():g} ms")
     stack = build_stack(loaded, Capacity(slots=args.slots, context_tokens=512), ServiceConfig())
     batch = stack.service.executor
     trio.run(serve_and_load, stack, batch, args)
