@@ -378,6 +378,7 @@ def test_kernels_release_the_gil_and_are_cached() -> None:
         kernels.write_kv,
         kernels.store_kv,
         kernels.rope_qk,
+        kernels.qkv_rope_store,
         attention._plan,
         attention._item,
         attention._attend,
@@ -447,3 +448,46 @@ def test_rope_qk_rotates_queries_and_keys_as_rope_does(n: int, seed: int) -> Non
     kernels.rope(want_k, positions, cos, sin)
     kernels.rope_qk(q, k, positions, cos, sin)
     assert q.tobytes() == want_q.tobytes() and k.tobytes() == want_k.tobytes()
+
+
+@SETTINGS
+@given(
+    n=st.integers(1, 5),
+    dtype=st.sampled_from([KVDtype.F32, KVDtype.F16, KVDtype.BF16]),
+    biased=st.booleans(),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_qkv_rope_store_is_the_split_bias_rope_and_store_by_stages(
+    n: int, dtype: KVDtype, biased: bool, seed: int
+) -> None:
+    """The forward's one call per layer gives the bits of the stages it replaces."""
+    rng = rng_for(seed)
+    n_heads, n_kv, hd, n_blocks, bs = 6, 2, 16, 4, 4
+    q_dim, kv_dim = n_heads * hd, n_kv * hd
+    qkv = f32(rng, n, q_dim + 2 * kv_dim)
+    bias = f32(rng, q_dim + 2 * kv_dim) if biased else np.zeros(0, np.float32)
+    angles = rng.uniform(0, 6.3, (40, hd // 2)).astype(np.float32)
+    cos, sin = np.cos(angles), np.sin(angles)
+    positions = rng.integers(0, 40, n).astype(np.int64)
+    slots = rng.choice(n_blocks * bs, n, replace=False)
+    block, offset = (slots // bs).astype(np.int64), (slots % bs).astype(np.int64)
+    config = tiny_config(n_kv, hd)
+    # by stages, as the forward does for qwen3 and q8_0
+    staged = qkv + bias if biased else qkv.copy()
+    want_q = np.ascontiguousarray(staged[:, :q_dim]).reshape(n, n_heads, hd)
+    want_k = np.ascontiguousarray(staged[:, q_dim : q_dim + kv_dim]).reshape(n, n_kv, hd)
+    want_v = np.ascontiguousarray(staged[:, q_dim + kv_dim :]).reshape(n, n_kv, hd)
+    kernels.rope_qk(want_q, want_k, positions, cos, sin)
+    want = PagedKVCache(config, n_blocks, bs, dtype)
+    kernels.store_kv(want_k, want_v, want.k[0], want.v[0], block, offset)
+    # in one call
+    q = np.empty((n, n_heads, hd), np.float32)
+    k, v = np.empty((n, n_kv, hd), np.float32), np.empty((n, n_kv, hd), np.float32)
+    got = PagedKVCache(config, n_blocks, bs, dtype)
+    kernels.qkv_rope_store(
+        qkv, bias, positions, cos, sin, q, k, v, got.k[0], got.v[0], block, offset
+    )
+    np.testing.assert_array_equal(q, want_q)
+    np.testing.assert_array_equal(k, want_k)
+    np.testing.assert_array_equal(v, want_v)
+    assert got.k.tobytes() == want.k.tobytes() and got.v.tobytes() == want.v.tobytes()

@@ -293,6 +293,53 @@ def store_kv(
                 v_cache[b, h, o, j] = _encode(v[i, h, j], v_cache)
 
 
+@njit(cache=True, nogil=True, fastmath=True)
+def qkv_rope_store(
+    qkv: np.ndarray,
+    bias: np.ndarray,
+    positions: np.ndarray,
+    cos: np.ndarray,
+    sin: np.ndarray,
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    k_cache: np.ndarray,
+    v_cache: np.ndarray,
+    row_block: np.ndarray,
+    row_offset: np.ndarray,
+) -> None:
+    """A layer's attention inputs from its fused q/k/v product, in one call: split
+    ``qkv`` into ``q``, ``k``, ``v`` (+ ``bias``), RoPE on q and k, then K and V
+    rounded into the pool (:func:`store_kv`).
+
+    qkv: (n, (n_heads + 2 n_kv) * head_dim) float32, the product's output; bias:
+    its (n_heads + 2 n_kv) * head_dim biases (qwen2), or empty; q: (n, n_heads,
+    head_dim), k, v: (n, n_kv, head_dim) float32, written; the pools and rows as
+    :func:`store_kv`'s (f32, f16 or bf16; not q8_0). The forward's one call per
+    layer for what were seven (three copies, three bias adds, rope_qk, store_kv
+    counted as one): on a small model each call's fixed cost shows in a batch-1
+    step (docs/engine.md, "The step's fixed costs"). Trap: no bounds checks.
+    """
+    n, n_heads, head_dim = q.shape
+    n_kv = k.shape[1]
+    q_dim, kv_dim = n_heads * head_dim, n_kv * head_dim
+    biased = bias.shape[0] > 0
+    for i in range(n):
+        for h in range(n_heads):
+            for j in range(head_dim):
+                c = h * head_dim + j
+                q[i, h, j] = qkv[i, c] + bias[c] if biased else qkv[i, c]
+        for h in range(n_kv):
+            for j in range(head_dim):
+                c = q_dim + h * head_dim + j
+                k[i, h, j] = qkv[i, c] + bias[c] if biased else qkv[i, c]
+                c += kv_dim
+                v[i, h, j] = qkv[i, c] + bias[c] if biased else qkv[i, c]
+    _rotate(q, positions, cos, sin)
+    _rotate(k, positions, cos, sin)
+    store_kv(k, v, k_cache, v_cache, row_block, row_offset)
+
+
 def warm_up(kv_dtype: KVDtype = DEFAULT_KV_DTYPE) -> float:
     """Compile (or load from the on-disk cache) every kernel; return seconds taken.
 
@@ -322,6 +369,11 @@ def warm_up(kv_dtype: KVDtype = DEFAULT_KV_DTYPE) -> float:
     cache: np.ndarray = np.zeros((1, 2, 4, 4), dtype=storage)
     if kv_dtype is not KVDtype.Q8_0:
         store_kv(x, x, cache, cache, pos, pos)
+        qkv = np.ones((2, 24), dtype=np.float32)  # 2 heads + 2 x 2 KV heads of 4
+        for bias in (np.zeros(0, np.float32), np.ones(24, np.float32)):
+            qkv_rope_store(
+                qkv, bias, pos, tab, tab, x.copy(), x.copy(), x.copy(), cache, cache, pos, pos
+            )
     else:  # encode + write_kv, and its per-32 scales (int16 f16 bits)
         write_kv(x.astype(storage), x.astype(storage), cache, cache, pos, pos)
         rows = np.zeros((2, 2, 1), dtype=np.int16)  # (n, n_kv, head_dim // 32)
@@ -336,6 +388,7 @@ __all__ = [
     "add_rms_norm",
     "paged_attention",
     "plan_attention",
+    "qkv_rope_store",
     "rms_norm",
     "rope",
     "rope_qk",

@@ -97,6 +97,9 @@ class LlamaLayer:
     # here post_attention_layernorm is always the MLP's input norm (Llama's meaning).
     attn_out_norm: np.ndarray | None = None  # (hidden,) float32, 1 + w
     mlp_out_norm: np.ndarray | None = None  # (hidden,) float32, 1 + w
+    # [q_proj_bias; k_proj_bias; v_proj_bias] as kernels.qkv_rope_store adds them to
+    # the fused product's columns: ((n_heads + 2 n_kv) * head_dim,) float32, or (0,)
+    qkv_bias: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.float32))
 
 
 class _Scratch:
@@ -170,6 +173,10 @@ class LlamaModel:
                     **self._mlp(i),  # gate_up_proj, down_proj, moe
                 )
             )
+        for layer in self.layers:
+            qb, kb, vb = layer.q_proj_bias, layer.k_proj_bias, layer.v_proj_bias
+            if qb is not None and kb is not None and vb is not None:
+                layer.qkv_bias = np.concatenate([qb, kb, vb])
         self.norm = self._norm("model.norm.weight")  # (hidden,) float32
         if c.tie_word_embeddings:
             # The head is the embedding matrix. prepare() repacks it into column
@@ -392,40 +399,54 @@ class LlamaModel:
         for i, layer in enumerate(self.layers):
             cos, sin, window = self._attention_kind[i]
             # (attention rmsnorm: xn holds it already)
-            # q, k, v projections, one fused product (+ qwen2 / attention_bias biases).
-            # Copied out into contiguous q, k, v: the kernels below take C-contiguous
-            # arrays, and qwen3's per-head norm needs q as (n * n_heads, head_dim),
-            # which a column range of qkv cannot be viewed as (it would be a copy
-            # the in-place norm writes into and loses). The copy is < 1 % of a step.
+            # q, k, v projections, one fused product (+ qwen2 / attention_bias biases)
             linear(xn, layer.qkv_proj, out=qkv)
-            q[...] = qkv[:, :q_dim]
-            k[...] = qkv[:, q_dim : q_dim + kv_dim]
-            v[...] = qkv[:, q_dim + kv_dim :]
-            qb, kb, vb = layer.q_proj_bias, layer.k_proj_bias, layer.v_proj_bias
-            if qb is not None and kb is not None and vb is not None:
-                q += qb
-                k += kb
-                v += vb
-            # qwen3: RMSNorm over each head's vector, before RoPE
-            if layer.q_norm is not None and layer.k_norm is not None:
-                q_heads = q.reshape(n * n_h, hd)
-                k_heads = k.reshape(n * n_kv, hd)
-                kernels.rms_norm(q_heads, layer.q_norm, self.eps, q_heads)
-                kernels.rms_norm(k_heads, layer.k_norm, self.eps, k_heads)
-            # RoPE at each row's own position, queries and keys in one call
-            kernels.rope_qk(q3, k3, rows.positions, cos, sin)
-            # write this step's K/V through the block tables, then attend over the pool
-            # (in the cache's element type: kvstore.py rounds, attention widens)
-            if kv.dtype is not KVDtype.Q8_0:  # rounded on the way in, one call
-                kernels.store_kv(k3, v3, kv.k[i], kv.v[i], rows.block, rows.offset)
-            else:  # q8_0: numpy's blocks and scales, then two writes
-                k_store, k_scales = kv.encode(k3)
-                v_store, v_scales = kv.encode(v3)
-                kernels.write_kv(k_store, v_store, kv.k[i], kv.v[i], rows.block, rows.offset)
-                if k_scales is not None and v_scales is not None:
-                    kernels.write_kv(
-                        k_scales, v_scales, kv.k_scale[i], kv.v_scale[i], rows.block, rows.offset
-                    )
+            if layer.q_norm is None and kv.dtype is not KVDtype.Q8_0:
+                # split into q, k, v (+ biases), RoPE at each row's own position, and
+                # this step's K/V rounded into the pool through the block tables: one call
+                kernels.qkv_rope_store(
+                    qkv, layer.qkv_bias, rows.positions, cos, sin, q3, k3, v3,
+                    kv.k[i], kv.v[i], rows.block, rows.offset,
+                )  # fmt: skip
+            else:
+                # the same by stages: qwen3 norms each head between the split and RoPE,
+                # and q8_0 stores through numpy's encode. Copied out into contiguous q,
+                # k, v: the kernels take C-contiguous arrays, and qwen3's per-head norm
+                # needs q as (n * n_heads, head_dim), which a column range of qkv
+                # cannot be viewed as (a copy the in-place norm would write and lose).
+                q[...] = qkv[:, :q_dim]
+                k[...] = qkv[:, q_dim : q_dim + kv_dim]
+                v[...] = qkv[:, q_dim + kv_dim :]
+                qb, kb, vb = layer.q_proj_bias, layer.k_proj_bias, layer.v_proj_bias
+                if qb is not None and kb is not None and vb is not None:
+                    q += qb
+                    k += kb
+                    v += vb
+                # qwen3: RMSNorm over each head's vector, before RoPE
+                if layer.q_norm is not None and layer.k_norm is not None:
+                    q_heads = q.reshape(n * n_h, hd)
+                    k_heads = k.reshape(n * n_kv, hd)
+                    kernels.rms_norm(q_heads, layer.q_norm, self.eps, q_heads)
+                    kernels.rms_norm(k_heads, layer.k_norm, self.eps, k_heads)
+                # RoPE at each row's own position, queries and keys in one call
+                kernels.rope_qk(q3, k3, rows.positions, cos, sin)
+                # write this step's K/V through the block tables, then attend over the pool
+                # (in the cache's element type: kvstore.py rounds, attention widens)
+                if kv.dtype is not KVDtype.Q8_0:  # rounded on the way in, one call
+                    kernels.store_kv(k3, v3, kv.k[i], kv.v[i], rows.block, rows.offset)
+                else:  # q8_0: numpy's blocks and scales, then two writes
+                    k_store, k_scales = kv.encode(k3)
+                    v_store, v_scales = kv.encode(v3)
+                    kernels.write_kv(k_store, v_store, kv.k[i], kv.v[i], rows.block, rows.offset)
+                    if k_scales is not None and v_scales is not None:
+                        kernels.write_kv(
+                            k_scales,
+                            v_scales,
+                            kv.k_scale[i],
+                            kv.v_scale[i],
+                            rows.block,
+                            rows.offset,
+                        )
             plan = plans.get(window)
             if plan is None:
                 plan = kernels.plan_attention(rows.positions, rows.chunk, window, n_kv, n_h, hd)
