@@ -167,8 +167,11 @@ def stage_timer(totals: dict[str, float]) -> Iterator[None]:
     wrap(kernels, "store_kv", "KV write (kernels.store_kv)")
     wrap(kernels, "write_kv", "KV write, q8_0 (kernels.write_kv)")
     wrap(kernels, "rope_qk", "RoPE (kernels.rope_qk)")
+    if hasattr(kernels, "qkv_rope_store"):  # not in trees before it (an A/B's old side)
+        wrap(kernels, "qkv_rope_store", "q/k/v split, RoPE, KV write (kernels.qkv_rope_store)")
     wrap(kernels, "rms_norm", "RMSNorm (kernels.rms_norm, add_rms_norm)")
-    wrap(kernels, "add_rms_norm", "RMSNorm (kernels.rms_norm, add_rms_norm)")
+    if hasattr(kernels, "add_rms_norm"):
+        wrap(kernels, "add_rms_norm", "RMSNorm (kernels.rms_norm, add_rms_norm)")
     wrap(kernels, "silu_mul", "SwiGLU (kernels.silu_mul)")
     try:
         yield
@@ -254,7 +257,7 @@ def load_average() -> str:
 def run(args: argparse.Namespace) -> int:
     config = ModelConfig.from_dict(SMOLLM2_135M, source="SmolLM2-135M shape (built in)")
     batches = [int(b) for b in args.batches.split(",")]
-    dtypes = args.dtypes.split(",")
+    dtypes = [Path(args.model).name] if args.model else args.dtypes.split(",")
     print(f"# triollm bench-engine — {datetime.datetime.now().isoformat(timespec='minutes')}")
     print(
         f"python {platform.python_version()}, numpy {np.__version__}, numba {numba.__version__}, "
@@ -281,7 +284,13 @@ def run(args: argparse.Namespace) -> int:
     profiles: list[tuple[str, dict[str, float]]] = []
     for dtype in dtypes:
         t = time.perf_counter()
-        model = LlamaModel(config, random_weights(config, dtype))
+        if args.model:  # a real file (GGUF or model directory); "dtype" is its name
+            from triollm.model.loader import load_model
+
+            model = load_model(args.model).model
+            config = model.config
+        else:
+            model = LlamaModel(config, random_weights(config, dtype))
         build_s = time.perf_counter() - t
         w_bytes = decode_weight_bytes(model)
         head_params = model.lm_head.in_features * model.lm_head.out_features
@@ -417,6 +426,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prefill", type=int, default=512, help="prefill chunk tokens (0: skip)")
     p.add_argument("--context", type=int, default=256, help="mean decode context positions")
     p.add_argument("--dtypes", default="f32,bf16", help="weight formats: f32,bf16")
+    p.add_argument("--model", help="a real model (GGUF file or directory) instead of --dtypes")
     p.add_argument(
         "--threads", type=int, default=0, help="numba threads (default: numba's own, = cores)"
     )
