@@ -327,6 +327,34 @@ async def test_the_next_step_computes_while_the_reader_takes_the_last_steps_toke
             nursery.cancel_scope.cancel()
 
 
+async def test_a_cancelled_loop_starts_no_step_after_the_one_in_flight(monkeypatch):
+    """The thread runner waits for its step even when cancelled (the thread writes the
+    KV pool), and it does not yield before starting one; so it must notice the
+    cancellation itself, or a shutting-down loop would start step after step."""
+    started: list[object] = []
+    real_start = trio.lowlevel.start_thread_soon
+
+    def recording_start(fn: Any, deliver: Any, name: str | None = None) -> None:
+        started.append(fn)
+        real_start(fn, deliver, name)
+
+    monkeypatch.setattr(trio.lowlevel, "start_thread_soon", recording_start)
+    sched = Scheduler(
+        SchedulerConfig(
+            num_blocks=16, block_size=4, slots=2, chunk_tokens=8, step_rows=16, context_tokens=32
+        )
+    )
+    service = Service(sched, FakeExecutor(), detokenizer=LetterDetok)  # the thread runner
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(service.run)
+            stream = await service.submit(gen([5], max_tokens=20))
+            await stream.__anext__()  # token 1 arrived: step 2 is in flight
+            at_cancel = len(started)
+            nursery.cancel_scope.cancel()
+    assert len(started) == at_cancel  # the step in flight ended; no new one began
+
+
 # ----------------------------------------------------------------------------- backpressure
 
 

@@ -558,6 +558,11 @@ class Service:
         at the loop's next checkpoint. The thread comes from trio's own cache of
         idle workers (``start_thread_soon``), the one ``to_thread`` uses.
         """
+        # Hazard: nothing below is a checkpoint for a task that is not cancelled, and
+        # wait_task_rescheduled waits for the thread even when it is. Without this a
+        # cancelled loop (shutdown) would start step after step until its plan is empty.
+        # It raises only when cancelled; otherwise it does not yield.
+        await trio.lowlevel.checkpoint_if_cancelled()
         task = trio.lowlevel.current_task()
         token = trio.lowlevel.current_trio_token()
 
