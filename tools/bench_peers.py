@@ -403,7 +403,7 @@ class Workload:
     serve_requests: int = 8  # per concurrency level (c=8: one wave; c=1: eight in turn)
     # Prompts of common words' ids (ordinary text in, ordinary text out), not random
     # byte ids: their greedy answers are 3-byte-token CJK characters that both servers
-    # send as one chunk, which made the per-chunk ITL 2-3x the step (bench/stats.py).
+    # send as one chunk, which made the per-chunk ITL 2-3x the step (triollm.bench.stats).
     serve_prompt_kind: str = "words"
     slot_context: int = 512  # positions per server slot, both servers
 
