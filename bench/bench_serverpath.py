@@ -171,7 +171,14 @@ def instrument_app(stack: Any, timeline: Timeline) -> None:
         inner = life.app
 
         async def timed_app(scope: dict[str, Any], receive: Any, send: Any) -> None:
-            if scope["type"] != "http" or scope["method"] != "POST" or not timeline.recording:
+            # Completions only: the client also POSTs /tokenize (its prompts of words,
+            # triollm.bench.client.word_ids), which starts no generation to pair with.
+            if (
+                scope["type"] != "http"
+                or scope["method"] != "POST"
+                or scope["path"] != "/v1/completions"
+                or not timeline.recording
+            ):
                 await inner(scope, receive, send)
                 return
             rec = [time.perf_counter(), 0.0]
