@@ -168,3 +168,25 @@ def test_tables_over_several_runs_take_each_model_from_the_last_run_that_measure
     by_model = {r["model"]: r["tok_s"] for r in records}
     assert by_model == {"qwen1.5b": 30.0, "smollm2": 10.0}
     assert len(records) == 2
+
+
+def test_serve_rows_name_itl_per_token_only_when_the_client_timed_tokens() -> None:
+    """Runs from before the client counted tokens per chunk hold chunk gaps under
+    ``itl_ms``; their rows are labelled "chunk gap", the new ones "ITL", and TPOT has
+    a row of its own."""
+    report = _report()
+
+    def serve(system: str, rnd: int, ms: float, per_token: bool) -> dict:
+        r = {"model": "qwen1.5b", "part": "serve", "row": "c=1", "system": system,
+             "round": rnd, "aggregate_tok_s": 10.0, "ttft_ms": {"p50": ms},
+             "tpot_ms": {"p50": ms}, "itl_ms": {"p50": ms, "p99": ms}}  # fmt: skip
+        return r | {"itl_definition": "per token"} if per_token else r
+
+    def labels(per_token: bool) -> set[str]:
+        sides = ("triollm", "llama.cpp")
+        records = [serve(s, i, 10.0, per_token) for s in sides for i in (0, 1, 2)]
+        return {e["metric"] for e in report.summaries(records)}
+
+    assert {"TPOT p50 ms", "ITL p50 ms", "ITL p99 ms"} <= labels(True)
+    old = labels(False)
+    assert {"chunk gap p50 ms", "chunk gap p99 ms"} <= old and "ITL p99 ms" not in old
