@@ -13,14 +13,16 @@ whole zero blocks.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numba
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from triollm.model import matmul, quant_int8
-from triollm.model.quant import QuantizedTensor, QuantType
+from triollm.model import matmul, quant_int8, quant_pack
+from triollm.model.quant import QuantizedStack, QuantizedTensor, QuantType, stack_rows
 
 TYPES = list(QuantType)
 F32 = np.float32
@@ -234,7 +236,7 @@ def test_the_packed_layout_holds_each_row_once_in_its_lane(kind: QuantType) -> N
 @settings(max_examples=30, deadline=None)
 @given(
     block=st.sampled_from([32, 256]),
-    n=st.integers(1, 6),
+    n=st.integers(1, 12),
     nb=st.integers(1, 3),
     x_exp=st.integers(-40, 40),
     seed=st.integers(0, 2**32 - 1),
@@ -283,3 +285,63 @@ def test_int8_rows_stay_within_the_activation_rounding_of_the_exact_path(kind: Q
     assert (np.abs(got - exact) <= bound).all()
     rel = np.linalg.norm(got - exact) / np.linalg.norm(exact)
     assert rel < 0.02, rel
+
+
+@pytest.mark.parametrize("n", [1, 6])
+def test_a_stack_of_parts_is_one_call_giving_each_part_its_own_bits(n: int) -> None:
+    # a Q4_K_M file's fused q/k/v: Q4_K, Q4_K and a Q6_K v, in rows that leave
+    # groups part-empty, so each part's outputs must start at its own column
+    rng = np.random.default_rng(n)
+    kinds = ((QuantType.Q4_K, 37), (QuantType.Q4_K, 5), (QuantType.Q6_K, 20))
+    parts = [QuantizedTensor(t, (r, 512), raw_blocks(t, r, 2, rng, -3)) for t, r in kinds]
+    x = rng.standard_normal((n, 512)).astype(F32)
+    want = np.concatenate([reference_product(x, p) for p in parts], axis=1)
+    acts = quant_int8.quantize_rows(x, 256)
+    packed = [(p.packed(), int(p.qtype), p.shape[0]) for p in parts]
+    for portable in (False, True):
+        got = np.full((n, 62), np.nan, F32)  # every column must be written
+        quant_int8.product_parts(acts, packed, got, 16, portable=portable)
+        np.testing.assert_array_equal(got, want, err_msg=f"portable={portable}")
+    stacked = stack_rows(parts)
+    assert isinstance(stacked, QuantizedStack)  # the parts as they are: no concatenated copy
+    np.testing.assert_array_equal(matmul.linear(x, stacked), want)
+
+
+def _resident_kb(path: Path) -> int:
+    """This process's resident kB of the mappings of ``path`` (/proc/self/smaps)."""
+    total, inside = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()
+            if "-" in head[0] and len(head) >= 5 and ":" not in head[0]:  # a mapping's line
+                inside = len(head) >= 6 and head[5] == str(path)
+            elif inside and head[0] == "Rss:":
+                total += int(head[1])
+    return total
+
+
+def test_packing_a_file_mapped_weight_releases_its_pages_and_keeps_its_values(
+    tmp_path: Path,
+) -> None:
+    # the packed copy is what the int8 product reads: the file's pages of the
+    # blocks leave resident memory (else the model is held twice), and reading
+    # the blocks again (the embedding lookup) still gives the file's bytes
+    rng = np.random.default_rng(9)
+    kind = QuantType.Q4_K
+    blocks = raw_blocks(kind, 64, 8, rng, -3)  # 64 x 1152 bytes: many whole pages
+    path = tmp_path / "w.bin"
+    blocks.tofile(path)
+    mapped = np.memmap(path, np.uint8, mode="c", shape=blocks.shape).view(np.ndarray)
+    w = QuantizedTensor(kind, (64, 8 * 256), mapped)
+    x = rng.standard_normal((2, w.shape[1])).astype(F32)
+    assert int(mapped.sum(dtype=np.int64)) == int(blocks.sum(dtype=np.int64))  # all resident
+    before = _resident_kb(path)
+    w.packed()
+    assert before >= 64 and _resident_kb(path) <= 8, (before, _resident_kb(path))
+    np.testing.assert_array_equal(matmul.linear(x, w), reference_product(x, w))
+    np.testing.assert_array_equal(mapped, blocks)
+    # an array that is not a file mapping is never released: there the pages
+    # would come back as zeros
+    plain = blocks.copy()
+    assert quant_pack.release_pages(plain) == 0
+    np.testing.assert_array_equal(plain, blocks)

@@ -648,10 +648,15 @@ class QuantizedTensor:
         """The blocks repacked for the int8 product (:func:`quant_pack.pack`), made once.
 
         Trap: the first call repacks the whole matrix (a second copy of its
-        bytes); ``matmul.prepare`` calls it at load so no request pays for it.
+        bytes; the blocks' pages of a file mapping are dropped from memory after,
+        faulted back when read); ``matmul.prepare`` calls it at load so no
+        request pays for it.
         """
         if "int8" not in self._packed:
             self._packed["int8"] = quant_pack.pack(self.blocks, int(self.qtype))
+            # the file's pages of these blocks: read again only by the embedding
+            # lookup, so out of resident memory until then (quant_pack.release_pages)
+            quant_pack.release_pages(self.blocks)
         return self._packed["int8"]
 
     def __getitem__(self, ids: Any) -> np.ndarray:
@@ -680,10 +685,13 @@ class QuantizedTensor:
 
 @dataclass(frozen=True, eq=False)
 class QuantizedStack:
-    """Quantized weights of different types stacked along the output axis.
+    """Quantized weights stacked along the output axis, each part kept as it is.
 
-    A Q4_K_M file stores ``attn_v`` in Q6_K beside a Q4_K ``attn_q``: the fused
-    q/k/v product then runs one kernel call per part, each into its columns.
+    A Q4_K_M file stores ``attn_v`` in Q6_K beside a Q4_K ``attn_q``. The int8
+    product takes up to ``quant_int8.PARTS`` parts of one activation block in
+    one kernel call, each part's outputs into its columns (every fused product
+    of the int8 path is a stack: :func:`stack_rows`); otherwise, and on the
+    ``exact_activations`` path, one call per part.
     """
 
     parts: tuple[QuantizedTensor, ...]
@@ -718,8 +726,13 @@ Quantized = QuantizedTensor | QuantizedStack
 def stack_rows(parts: list[Any]) -> QuantizedTensor | QuantizedStack:
     """Quantized weights stacked along the output axis (fused q/k/v, gate/up).
 
-    Parts of one type become one tensor (one kernel call); mixed types a
-    :class:`QuantizedStack`. Every part must be quantized and of one width.
+    On the int8 path (the default) the parts stay as they are, views of the
+    file, in a :class:`QuantizedStack` whose product takes them in one kernel
+    call (each part packed once, here; a concatenated copy of the blocks would
+    be the weight once more in memory, read by nothing). With
+    ``exact_activations`` parts of one type become one tensor (one call of the
+    widening kernel), mixed types a stack. Every part must be quantized and of
+    one width.
     """
     if not all(isinstance(p, QuantizedTensor) for p in parts):
         kinds = ", ".join(
@@ -729,14 +742,15 @@ def stack_rows(parts: list[Any]) -> QuantizedTensor | QuantizedStack:
     cols = parts[0].shape[1]
     if any(p.shape[1] != cols for p in parts):
         raise ValueError("weights multiplied as one must have one width")
+    exact = parts[0].exact_activations
+    if not exact:
+        for p in parts:
+            p.packed()  # at load, as matmul.prepare does for a single weight
+        return QuantizedStack(tuple(parts))
     if any(p.qtype != parts[0].qtype for p in parts):
         return QuantizedStack(tuple(parts))
     blocks = np.concatenate([p.blocks for p in parts], axis=0)
-    exact = parts[0].exact_activations
-    stacked = QuantizedTensor(parts[0].qtype, (blocks.shape[0], cols), blocks, exact)
-    if not exact:
-        stacked.packed()  # at load, as matmul.prepare does for a single weight
-    return stacked
+    return QuantizedTensor(parts[0].qtype, (blocks.shape[0], cols), blocks, exact)
 
 
 def quantize(w: np.ndarray, qtype: QuantType) -> QuantizedTensor:
@@ -765,6 +779,17 @@ def block_rows(n_out: int, n_threads: int) -> int:
     return -(-min(target, _BLOCK_ROWS_MAX) // _GROUP) * _GROUP
 
 
+def _in_one_call(w: QuantizedStack) -> bool:
+    """Whether the int8 product can take a stack's parts in one call (one quantized x)."""
+    block = quant_int8.activation_block
+    first = block(int(w.parts[0].qtype))
+    return (
+        not w.parts[0].exact_activations
+        and len(w.parts) <= quant_int8.PARTS
+        and all(block(int(p.qtype)) == first for p in w.parts)
+    )
+
+
 def linear(
     x: np.ndarray,
     w: QuantizedTensor | QuantizedStack,
@@ -781,6 +806,12 @@ def linear(
     checked the shapes and dtypes.
     """
     if isinstance(w, QuantizedStack):
+        if _in_one_call(w) and x.shape[0]:  # the int8 product takes the parts in one call
+            block = quant_int8.activation_block(int(w.parts[0].qtype))
+            acts = quant_int8.quantize_rows(x, block)
+            parts = [(p.packed(), int(p.qtype), p.shape[0]) for p in w.parts]
+            rows = block_rows(w.shape[0], numba.get_num_threads())
+            return quant_int8.product_parts(acts, parts, out, rows)
         shared: dict[int, Int8Rows] = {} if int8_rows is None else int8_rows
         j = 0
         for part in w.parts:

@@ -21,7 +21,10 @@ Theory of operation
    that row alone: the batch around it changes nothing (batch invariance).
    One quantization of ``x`` serves every weight row of a product, and the
    forward fuses q/k/v and gate/up into one product each, so each
-   normalised ``x`` is quantized once per layer and product kind.
+   normalised ``x`` is quantized once per layer and product kind. A fused
+   product is a stack of up to :data:`PARTS` parts of any types (a Q4_K_M
+   file's Q6_K v beside Q4_K q and k), multiplied in one kernel call
+   (:func:`product_parts`): one parallel region per product.
 2. **Unsigned weights, signed activations.** ``vpdpbusd`` multiplies
    *unsigned* bytes by *signed* ones. Every weight type's integer is stored
    unsigned with a fixed offset: ``w = d * (u - off)`` with ``u`` a nibble
@@ -360,7 +363,7 @@ def _tile_function(module: Any, K: int, R: int, vnni: bool) -> Any:
     """
     i8p, i64 = _I8.as_pointer(), _I64
     fnty = ir.FunctionType(ir.VoidType(), [i8p, i64, i64, i8p, i64, i8p, i64, i8p, i64,
-                                           i8p, i64, i64, i64, i64, i64])  # fmt: skip
+                                           i8p, i64, i64, i64, i64, i64, i64])  # fmt: skip
     name = f"triollm_int8_tile16_{K}_{R}_{'vnni' if vnni else 'portable'}"
     fn = cgutils.get_or_insert_function(module, fnty, name)
     if not fn.is_declaration:
@@ -368,7 +371,7 @@ def _tile_function(module: Any, K: int, R: int, vnni: bool) -> Any:
     fn.linkage = "internal"
     fn.attributes.add("noinline")  # inlined beside the other types' tiles, LLVM spilled
     b = ir.IRBuilder(fn.append_basic_block("entry"))
-    xq, xq_s, k_in, xd, xd_s, xs, xs_s, w, w_s, out, out_s, n_out, g, r0, last = fn.args
+    xq, xq_s, k_in, xd, xd_s, xs, xs_s, w, w_s, out, out_s, colbase, cols, g, r0, last = fn.args
     lay = LAYOUTS[K]
     vf, vi = _vec(_F32, _LANES), _vec(_I32, _LANES)
 
@@ -457,9 +460,11 @@ def _tile_function(module: Any, K: int, R: int, vnni: bool) -> Any:
                     corr = b.fmul(b.sitofp(mins, vf), b.fmul(dmin, _splat(b, dx[r])))
                     b.store(b.fsub(b.load(accs[r]), corr), accs[r])
 
-    # the results: lane t of row r is out[r0 + r, 16 g + t]; lanes past n_out masked
-    col0 = b.mul(g, c64(_LANES))
-    left = b.trunc(b.sub(n_out, col0), _I32)
+    # the results: lane t of row r is out[r0 + r, colbase + 16 g + t], where the part
+    # that holds the group starts; lanes past its `cols` rows masked
+    first = b.mul(g, c64(_LANES))
+    col0 = b.add(colbase, first)
+    left = b.trunc(b.sub(cols, first), _I32)
     mask = b.icmp_signed("<", _const(_I32, _LANES, range(_LANES)), _splat(b, left))
     mstore = cgutils.get_or_insert_function(
         module, ir.FunctionType(ir.VoidType(), [vf, i8p, _I32, _vec(_I1, _LANES)]),
@@ -478,13 +483,18 @@ def _literal(t: Any) -> int | None:
 
 
 @intrinsic(prefer_literal=True)
-def _int8_tile(typingctx, kind, n_x, portable, xq, xd, xs, packed, out, g, r0, last):  # type: ignore[no-untyped-def]
-    """``out[r0 + r, 16 g + t] = x[r0 + r] . W[16 g + t]`` from int8 rows: one tile."""
+def _int8_tile(  # type: ignore[no-untyped-def]
+    typingctx, kind, n_x, portable, xq, xd, xs, packed, out, g, r0, last, colbase, cols
+):
+    """``out[r0 + r, colbase + 16 g + t] = x[r0 + r] . W[16 g + t]`` from int8 rows: one tile.
+
+    ``W`` is one part of a product (``packed``, ``cols`` weight rows) whose outputs
+    start at column ``colbase``."""
     R, P = _literal(n_x), _literal(portable)
     if R is None or P is None:
         return None
     intp = types.intp
-    sig = types.void(intp, n_x, portable, xq, xd, xs, packed, out, intp, intp, intp)
+    sig = types.void(intp, n_x, portable, xq, xd, xs, packed, out, intp, intp, intp, intp, intp)
 
     def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
         a = signature.args
@@ -506,7 +516,8 @@ def _int8_tile(typingctx, kind, n_x, portable, xq, xd, xs, packed, out, g, r0, l
             *base_stride(5),
             *base_stride(6),
             *base_stride(7),
-            cgutils.unpack_tuple(builder, arr(7).shape)[1],
+            args[11],
+            args[12],
             *args[8:11],
         ]
         vnni = _can_vnni(context) and not P
@@ -531,44 +542,60 @@ _MANY_X = 4
 # int8 = 4.6 MB) does not stay in L2 while every group passes over it; 64
 # rows of x (<= 574 KB) do. Any chunking gives the same bits.
 _X_CHUNK = 64
+# Weight parts one product call takes: a fused q/k/v is three (a Q4_K_M file
+# stores v in Q6_K beside Q4_K q and k), gate/up two. The kernels take exactly
+# this many (unused ones empty), so numba compiles one signature; a stack of
+# more parts runs one call per part (quant.linear).
+PARTS = 3
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def _int8_matmul(q, d, s, packed, kind, out, per_task):  # type: ignore[no-untyped-def]  # pragma: no cover
-    # q (n, k) int8, d (n, k / block) float32, s (n, k / 16) int32; packed
-    # (groups, records) uint8 (quant_pack); out (n, n_out) float32. Threads split
-    # the groups (contiguous runs of per_task); each group meets every tile of a
-    # chunk of x rows while its records sit in L1/L2.
+def _int8_matmul(q, d, s, p0, p1, p2, kinds, first, cols, out, per_task):  # type: ignore[no-untyped-def]  # pragma: no cover
+    # q (n, k) int8, d (n, k / block) float32, s (n, k / 16) int32; p0, p1, p2
+    # (groups, records) uint8 (quant_pack), the parts of a stacked weight: part i
+    # of type kinds[i] holds groups first[i] .. first[i + 1] of the product and
+    # writes columns cols[i] .. cols[i + 1] of out (n, cols[3]) float32 (both
+    # tables made by the caller: an array made here would be a parallel region
+    # of its own). Threads split the groups of all parts (contiguous runs of
+    # per_task); each group meets every tile of a chunk of x rows while its
+    # records sit in L1/L2.
     n = q.shape[0]
-    groups = packed.shape[0]
+    groups = first[PARTS]
     for task in prange((groups + per_task - 1) // per_task):
         g1 = min(task * per_task + per_task, groups)
-        if n == 1:
-            for g in range(task * per_task, g1):
-                _int8_tile(kind, 1, 0, q, d, s, packed, out, g, 0, 0)
-        else:
-            for c0 in range(0, n, _X_CHUNK):
-                for g in range(task * per_task, g1):
+        for c0 in range(0, n, _X_CHUNK):
+            for gg in range(task * per_task, g1):
+                p = 0 if gg < first[1] else (1 if gg < first[2] else 2)
+                w = p0 if p == 0 else (p1 if p == 1 else p2)
+                g, k, at, m = gg - first[p], kinds[p], cols[p], cols[p + 1] - cols[p]
+                if n == 1:
+                    _int8_tile(k, 1, 0, q, d, s, w, out, g, 0, 0, at, m)
+                else:
                     for r0 in range(c0, min(c0 + _X_CHUNK, n), _MANY_X):
-                        _int8_tile(kind, _MANY_X, 0, q, d, s, packed, out, g, r0, n - 1)
+                        _int8_tile(k, _MANY_X, 0, q, d, s, w, out, g, r0, n - 1, at, m)
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def _portable_matmul(q, d, s, packed, kind, out, per_task):  # type: ignore[no-untyped-def]  # pragma: no cover
+def _portable_matmul(q, d, s, p0, p1, p2, kinds, first, cols, out, per_task):  # type: ignore[no-untyped-def]  # pragma: no cover
     # _int8_matmul with the portable tiles: a function of its own so that the
     # model's product does not compile (and load) both variants
     n = q.shape[0]
-    groups = packed.shape[0]
+    groups = first[PARTS]
     for task in prange((groups + per_task - 1) // per_task):
         g1 = min(task * per_task + per_task, groups)
-        if n == 1:
-            for g in range(task * per_task, g1):
-                _int8_tile(kind, 1, 1, q, d, s, packed, out, g, 0, 0)
-        else:
-            for c0 in range(0, n, _X_CHUNK):
-                for g in range(task * per_task, g1):
+        for c0 in range(0, n, _X_CHUNK):
+            for gg in range(task * per_task, g1):
+                p = 0 if gg < first[1] else (1 if gg < first[2] else 2)
+                w = p0 if p == 0 else (p1 if p == 1 else p2)
+                g, k, at, m = gg - first[p], kinds[p], cols[p], cols[p + 1] - cols[p]
+                if n == 1:
+                    _int8_tile(k, 1, 1, q, d, s, w, out, g, 0, 0, at, m)
+                else:
                     for r0 in range(c0, min(c0 + _X_CHUNK, n), _MANY_X):
-                        _int8_tile(kind, _MANY_X, 1, q, d, s, packed, out, g, r0, n - 1)
+                        _int8_tile(k, _MANY_X, 1, q, d, s, w, out, g, r0, n - 1, at, m)
+
+
+_NO_PART = np.zeros((0, 1), np.uint8)  # an unused part: no groups
 
 
 def product(
@@ -587,9 +614,39 @@ def product(
     takes the plain-IR integer products instead of the VNNI instructions (the
     same bits; tests compare the two).
     """
-    if x.block != activation_block(kind):
-        raise ValueError(f"type {kind} pairs with activation blocks of {activation_block(kind)}")
+    return product_parts(x, [(packed, kind, out.shape[1])], out, block_rows, portable=portable)
+
+
+def product_parts(
+    x: Int8Rows,
+    parts: list[tuple[np.ndarray, int, int]],
+    out: np.ndarray,
+    block_rows: int,
+    *,
+    portable: bool = False,
+) -> np.ndarray:
+    """:func:`product` of weights stacked along the output axis, in one call.
+
+    ``parts`` lists up to :data:`PARTS` ``(packed, kind, rows)``, every kind
+    pairing with ``x``'s activation block; their outputs go side by side into
+    ``out`` ``(n, sum of rows)``. One call (one parallel region) serves a
+    fused q/k/v whose v has another type, with no temporary per part.
+    """
+    if not 1 <= len(parts) <= PARTS:
+        raise ValueError(f"a product takes 1 to {PARTS} parts, got {len(parts)}")
+    for _, kind, _ in parts:
+        if x.block != activation_block(kind):
+            raise ValueError(
+                f"type {kind} pairs with activation blocks of {activation_block(kind)}"
+            )
+    if sum(rows for _, _, rows in parts) != out.shape[1]:
+        raise ValueError(f"the parts' rows do not add up to the {out.shape[1]} output columns")
     if x.q.shape[0]:
+        full = [*parts, *[(_NO_PART, parts[0][1], 0)] * (PARTS - len(parts))]
+        kinds = np.array([k for _, k, _ in full], np.int64)
+        first = np.cumsum([0] + [p.shape[0] for p, _, _ in full], dtype=np.int64)
+        cols = np.cumsum([0] + [r for _, _, r in full], dtype=np.int64)
         fn = _portable_matmul if portable else _int8_matmul
-        fn(x.q, x.d, x.sums, packed, kind, out, max(1, block_rows // ROWS))
+        w0, w1, w2 = (p for p, _, _ in full)
+        fn(x.q, x.d, x.sums, w0, w1, w2, kinds, first, cols, out, max(1, block_rows // ROWS))
     return out
