@@ -144,6 +144,15 @@ def depth_case(model: LlamaModel, depth: int, new: int) -> tuple[float, bool]:
     return time.perf_counter() - t, real
 
 
+def resident_mb() -> float | None:
+    """This process's resident memory (VmRSS, MB), or None where /proc is missing."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) / 1024 for line in f if line.startswith("VmRSS:"))
+    except (OSError, StopIteration):
+        return None
+
+
 def workload(args: argparse.Namespace, batches: list[int]) -> int:
     """triollm's B side of one round: one JSON line per case (``--json``)."""
     import numba
@@ -153,15 +162,17 @@ def workload(args: argparse.Namespace, batches: list[int]) -> int:
     if unknown or len(args.files) != 1:
         raise SystemExit(f"--workload takes one file and decode,prefill,depth (got {unknown})")
     file = args.files[0]
-    t = time.perf_counter()
+    t, cpu = time.perf_counter(), time.process_time()
     model = load_model(file).model
-    load_s = time.perf_counter() - t
+    load_s, load_cpu_s = time.perf_counter() - t, time.process_time() - cpu
     base = {
         "system": "triollm",
         "tool": "bench/bench_gguf.py",
         "file": file.name,
         "threads": numba.get_num_threads(),
         "load_s": round(load_s, 2),
+        "load_cpu_s": round(load_cpu_s, 2),  # all threads: what a busy machine stretches least
+        "rss_mb_after_load": resident_mb(),
     }
     records = []
 

@@ -17,9 +17,13 @@ decode steps at batch 1 and 16 and one prefill, the two paths loaded side by
 side and alternated round by round (``bench_gguf.py``'s cases).
 
 ``--ceiling`` instead measures what one core can do: a loop of independent
-``vpdpbusd`` (zmm and ymm) and of ``vfmadd231ps`` zmm in registers, so the
+``vpdpbusd`` (zmm and ymm) and of ``vfmadd231ps`` zmm in registers, timed in the
+thread's CPU time (a shared core stretches wall time), so the
 products can be put beside the instruction's throughput, and a memory
 read rate (numpy sum over 1 GB, all threads) for the bandwidth floor.
+
+``--tile`` runs the int8 tile alone (the model's own, one x row and four) over
+records that stay in L1/L2: the tile's compute ceiling, no memory traffic.
 """
 
 from __future__ import annotations
@@ -150,9 +154,9 @@ def ceiling() -> None:
         n = 20_000_000
         rounds = []
         for _ in range(5):
-            t = time.perf_counter()
+            t = time.thread_time()  # CPU time: a shared core stretches wall time
             go(n, 3)
-            rounds.append(time.perf_counter() - t)
+            rounds.append(time.thread_time() - t)
         per_s = n * chains / min(rounds)
         print(
             f"| {label} | {per_s / 1e9:.2f} G/s | {per_s * macs / 1e9:.0f} G | "
@@ -166,6 +170,61 @@ def ceiling() -> None:
         rates.append(a.nbytes / (time.perf_counter() - t) / 1e9)
     per = " ".join(f"{r:.1f}" for r in rates)
     print(f"| numpy sum of 1 GiB, one thread | {max(rates):.1f} GB/s best | | {per} |")
+    print(f"# load average: {os.getloadavg()}")
+
+
+def tile_rate(types: str) -> None:
+    """One core, the int8 tile alone on records that sit in L1/L2: its compute ceiling.
+
+    A numba loop calls the tile (the model's own, ``quant_int8._int8_tile``) over
+    two groups of a 1536-wide weight (2 x 6 records: 28 KB of Q4_K, 40 KB of Q6_K,
+    in L1/L2) again and again, one x row and four: no memory traffic, no parallel
+    region, no Python. Its rate is what a product could reach if memory were free;
+    beside the --ceiling loop, the share of the tile's time that is vpdpbusd.
+    """
+    import numba
+    from numba import njit
+
+    from triollm.model import quant_int8 as qi
+
+    @njit(nogil=True)
+    def one_row(kind, q, d, s, packed, out, reps):  # type: ignore[no-untyped-def]
+        for _ in range(reps):
+            for g in range(packed.shape[0]):
+                qi._int8_tile(kind, 1, 0, q, d, s, packed, out, g, 0, 0, 0, out.shape[1])
+
+    @njit(nogil=True)
+    def four_rows(kind, q, d, s, packed, out, reps):  # type: ignore[no-untyped-def]
+        for _ in range(reps):
+            for g in range(packed.shape[0]):
+                qi._int8_tile(kind, 4, 0, q, d, s, packed, out, g, 0, 3, 0, out.shape[1])
+
+    numba.set_num_threads(1)
+    rng = np.random.default_rng(0)
+    print("| type | x rows | record bytes | GB/s of records | G vpdpbusd/s | per-round ms |")
+    print("| --- | ---: | ---: | ---: | ---: | --- |")
+    for name in types.split(","):
+        kind = QuantType[name]
+        w = random_weight(kind, (32, 1536), rng)
+        packed = w.packed()
+        lay = qi.LAYOUTS[int(kind)]
+        for n, fn in ((1, one_row), (4, four_rows)):
+            x = qi.quantize_rows(rng.standard_normal((n, 1536), dtype=np.float32), lay.values)
+            out = np.empty((n, 32), np.float32)
+            reps = 20000
+            fn(int(kind), x.q, x.d, x.sums, packed, out, 10)  # compile
+            rounds = []
+            for _ in range(5):
+                t = time.thread_time()
+                fn(int(kind), x.q, x.d, x.sums, packed, out, reps)
+                rounds.append(time.thread_time() - t)
+            best = min(rounds)
+            busd = reps * packed.shape[0] * (1536 // 4) * n  # one per 4 values, group and row
+            print(
+                f"| {name} | {n} | {lay.size} | {reps * packed.nbytes / best / 1e9:.1f} "
+                f"| {busd / best / 1e9:.2f} | {' '.join(f'{r * 1e3:.0f}' for r in rounds)} |",
+                flush=True,
+            )
     print(f"# load average: {os.getloadavg()}")
 
 
@@ -212,6 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3, help="alternating rounds (>= 3)")
     p.add_argument("--layers", type=int, default=2, help="layers per sweep (distinct arrays)")
     p.add_argument("--ceiling", action="store_true", help="instruction throughput and bandwidth")
+    p.add_argument("--tile", action="store_true", help="the int8 tile alone on data in L1/L2")
     p.add_argument("--model", help="a GGUF file: whole forward passes instead of products")
     p.add_argument("--prefill", type=int, default=128, help="prefill tokens with --model")
     args = p.parse_args(argv)
@@ -221,6 +281,8 @@ def main(argv: list[str] | None = None) -> int:
         # (a segfault after the figures); leave without it
         sys.stdout.flush()
         os._exit(0)
+    elif args.tile:
+        tile_rate(args.types)
     elif args.model:
         model_rounds(args)
     else:
