@@ -24,6 +24,8 @@ read rate (numpy sum over 1 GB, all threads) for the bandwidth floor.
 
 ``--tile`` runs the int8 tile alone (the model's own, one x row and four) over
 records that stay in L1/L2: the tile's compute ceiling, no memory traffic.
+``--pack`` times the load's repacking of one gate/up matrix per type;
+``--stacks`` a fused product in one stacked call against the way before it.
 """
 
 from __future__ import annotations
@@ -228,6 +230,103 @@ def tile_rate(types: str) -> None:
     print(f"# load average: {os.getloadavg()}")
 
 
+def pack_rate(types: str) -> None:
+    """CPU time of the load's repacking (``quant_pack.pack``) of one gate/up matrix per type."""
+    from triollm.model import quant_pack
+
+    rng = np.random.default_rng(0)
+    print("| type | matrix | MB | best CPU ms (both threads) | GB per CPU-s |")
+    print("| --- | --- | ---: | ---: | ---: |")
+    for name in types.split(","):
+        w = random_weight(QuantType[name], LAYER[2], rng)
+        quant_pack.pack(w.blocks[:16], int(w.qtype))  # compile / load
+        best = float("inf")
+        for _ in range(3):
+            c = time.process_time()
+            quant_pack.pack(w.blocks, int(w.qtype))
+            best = min(best, time.process_time() - c)
+        print(
+            f"| {name} | {LAYER[2][0]} x {LAYER[2][1]} | {w.nbytes / 1e6:.1f} | "
+            f"{best * 1e3:.0f} | {w.nbytes / best / 1e9:.2f} |"
+        )
+    print(f"# load average: {os.getloadavg()}")
+
+
+def stacks(args: argparse.Namespace) -> None:
+    """A fused product as one stacked call against the way before it, CPU time per product.
+
+    gate/up (two Q4_K parts) against one concatenated tensor, and a Q4_K_M
+    file's q/k/v (Q4_K, Q4_K, Q6_K) against one call per part into a
+    temporary and a copy (x quantized once for all parts, as before); ``--layers``
+    distinct weights each, alternating old and new ``--rounds`` times.
+    """
+    from triollm.model import quant_int8
+    from triollm.model.quant import QuantizedStack
+
+    rng = np.random.default_rng(0)
+
+    def concat(parts: list[QuantizedTensor]) -> QuantizedTensor:
+        b = np.concatenate([p.blocks for p in parts])
+        return QuantizedTensor(parts[0].qtype, (b.shape[0], parts[0].shape[1]), b)
+
+    def per_part(x: np.ndarray, parts: tuple[QuantizedTensor, ...]) -> np.ndarray:
+        acts = quant_int8.quantize_rows(x, 256)
+        out = np.empty((x.shape[0], sum(p.shape[0] for p in parts)), np.float32)
+        j = 0
+        for p in parts:
+            part = np.empty((x.shape[0], p.shape[0]), np.float32)
+            quant_int8.product(acts, p.packed(), int(p.qtype), part, 256)
+            out[:, j : j + p.shape[0]] = part
+            j += p.shape[0]
+        return out
+
+    q4, q6 = QuantType.Q4_K, QuantType.Q6_K
+    gu = [[random_weight(q4, (8960, 1536), rng) for _ in range(2)] for _ in range(args.layers)]
+    qkv = [
+        [random_weight(t, (r, 1536), rng) for t, r in ((q4, 1536), (q4, 256), (q6, 256))]
+        for _ in range(args.layers)
+    ]
+    cases = {
+        "gate/up, Q4_K + Q4_K": (gu, [concat(p) for p in gu], False),
+        "q/k/v, Q4_K + Q4_K + Q6_K": (qkv, [tuple(p) for p in qkv], True),
+    }
+    for ws, old, _ in cases.values():
+        for w in old:
+            for p in w if isinstance(w, tuple) else (w,):
+                p.packed()
+        for parts in ws:
+            for p in parts:
+                p.packed()
+    print(f"# load average at start: {os.getloadavg()}")
+    print("| product | rows | before: per-round CPU ms | one stacked call | medians |")
+    print("| --- | ---: | --- | --- | --- |")
+    for n in (int(r) for r in args.rows.split(",")):
+        x = rng.standard_normal((n, 1536), dtype=np.float32)
+        for name, (ws, old, split) in cases.items():
+            new = [QuantizedStack(tuple(p)) for p in ws]
+
+            def run_old(x=x, old=old, split=split) -> None:
+                for w in old:
+                    per_part(x, w) if split else matmul.linear(x, w)
+
+            def run_new(x=x, new=new) -> None:
+                for w in new:
+                    matmul.linear(x, w)
+
+            run_old()
+            run_new()
+            got: dict[str, list[float]] = {"old": [], "new": []}
+            for _ in range(args.rounds):
+                for side, fn in (("old", run_old), ("new", run_new)):
+                    c = time.process_time()
+                    fn()
+                    got[side].append((time.process_time() - c) / len(ws) * 1e3)
+            o, w = (" ".join(f"{v:.2f}" for v in got[k]) for k in ("old", "new"))
+            med = f"{statistics.median(got['old']):.2f} / {statistics.median(got['new']):.2f}"
+            print(f"| {name} | {n} | {o} | {w} | {med} |", flush=True)
+    print(f"# load average at end: {os.getloadavg()}")
+
+
 def model_rounds(args: argparse.Namespace) -> None:
     """Decode b=1, b=16 and a prefill of a real file: int8 and exact alternating."""
     from pathlib import Path
@@ -272,6 +371,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layers", type=int, default=2, help="layers per sweep (distinct arrays)")
     p.add_argument("--ceiling", action="store_true", help="instruction throughput and bandwidth")
     p.add_argument("--tile", action="store_true", help="the int8 tile alone on data in L1/L2")
+    p.add_argument("--pack", action="store_true", help="CPU time of the load's repacking")
+    p.add_argument("--stacks", action="store_true", help="fused products: one call vs before")
     p.add_argument("--model", help="a GGUF file: whole forward passes instead of products")
     p.add_argument("--prefill", type=int, default=128, help="prefill tokens with --model")
     args = p.parse_args(argv)
@@ -281,6 +382,10 @@ def main(argv: list[str] | None = None) -> int:
         # (a segfault after the figures); leave without it
         sys.stdout.flush()
         os._exit(0)
+    elif args.stacks:
+        stacks(args)
+    elif args.pack:
+        pack_rate(args.types)
     elif args.tile:
         tile_rate(args.types)
     elif args.model:

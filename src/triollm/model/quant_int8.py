@@ -558,21 +558,26 @@ def _int8_matmul(q, d, s, p0, p1, p2, kinds, first, cols, out, per_task):  # typ
     # tables made by the caller: an array made here would be a parallel region
     # of its own). Threads split the groups of all parts (contiguous runs of
     # per_task); each group meets every tile of a chunk of x rows while its
-    # records sit in L1/L2.
+    # records sit in L1/L2. Hazard: the part's array is chosen once per run of
+    # its groups; chosen per group (two reference-count updates each, on an
+    # array both threads share), a one-row gate/up ran 4 % slower than the
+    # concatenated tensor it replaces (bench_quant.py --stacks, busy machine).
     n = q.shape[0]
     groups = first[PARTS]
     for task in prange((groups + per_task - 1) // per_task):
-        g1 = min(task * per_task + per_task, groups)
+        g0 = task * per_task
+        g1 = min(g0 + per_task, groups)
         for c0 in range(0, n, _X_CHUNK):
-            for gg in range(task * per_task, g1):
-                p = 0 if gg < first[1] else (1 if gg < first[2] else 2)
+            for p in range(PARTS):  # the part once per run of its groups, not per group
                 w = p0 if p == 0 else (p1 if p == 1 else p2)
-                g, k, at, m = gg - first[p], kinds[p], cols[p], cols[p + 1] - cols[p]
-                if n == 1:
-                    _int8_tile(k, 1, 0, q, d, s, w, out, g, 0, 0, at, m)
-                else:
-                    for r0 in range(c0, min(c0 + _X_CHUNK, n), _MANY_X):
-                        _int8_tile(k, _MANY_X, 0, q, d, s, w, out, g, r0, n - 1, at, m)
+                k, at, m = kinds[p], cols[p], cols[p + 1] - cols[p]
+                for gg in range(max(g0, first[p]), min(g1, first[p + 1])):
+                    g = gg - first[p]
+                    if n == 1:
+                        _int8_tile(k, 1, 0, q, d, s, w, out, g, 0, 0, at, m)
+                    else:
+                        for r0 in range(c0, min(c0 + _X_CHUNK, n), _MANY_X):
+                            _int8_tile(k, _MANY_X, 0, q, d, s, w, out, g, r0, n - 1, at, m)
 
 
 @njit(cache=True, nogil=True, parallel=True)
@@ -582,17 +587,19 @@ def _portable_matmul(q, d, s, p0, p1, p2, kinds, first, cols, out, per_task):  #
     n = q.shape[0]
     groups = first[PARTS]
     for task in prange((groups + per_task - 1) // per_task):
-        g1 = min(task * per_task + per_task, groups)
+        g0 = task * per_task
+        g1 = min(g0 + per_task, groups)
         for c0 in range(0, n, _X_CHUNK):
-            for gg in range(task * per_task, g1):
-                p = 0 if gg < first[1] else (1 if gg < first[2] else 2)
+            for p in range(PARTS):  # the part once per run of its groups, not per group
                 w = p0 if p == 0 else (p1 if p == 1 else p2)
-                g, k, at, m = gg - first[p], kinds[p], cols[p], cols[p + 1] - cols[p]
-                if n == 1:
-                    _int8_tile(k, 1, 1, q, d, s, w, out, g, 0, 0, at, m)
-                else:
-                    for r0 in range(c0, min(c0 + _X_CHUNK, n), _MANY_X):
-                        _int8_tile(k, _MANY_X, 1, q, d, s, w, out, g, r0, n - 1, at, m)
+                k, at, m = kinds[p], cols[p], cols[p + 1] - cols[p]
+                for gg in range(max(g0, first[p]), min(g1, first[p + 1])):
+                    g = gg - first[p]
+                    if n == 1:
+                        _int8_tile(k, 1, 1, q, d, s, w, out, g, 0, 0, at, m)
+                    else:
+                        for r0 in range(c0, min(c0 + _X_CHUNK, n), _MANY_X):
+                            _int8_tile(k, _MANY_X, 1, q, d, s, w, out, g, r0, n - 1, at, m)
 
 
 _NO_PART = np.zeros((0, 1), np.uint8)  # an unused part: no groups
