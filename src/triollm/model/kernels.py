@@ -41,9 +41,11 @@ start_parallel_runtime()  # passive OpenMP workers, before the first prange (thr
 def _rms_norm_row(
     x: np.ndarray, weight: np.ndarray, eps: np.float32, out: np.ndarray, i: int
 ) -> None:
-    # Row i of rms_norm. rms_norm and add_rms_norm call this one compiled function
-    # (not an inlined copy each): with fastmath the sum's order is LLVM's choice per
-    # copy, and a row must get the same bits from either kernel.
+    # Row i of rms_norm and add_rms_norm. One source, but not one order of the sum:
+    # LLVM inlines it into each caller and, with fastmath, may vectorize the sum of
+    # squares differently in each, so the two kernels agree to float32 rounding, not
+    # to the bit (tests/model/test_kernels.py). What batch invariance needs holds:
+    # each norm of the forward always goes through the same one of them.
     d = x.shape[1]
     ss = np.float32(0.0)
     for j in range(d):
@@ -77,7 +79,9 @@ def add_rms_norm(
     attention's output into the MLP's norm, the MLP's into the next layer's): on a
     135M model a kernel call's fixed cost is a visible part of a batch-1 step, and
     the add was a numpy call of its own (docs/engine.md, "The step's fixed costs").
-    The bits are those of ``x += delta`` then ``rms_norm`` (one compiled row norm).
+    ``x`` gets exactly the bits of ``x += delta``; ``out`` agrees with ``rms_norm``
+    of it to float32 rounding (see ``_rms_norm_row``), and a row's bits do not depend
+    on the other rows.
     """
     n, d = x.shape
     for i in range(n):
