@@ -169,7 +169,7 @@ def stage_timer(totals: dict[str, float]) -> Iterator[None]:
     wrap(kernels, "rope_qk", "RoPE (kernels.rope_qk)")
     if hasattr(kernels, "qkv_rope_store"):  # not in trees before it (an A/B's old side)
         wrap(kernels, "qkv_rope_store", "q/k/v split, RoPE, KV write (kernels.qkv_rope_store)")
-    wrap(kernels, "rms_norm", "RMSNorm (kernels.rms_norm, add_rms_norm)")
+    wrap(kernels, "rms_norm", "RMSNorm (kernels.rms_norm, add_rms_norm)")  # the latter: older trees
     if hasattr(kernels, "add_rms_norm"):
         wrap(kernels, "add_rms_norm", "RMSNorm (kernels.rms_norm, add_rms_norm)")
     wrap(kernels, "silu_mul", "SwiGLU (kernels.silu_mul)")

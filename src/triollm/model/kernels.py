@@ -41,11 +41,10 @@ start_parallel_runtime()  # passive OpenMP workers, before the first prange (thr
 def _rms_norm_row(
     x: np.ndarray, weight: np.ndarray, eps: np.float32, out: np.ndarray, i: int
 ) -> None:
-    # Row i of rms_norm and add_rms_norm. One source, but not one order of the sum:
-    # LLVM inlines it into each caller and, with fastmath, may vectorize the sum of
-    # squares differently in each, so the two kernels agree to float32 rounding, not
-    # to the bit (tests/model/test_kernels.py). What batch invariance needs holds:
-    # each norm of the forward always goes through the same one of them.
+    # Row i of rms_norm. A fused add_rms_norm calling this row norm was tried and
+    # taken out: LLVM inlines the row into each caller and, with fastmath, orders
+    # the sum per copy, and one of its rows came out with different last bits on
+    # two calls with the same inputs.
     d = x.shape[1]
     ss = np.float32(0.0)
     for j in range(d):
@@ -64,29 +63,6 @@ def rms_norm(x: np.ndarray, weight: np.ndarray, eps: np.float32, out: np.ndarray
     x, out: (n, d) float32 (may be the same array); weight: (d,) float32.
     """
     for i in range(x.shape[0]):
-        _rms_norm_row(x, weight, eps, out, np.int64(i))  # type: ignore[arg-type]  # numba: int64
-
-
-@njit(cache=True, nogil=True, fastmath=True)
-def add_rms_norm(
-    x: np.ndarray, delta: np.ndarray, weight: np.ndarray, eps: np.float32, out: np.ndarray
-) -> None:
-    """The residual add and the next sublayer's norm in one call: ``x += delta``,
-    then :func:`rms_norm` of the new ``x`` into ``out``, row by row.
-
-    x, delta, out: (n, d) float32 (out not x: x is the residual stream and must
-    keep its sum); weight: (d,) float32. The forward ends every sublayer so (the
-    attention's output into the MLP's norm, the MLP's into the next layer's): on a
-    135M model a kernel call's fixed cost is a visible part of a batch-1 step, and
-    the add was a numpy call of its own (docs/engine.md, "The step's fixed costs").
-    ``x`` gets exactly the bits of ``x += delta``; ``out`` agrees with ``rms_norm``
-    of it to float32 rounding (see ``_rms_norm_row``), and a row's bits do not depend
-    on the other rows.
-    """
-    n, d = x.shape
-    for i in range(n):
-        for j in range(d):
-            x[i, j] += delta[i, j]
         _rms_norm_row(x, weight, eps, out, np.int64(i))  # type: ignore[arg-type]  # numba: int64
 
 
@@ -366,7 +342,6 @@ def warm_up(kv_dtype: KVDtype = DEFAULT_KV_DTYPE) -> float:
     rope_qk(x, x.copy(), pos, tab, tab)
     x2 = x.reshape(2, 8)
     rms_norm(x2, np.ones(8, dtype=np.float32), np.float32(1e-6), x2)
-    add_rms_norm(x2, x2.copy(), np.ones(8, dtype=np.float32), np.float32(1e-6), x2.copy())
     silu_mul(np.ones((2, 16), dtype=np.float32), x2)  # two rows: the parallel driver
     silu_mul(np.ones((1, 16), dtype=np.float32), x2[:1])  # one: the serial one
     storage = STORAGE[kv_dtype]
@@ -389,7 +364,6 @@ def warm_up(kv_dtype: KVDtype = DEFAULT_KV_DTYPE) -> float:
 
 __all__ = [
     "AttentionPlan",
-    "add_rms_norm",
     "paged_attention",
     "plan_attention",
     "qkv_rope_store",
