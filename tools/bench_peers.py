@@ -779,6 +779,7 @@ def measure(
                     ],
                 )
     meta["load_avg_end"], meta["date_end"] = loadavg(), now()
+    meta["stream_gbps_end"] = stream_gbps()  # the bandwidth drifts within minutes here
     (results / "meta.json").write_text(json.dumps(meta, indent=1))
     log(f"results in {results}")
     return results
@@ -787,7 +788,11 @@ def measure(
 def machine_info() -> dict:
     from triollm.bench.command import machine
 
-    return machine() | {"sgemm_gflops": sgemm_gflops(), "commit": commit()}
+    return machine() | {
+        "sgemm_gflops": sgemm_gflops(),
+        "stream_gbps": stream_gbps(),
+        "commit": commit(),
+    }
 
 
 def commit() -> str:
@@ -824,6 +829,36 @@ def sgemm_gflops() -> float | None:
     of 7 (docs/performance.md's "arithmetic ceiling"). A probe, not a comparison."""
     env = peerenv.clean_env() | {"OPENBLAS_NUM_THREADS": "2"}
     out = peerenv.run([sys.executable, "-c", SGEMM], env=env, capture_output=True, text=True)
+    try:
+        return round(float(out.stdout.strip()), 1)
+    except ValueError:
+        return None
+
+
+# A streaming read of 1 GiB on both threads (numba's prange, as triollm's kernels run;
+# llama.cpp's threads read the same memory): what a decode step that reads its weights
+# once can reach. The tables divide each row's bytes per token by it (the floor).
+STREAM = """
+import time, numpy as np
+from numba import njit, prange
+@njit(parallel=True, fastmath=True)  # a vectorised sum: memory-bound, not adds
+def total(a):
+    s = 0.0
+    for i in prange(a.shape[0]):
+        s += a[i]
+    return s
+a = np.ones(1 << 27); total(a); best = 1e9
+for _ in range(5):
+    t = time.perf_counter(); total(a); best = min(best, time.perf_counter() - t)
+print(a.nbytes / best / 1e9)
+"""
+
+
+def stream_gbps(threads: int = 2) -> float | None:
+    """Memory bandwidth as two threads stream it: best of 5 reads of 1 GiB (GB/s). A
+    probe taken at the start and the end of a run, not a comparison."""
+    env = peerenv.clean_env() | {"NUMBA_NUM_THREADS": str(threads)}
+    out = peerenv.run([sys.executable, "-c", STREAM], env=env, capture_output=True, text=True)
     try:
         return round(float(out.stdout.strip()), 1)
     except ValueError:

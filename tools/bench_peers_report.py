@@ -32,6 +32,15 @@ IMG = REPO / "docs" / "img"
 BEGIN = "<!-- bench-peers:begin (written by tools/bench_peers.py tables; edit the tool) -->"
 END = "<!-- bench-peers:end -->"
 
+# docs/performance.md's long-context table (the teaching page keeps its own generated
+# part: prefill and decode at depth against the bandwidth floor).
+PERF = REPO / "docs" / "performance.md"
+LONG_BEGIN = "<!-- long-context:begin (written by tools/bench_peers.py tables; edit the tool) -->"
+LONG_END = "<!-- long-context:end -->"
+# A cache of what a GGUF file's header says a decode step reads (opening 1 GB files
+# with gguf.GGUFReader takes seconds each), keyed by name, size and mtime.
+BYTES_CACHE = Path.home() / ".cache" / "triollm" / "peers" / "bytes-per-token.json"
+
 ENGINE = (Metric("tok_s", "tok/s", True),)
 SERVE = (
     Metric("aggregate_tok_s", "aggregate tok/s", True),
@@ -243,6 +252,8 @@ def write_report(runs: list[Path], *, doc: bool = True, threshold: float | None 
             body += [f"### Run of {meta['date'][:16].replace('T', ' ')} UTC", ""]
         body += lines
     drawn = plots(runs, threshold) if doc else []
+    if doc:
+        write_long_context(runs, threshold)
     body += [*[f"![{alt}](img/{name})\n" for name, alt in drawn], END]
     print("\n".join(body))
     if doc:
@@ -257,11 +268,126 @@ def write_report(runs: list[Path], *, doc: bool = True, threshold: float | None 
         DOC.write_text(head + "\n".join(body) + tail)
 
 
+def step_bytes(path: str) -> dict[str, int] | None:
+    """What one decode step reads from a GGUF file: ``weights``, the bytes of every
+    tensor the step multiplies (the token embedding counts only when the output head is
+    tied to it: untied, a step reads one row of it), and ``kv_per_position``, the K and
+    V bytes of one position over all layers in a 16-bit cache (both systems' default).
+    None for a file that is not GGUF (the 16-bit SmolLM2 pairing reads an HF dir)."""
+    f = Path(path)
+    if f.suffix != ".gguf" or not f.exists():
+        return None
+    st = f.stat()
+    key = f"{f.name}:{st.st_size}:{int(st.st_mtime)}"
+    cache = json.loads(BYTES_CACHE.read_text()) if BYTES_CACHE.exists() else {}
+    if key not in cache:
+        import gguf
+
+        reader = gguf.GGUFReader(f)
+        sizes = {t.name: int(t.n_bytes) for t in reader.tensors}
+        tied = "output.weight" not in sizes
+        weights = sum(n for name, n in sizes.items() if tied or name != "token_embd.weight")
+
+        def field(name: str) -> int:
+            fl = reader.fields[name]
+            return int(fl.parts[fl.data[0]][0])
+
+        arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
+        heads = field(f"{arch}.attention.head_count")
+        head_dim = (
+            field(f"{arch}.attention.key_length")
+            if f"{arch}.attention.key_length" in reader.fields
+            else field(f"{arch}.embedding_length") // heads
+        )
+        kv = 2 * field(f"{arch}.block_count") * field(f"{arch}.attention.head_count_kv")
+        cache[key] = {"weights": weights, "kv_per_position": kv * head_dim * 2}
+        BYTES_CACHE.parent.mkdir(parents=True, exist_ok=True)
+        BYTES_CACHE.write_text(json.dumps(cache, indent=1))
+    return cache[key]
+
+
+LONG_ROWS = ("decode b=1", "decode b=16", "prefill 512", "prefill 2048")
+
+
+def _floor(row: str, rec: dict[str, Any], w: dict[str, Any], b: dict[str, int], gbps: float):
+    """tok/s a row cannot exceed at ``gbps``: its tokens per step over the bytes a step
+    reads (weights once, each sequence's K/V at its mean context). None for a prefill:
+    a prompt's rows share each weight read, so arithmetic, not bytes, bounds it."""
+    if rec["part"] == "depth":
+        batch, ctx = 1, rec["depth"] + w["depth_new"] / 2
+    elif rec["part"] == "decode":
+        batch, ctx = rec["batch"], w["prompt"] + w["new"] / 2
+    else:
+        return None
+    return batch * gbps * 1e9 / (b["weights"] + batch * ctx * b["kv_per_position"])
+
+
+def long_context(runs: list[Path], threshold: float | None = None) -> list[str]:
+    """The lines between performance.md's long-context markers: for each model, the
+    rows a long prompt or a long conversation lives on, each from the last run that
+    measured its part, against the floor of the run's own bandwidth probe."""
+    latest: dict[tuple[str, str], tuple[dict[str, Any], list[dict[str, Any]]]] = {}
+    for results in runs:
+        meta = json.loads((results / "meta.json").read_text())
+        rs = [r for r in read(results / "records.jsonl") if "error" not in r]
+        if threshold is not None:
+            rs, _ = rejudge(rs, read(results / "rounds.jsonl"), threshold)
+        for key in {(r["model"], r["part"]) for r in rs}:
+            if key[1] in ("decode", "prefill", "depth"):
+                latest[key] = (
+                    meta | {"dir": results.name},
+                    [r for r in rs if (r["model"], r["part"]) == key],
+                )
+    lines = [
+        "| model | row | triollm tok/s | llama.cpp tok/s | ratio | per round | floor tok/s "
+        "| triollm of floor | llama.cpp of floor | run |",
+        "| --- | --- | ---: | ---: | ---: | --- | ---: | ---: | ---: | --- |",
+    ]
+    models = sorted({m for m, _ in latest}, key=lambda m: (m != "qwen1.5b", m))
+    for model in models:
+        for part in ("decode", "prefill", "depth"):
+            if (model, part) not in latest:
+                continue
+            meta, rs = latest[(model, part)]
+            gbps = meta.get("stream_gbps")
+            b = step_bytes(meta["models"][model]["ours"])
+            for e in sorted(summaries(rs), key=lambda e: _row_order(e["row"])):
+                if e["metric"] != "tok/s" or (part != "depth" and e["row"] not in LONG_ROWS):
+                    continue
+                s = e["s"]
+                rec = next(r for r in rs if r["row"] == e["row"])
+                fl = _floor(e["row"], rec, meta["workload"], b, gbps) if b and gbps else None
+                of = [
+                    "—" if fl is None or v is None else f"{100 * v / fl:.0f} %"
+                    for v in (s.ours, s.peer)
+                ]
+                ratio = "—" if s.ratio is None else f"{s.ratio:.2f}x"
+                lines.append(
+                    f"| {meta['models'][model]['title']} | {e['row']} | {s.ours:.1f} | "
+                    f"{s.peer:.1f} | {ratio} ({s.verdict}) | {s.per_round()} | "
+                    + ("—" if fl is None else f"{fl:.1f}")
+                    + f" | {of[0]} | {of[1]} | {meta['date'][:16].replace('T', ' ')}, "
+                    f"`{meta.get('commit', '?')}`, {gbps or '—'} GB/s |"
+                )
+    return [LONG_BEGIN, "", *lines, "", LONG_END]
+
+
+def write_long_context(runs: list[Path], threshold: float | None = None) -> None:
+    body = long_context(runs, threshold)
+    print("\n".join(body))
+    text = PERF.read_text()
+    if LONG_BEGIN not in text:
+        raise SystemExit(f"{PERF} has no {LONG_BEGIN!r} marker: put it where the table goes")
+    head, _, rest = text.partition(LONG_BEGIN)
+    _, _, tail = rest.partition(LONG_END)
+    PERF.write_text(head + "\n".join(body) + tail)
+
+
 def merged(
     runs: list[Path], threshold: float | None
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """One meta and one record list over several runs: each model's records come from the
-    last run that measured it (a re-measured model replaces its earlier figures)."""
+    """One meta and one record list over several runs: each model's part comes from the
+    last run that measured it (a re-measured part replaces its earlier figures)."""
     meta: dict[str, Any] = {}
     records: list[dict[str, Any]] = []
     for results in runs:
@@ -269,10 +395,14 @@ def merged(
         rs = read(results / "records.jsonl")
         if threshold is not None:
             rs, _ = rejudge(rs, read(results / "rounds.jsonl"), threshold)
-        measured = {r["model"] for r in rs}
-        records = [r for r in records if r["model"] not in measured] + rs
-        models = {k: v for k, v in meta.get("models", {}).items() if k not in measured}
-        meta = m | {"models": models | {k: v for k, v in m["models"].items() if k in measured}}
+        # a model's part re-measured replaces that part only (a depth-only run must not
+        # take the model's decode rounds out of the plots)
+        measured = {(r["model"], r["part"]) for r in rs}
+        records = [r for r in records if (r["model"], r.get("part")) not in measured] + rs
+        models = meta.get("models", {}) | {
+            k: v for k, v in m["models"].items() if any(k == mk for mk, _ in measured)
+        }
+        meta = m | {"models": models}
     return meta, records
 
 

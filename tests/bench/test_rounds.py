@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -190,3 +191,71 @@ def test_serve_rows_name_itl_per_token_only_when_the_client_timed_tokens() -> No
     assert {"TPOT p50 ms", "ITL p50 ms", "ITL p99 ms"} <= labels(True)
     old = labels(False)
     assert {"chunk gap p50 ms", "chunk gap p99 ms"} <= old and "ITL p99 ms" not in old
+
+
+def test_a_run_of_one_part_replaces_only_that_part_of_a_model(tmp_path: Path) -> None:
+    """A depth-only run (the 16 384-position one) keeps the model's decode rounds from
+    the earlier run: merging by model alone dropped them from the plots."""
+    report = _report()
+    runs = []
+    for name, part, tok in (("a", "decode", 10.0), ("a2", "depth", 5.0), ("b", "depth", 7.0)):
+        d = tmp_path / name
+        d.mkdir()
+        meta = {"date": name, "models": {"qwen1.5b": {"title": "q", "pairing": "same"}}}
+        (d / "meta.json").write_text(json.dumps(meta))
+        rec = {"model": "qwen1.5b", "part": part, "system": "triollm", "round": 0, "tok_s": tok}
+        (d / "records.jsonl").write_text(json.dumps(rec) + "\n")
+        (d / "rounds.jsonl").write_text("")
+        runs.append(d)
+    _, records = report.merged(runs, None)
+    assert sorted((r["part"], r["tok_s"]) for r in records) == [("decode", 10.0), ("depth", 7.0)]
+
+
+def _tiny_gguf(path: Path, *, tied: bool) -> int:
+    """A GGUF with a llama header and float32 tensors; the bytes a step reads."""
+    import gguf
+    import numpy as np
+
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(2)
+    w.add_embedding_length(32)
+    w.add_head_count(4)
+    w.add_head_count_kv(2)
+    tensors = {"token_embd.weight": np.zeros((100, 32), np.float32)}
+    tensors |= {f"blk.{i}.attn_q.weight": np.zeros((32, 32), np.float32) for i in range(2)}
+    if not tied:
+        tensors["output.weight"] = np.zeros((100, 32), np.float32)
+    for name, t in tensors.items():
+        w.add_tensor(name, t)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return 4 * (100 * 32 + 2 * 32 * 32)  # the head once, tied or not; the embedding not again
+
+
+def test_a_step_reads_the_head_once_and_two_bytes_of_k_and_v_per_layer_and_kv_head(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """The floor's bytes come from the file: every multiplied tensor, the token embedding
+    only when it is also the head; K/V per position = 2 (K, V) x layers x KV heads x
+    head_dim x 2 bytes. Counting the untied embedding too would lower the floor."""
+    report = _report()
+    monkeypatch.setattr(report, "BYTES_CACHE", tmp_path / "cache.json")
+    for tied in (True, False):
+        f = tmp_path / f"m-{tied}.gguf"
+        want = _tiny_gguf(f, tied=tied)
+        b = report.step_bytes(str(f))
+        assert b == {"weights": want, "kv_per_position": 2 * 2 * 2 * (32 // 4) * 2}
+    assert report.step_bytes(str(tmp_path / "hf-dir")) is None
+
+
+def test_the_floor_of_a_row_is_its_tokens_per_step_over_the_bytes_a_step_reads() -> None:
+    report = _report()
+    b = {"weights": 1_000_000_000, "kv_per_position": 28_672}
+    w = {"prompt": 32, "new": 32, "depth_new": 32}
+    depth = report._floor("decode after 4096", {"part": "depth", "depth": 4096}, w, b, 33.0)
+    assert math.isclose(depth, 33e9 / (1e9 + (4096 + 16) * 28_672))
+    b16 = report._floor("decode b=16", {"part": "decode", "batch": 16}, w, b, 33.0)
+    assert math.isclose(b16, 16 * 33e9 / (1e9 + 16 * 48 * 28_672))
+    assert report._floor("prefill 512", {"part": "prefill"}, w, b, 33.0) is None
