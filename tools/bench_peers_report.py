@@ -260,12 +260,7 @@ def write_report(runs: list[Path], *, doc: bool = True, threshold: float | None 
         # a picture this run did not draw would show an older run's figures
         for stale in set(IMG.glob("peers-*.png")) - {IMG / name for name, _ in drawn}:
             stale.unlink()
-        text = DOC.read_text()
-        if BEGIN not in text:
-            raise SystemExit(f"{DOC} has no {BEGIN!r} marker: put it where the results go")
-        head, _, rest = text.partition(BEGIN)
-        _, _, tail = rest.partition(END)
-        DOC.write_text(head + "\n".join(body) + tail)
+        _replace_between(DOC, BEGIN, END, body)
 
 
 def step_bytes(path: str) -> dict[str, int] | None:
@@ -375,12 +370,18 @@ def long_context(runs: list[Path], threshold: float | None = None) -> list[str]:
 def write_long_context(runs: list[Path], threshold: float | None = None) -> None:
     body = long_context(runs, threshold)
     print("\n".join(body))
-    text = PERF.read_text()
-    if LONG_BEGIN not in text:
-        raise SystemExit(f"{PERF} has no {LONG_BEGIN!r} marker: put it where the table goes")
-    head, _, rest = text.partition(LONG_BEGIN)
-    _, _, tail = rest.partition(LONG_END)
-    PERF.write_text(head + "\n".join(body) + tail)
+    _replace_between(PERF, LONG_BEGIN, LONG_END, body)
+
+
+def _replace_between(doc: Path, begin: str, end: str, body: list[str]) -> None:
+    """Put ``body`` (which starts with ``begin`` and ends with ``end``) where the markers
+    are in ``doc``; the text around them is the page's own."""
+    text = doc.read_text()
+    if begin not in text:
+        raise SystemExit(f"{doc} has no {begin!r} marker: put it where the table goes")
+    head, _, rest = text.partition(begin)
+    _, _, tail = rest.partition(end)
+    doc.write_text(head + "\n".join(body) + tail)
 
 
 def merged(

@@ -63,6 +63,32 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[max(1, math.ceil(q / 100 * len(ordered))) - 1]
 
 
+def _result(
+    outcome: str,
+    detail: str,
+    *,
+    sent: float,
+    t0: float,
+    status: int | None,
+    ttft: float | None,
+    usage: dict[str, Any] | None,
+) -> Result:
+    """One request's end, streamed or whole: its times from ``t0`` and what ``usage``
+    counted (the answer's tokens and the prompt tokens the prefix cache served)."""
+    usage = usage or {}
+    details = usage.get("prompt_tokens_details") or {}
+    return Result(
+        outcome,
+        sent,
+        time.perf_counter() - t0,
+        status,
+        ttft,
+        int(usage.get("completion_tokens") or 0),
+        details.get("cached_tokens"),
+        detail,
+    )
+
+
 async def stream_one(
     client: httpx.AsyncClient,
     url: str,
@@ -79,17 +105,7 @@ async def stream_one(
     finish = done = False
 
     def result(outcome: str, detail: str = "") -> Result:
-        details = usage.get("prompt_tokens_details") or {}
-        return Result(
-            outcome,
-            sent,
-            time.perf_counter() - t0,
-            status,
-            ttft,
-            int(usage.get("completion_tokens") or 0),
-            details.get("cached_tokens"),
-            detail,
-        )
+        return _result(outcome, detail, sent=sent, t0=t0, status=status, ttft=ttft, usage=usage)
 
     timeout = httpx.Timeout(idle_timeout_s, connect=5.0)
     try:
@@ -140,18 +156,7 @@ async def whole_one(
     status: int | None = None
 
     def result(outcome: str, detail: str = "", usage: dict[str, Any] | None = None) -> Result:
-        usage = usage or {}
-        details = usage.get("prompt_tokens_details") or {}
-        return Result(
-            outcome,
-            sent,
-            time.perf_counter() - t0,
-            status,
-            None,
-            int(usage.get("completion_tokens") or 0),
-            details.get("cached_tokens"),
-            detail,
-        )
+        return _result(outcome, detail, sent=sent, t0=t0, status=status, ttft=None, usage=usage)
 
     timeout = httpx.Timeout(idle_timeout_s, connect=5.0)
     try:
