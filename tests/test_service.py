@@ -294,12 +294,9 @@ async def test_the_idle_loop_sleeps_on_an_event_not_a_timer(autojump_clock):
         nursery.cancel_scope.cancel()
 
 
-async def test_the_next_step_computes_while_the_reader_takes_the_last_steps_token(monkeypatch):
-    """The thread runner (the server's) starts step N+1's thread before the loop
-    yields after dispatching step N, so the handler that dispatch woke writes its event
-    while N+1 computes, not in front of it (a fixed cost per token on a small model).
-    The one test here with a real worker thread: the order asserted is the event
-    loop's own (the reader cannot run before the loop yields), not a race."""
+def _thread_runner_service(monkeypatch: Any) -> tuple[Service, list[object]]:
+    """A Service on the real thread runner (the server's), and the list of the step
+    functions it has handed to a worker thread so far, in order."""
     started: list[object] = []
     real_start = trio.lowlevel.start_thread_soon
 
@@ -313,7 +310,16 @@ async def test_the_next_step_computes_while_the_reader_takes_the_last_steps_toke
             num_blocks=16, block_size=4, slots=2, chunk_tokens=8, step_rows=16, context_tokens=32
         )
     )
-    service = Service(sched, FakeExecutor(), detokenizer=LetterDetok)  # the thread runner
+    return Service(sched, FakeExecutor(), detokenizer=LetterDetok), started
+
+
+async def test_the_next_step_computes_while_the_reader_takes_the_last_steps_token(monkeypatch):
+    """The thread runner (the server's) starts step N+1's thread before the loop
+    yields after dispatching step N, so the handler that dispatch woke writes its event
+    while N+1 computes, not in front of it (a fixed cost per token on a small model).
+    The one test here with a real worker thread: the order asserted is the event
+    loop's own (the reader cannot run before the loop yields), not a race."""
+    service, started = _thread_runner_service(monkeypatch)
     with trio.fail_after(60):  # real time: a lost wake-up shows as an error, not a hang
         async with trio.open_nursery() as nursery:
             await nursery.start(service.run)
@@ -331,20 +337,7 @@ async def test_a_cancelled_loop_starts_no_step_after_the_one_in_flight(monkeypat
     """The thread runner waits for its step even when cancelled (the thread writes the
     KV pool), and it does not yield before starting one; so it must notice the
     cancellation itself, or a shutting-down loop would start step after step."""
-    started: list[object] = []
-    real_start = trio.lowlevel.start_thread_soon
-
-    def recording_start(fn: Any, deliver: Any, name: str | None = None) -> None:
-        started.append(fn)
-        real_start(fn, deliver, name)
-
-    monkeypatch.setattr(trio.lowlevel, "start_thread_soon", recording_start)
-    sched = Scheduler(
-        SchedulerConfig(
-            num_blocks=16, block_size=4, slots=2, chunk_tokens=8, step_rows=16, context_tokens=32
-        )
-    )
-    service = Service(sched, FakeExecutor(), detokenizer=LetterDetok)  # the thread runner
+    service, started = _thread_runner_service(monkeypatch)
     with trio.fail_after(60):
         async with trio.open_nursery() as nursery:
             await nursery.start(service.run)
