@@ -101,7 +101,16 @@ VECTOR = 64  # bytes per vector: 16 rows x 4 values
 
 @dataclass(frozen=True)
 class Layout:
-    """Where each field of one group's record sits, for one weight type (offsets in bytes)."""
+    """Where each field of one group's record sits, for one weight type (offsets in bytes).
+
+    After the scales, the record's *body* is a run of chunks, each the high bits
+    (if the type has any) of ``chunk_vectors`` vectors followed by their nibbles
+    (or Q8_0's bytes), in the order the tile reads them: one record is read front
+    to back as one stream. Hazard: with the high bits in one field and the nibbles
+    in another (Q6_K's first layout), the tile read two interleaved streams a
+    record apart and the hardware prefetcher followed neither: one thread read
+    Q6_K records at 9-10 GB/s from memory against 24 chunked (docs/engine.md).
+    """
 
     values: int  # the activation block: values per record
     sub: int  # values per sub-block scale (= values for the 32-value types)
@@ -110,8 +119,10 @@ class Layout:
     m: int | None  # mins (Q4_1, Q5_1) or dmin (Q4_K, Q5_K)
     sc: int | None  # K-quants' sub-block scales
     mn: int | None  # Q4_K/Q5_K's sub-block mins
-    hi: int | None  # fifth bits (Q5_*) or the two high bits (Q6_K)
-    q: int  # the nibbles, or Q8_0's bytes
+    body: int  # the first chunk
+    chunk_vectors: int  # vectors per chunk (Q5_*: 8, one sub-block of 32; Q6_K: 4, of 16)
+    hi_bytes: int  # high-bit bytes opening each chunk: Q5_* 8 a vector, Q6_K 64; else 0
+    vector_bytes: int  # low-bit bytes per vector: 32 (two vectors' nibbles share 64), Q8_0 64
     size: int
 
     @property
@@ -123,6 +134,29 @@ class Layout:
     def subs(self) -> int:
         """Sub-blocks per record."""
         return self.values // self.sub
+
+    @property
+    def chunk(self) -> int:
+        """Bytes per chunk: its high bits, then its nibbles (Q8_0: its bytes)."""
+        return self.hi_bytes + self.vector_bytes * self.chunk_vectors
+
+    def _chunk_at(self, c: int) -> int:
+        return self.body + (c // self.chunk_vectors) * self.chunk
+
+    def q_at(self, c: int) -> int:
+        """The 64 bytes holding vector ``c``'s low bits: its nibbles (low nibbles of
+        vector 2p, high of 2p + 1 share 64 bytes), or Q8_0's vector itself."""
+        k = c % self.chunk_vectors
+        k -= k % (64 // self.vector_bytes)  # the even vector of a nibble pair
+        return self._chunk_at(c) + self.hi_bytes + self.vector_bytes * k
+
+    def hi_at(self, c: int) -> int:
+        """Vector ``c``'s high bits: the Q5 types' 8 bytes (bit 4r + i: lane byte 4r + i's
+        fifth bit), Q6_K's 64 bytes that the chunk's four vectors share."""
+        if not self.hi_bytes:  # a tile asking for a field of another type: a bug here
+            raise ValueError("this type's record has no high bits")
+        per = self.hi_bytes // self.chunk_vectors  # 8 (Q5_*) or 16 (Q6_K: shared)
+        return self._chunk_at(c) + (8 * (c % self.chunk_vectors) if per == 8 else 0)
 
 
 def _layout(kind: int) -> Layout:
@@ -140,16 +174,17 @@ def _layout(kind: int) -> Layout:
         sc, at = at, at + ROWS * subs
     if kind in (_Q4_K, _Q5_K):
         mn, at = at, at + ROWS * subs
-    hi = None
     vectors = values // 4
-    if kind in (_Q5_0, _Q5_1, _Q5_K):
-        hi, at = at, at + 8 * vectors
-    elif kind == _Q6_K:
-        hi, at = at, at + VECTOR * vectors // 4
-    q = at
-    at += VECTOR * (vectors if kind == _Q8_0 else vectors // 2)
+    if kind in (_Q5_0, _Q5_1, _Q5_K):  # a chunk per sub-block of 32: 64 + 256 bytes
+        cv, hib = 8, 64
+    elif kind == _Q6_K:  # a chunk per sub-block of 16: 64 + 128 bytes
+        cv, hib = 4, 64
+    else:  # Q4_0, Q4_1, Q4_K, Q8_0: no high bits, one chunk
+        cv, hib = vectors, 0
+    vb = 64 if kind == _Q8_0 else 32
+    size = at + (vectors // cv) * (hib + vb * cv)
     offset = {_Q4_0: 8, _Q5_0: 16, _Q8_0: 128, _Q6_K: 32}.get(kind, 0)
-    return Layout(values, sub, offset, d, m, sc, mn, hi, q, at)
+    return Layout(values, sub, offset, d, m, sc, mn, at, cv, hib, vb, size)
 
 
 LAYOUTS = {k: _layout(k) for k in INT8_TYPES}
@@ -293,10 +328,6 @@ def _can_vnni(context: Any) -> bool:
     return all(f"+{f}" in feats for f in ("avx512vnni", "avx512bw"))
 
 
-def _plus(at: int | None, k: int) -> int | None:
-    return None if at is None else at + k
-
-
 class _Record:
     """One group's record of one block (quant_pack's layout), read as IR values."""
 
@@ -336,16 +367,16 @@ class _Record:
         b, lay, kind = self.b, self.lay, self.kind
         v64 = _vec(_I8, 64)
         if kind == _Q8_0:
-            return self.load(lay.q + 64 * c, v64)
-        nib = self._once("nib", c // 2, lambda: self.load(lay.q + 64 * (c // 2), v64))
+            return self.load(lay.q_at(c), v64)
+        nib = self._once("nib", c // 2, lambda: self.load(lay.q_at(c), v64))
         if c % 2:
             nib = b.lshr(nib, _const(_I8, 64, 4))
         u = b.and_(nib, _const(_I8, 64, 15))
         if kind in (_Q5_0, _Q5_1, _Q5_K):  # one bit per byte: a 64-bit mask
-            bits = b.bitcast(self.load(_plus(lay.hi, 8 * c), _I64), _vec(_I1, 64))
+            bits = b.bitcast(self.load(lay.hi_at(c), _I64), _vec(_I1, 64))
             u = b.or_(u, b.select(bits, _const(_I8, 64, 16), _const(_I8, 64, 0)))
         elif kind == _Q6_K:  # bits 2j, 2j + 1 of the shared byte, moved to bits 4-5
-            h = self._once("hi", c // 4, lambda: self.load(_plus(lay.hi, 64 * (c // 4)), v64))
+            h = self._once("hi", c // 4, lambda: self.load(lay.hi_at(c), v64))
             j = c % 4
             if j < 2:
                 h = b.shl(h, _const(_I8, 64, 4 - 2 * j))

@@ -29,11 +29,15 @@ fields in this order (absent fields take no bytes):
          (Q4_K, Q5_K: eight unsigned 6-bit scales of 32 values;
           Q6_K: sixteen int8 scales of 16 values)
     mn   16 bytes per sub-block: Q4_K/Q5_K's 6-bit mins
-    hi   Q5_0, Q5_1, Q5_K: 8 bytes per vector, bit 4r + i = bit 4 of lane r's byte i;
+    then chunks, each the high bits of a few vectors followed by their low bits,
+    in the order the tile reads them (one record is one forward stream):
+    hi   Q5_0, Q5_1, Q5_K: 8 bytes per vector, bit 4r + i = bit 4 of lane r's byte i
+         (a chunk per 8 vectors: 64 bytes, then their 256 bytes of nibbles);
          Q6_K: 64 bytes per four vectors, bits 2j, 2j + 1 of byte b = bits 4-5
-         of byte b of vector 4p + j
+         of byte b of vector 4p + j (a chunk per 4 vectors: 64, then 128 of nibbles)
     q    Q8_0: the vectors themselves (``u = q ^ 0x80``); the others 64 bytes per
          two vectors: low nibbles vector 2p, high nibbles vector 2p + 1
+         (Q4_0, Q4_1, Q4_K, Q8_0 have no high bits: one chunk of these)
 
 ``u`` is each weight as an unsigned integer (``vpdpbusd`` multiplies unsigned
 bytes by signed ones): ``w = d * (u - offset)`` (``+ m`` for the types with a
@@ -113,7 +117,8 @@ def _high(b: Any, row: int, s: int, kind: int, v: int) -> int:  # pragma: no cov
 @njit(inline="always")
 def _pack_rows(b, kind, bb, values, size, fields, out, g):  # type: ignore[no-untyped-def]  # pragma: no cover
     # group g's records, row by row; `kind` a constant where this is inlined
-    at_d, at_m, at_sc, at_mn, at_hi, at_q = fields
+    at_d, at_m, at_sc, at_mn, body, cv, hib = fields
+    chunk = hib + (64 if kind == _Q8_0 else 32) * cv  # quant_int8.Layout.chunk
     for r in range(min(ROWS, b.shape[0] - g * ROWS)):  # rows past the end stay zero
         row = g * ROWS + r
         for bi in range(b.shape[1] // bb):
@@ -140,34 +145,38 @@ def _pack_rows(b, kind, bb, values, size, fields, out, g):  # type: ignore[no-un
             if kind == _Q8_0:  # vector c, byte 4r + i: the int8 with its top bit flipped
                 for c in range(8):
                     for i in range(4):
-                        out[g, o + at_q + 64 * c + 4 * r + i] = b[row, s + 2 + 4 * c + i] ^ 0x80
+                        out[g, o + body + 64 * c + 4 * r + i] = b[row, s + 2 + 4 * c + i] ^ 0x80
                 continue
             # 64 bytes per two vectors: value 8p + i low, 8p + 4 + i high, in byte 4r + i
             for p in range(values // 8):
+                c = 2 * p  # its chunk's high bits first, then its nibbles (Layout.q_at)
+                at = o + body + (c // cv) * chunk + hib + 32 * (c % cv)
                 for i in range(4):
                     v = 8 * p + i
                     lo, hi = _low(b, row, s, kind, v), _low(b, row, s, kind, v + 4)
-                    out[g, o + at_q + 64 * p + 4 * r + i] = lo | (hi << 4)
+                    out[g, at + 4 * r + i] = lo | (hi << 4)
             if kind == _Q6_K:  # bits 4-5 of vector 4p + j at bits 2j of byte 4r + i
                 for p in range(values // 16):
                     for i in range(4):
                         two = 0
                         for j in range(4):
                             two |= _high(b, row, s, kind, 16 * p + 4 * j + i) << (2 * j)
-                        out[g, o + at_hi + 64 * p + 4 * r + i] = two
-            elif at_hi >= 0:  # bit 4 of lane byte 4r + i: bit 4r + i of a 64-bit word
+                        out[g, o + body + p * chunk + 4 * r + i] = two  # chunk p opens
+            elif hib:  # bit 4 of lane byte 4r + i: bit 4r + i of a 64-bit word
                 for c in range(values // 4):
                     four = 0
                     for i in range(4):
                         four |= _high(b, row, s, kind, 4 * c + i) << i
                     # rows 2m and 2m + 1 share the byte (this thread packs both)
-                    out[g, o + at_hi + 8 * c + r // 2] |= four << (4 * (r % 2))
+                    at = o + body + (c // cv) * chunk + 8 * (c % cv)  # Layout.hi_at
+                    out[g, at + r // 2] |= four << (4 * (r % 2))
 
 
 @njit(cache=True, nogil=True, parallel=True)
 def _pack(b, kind, bb, values, size, fields, out):  # type: ignore[no-untyped-def]  # pragma: no cover
     # b (rows, nb * bb) GGUF blocks; out (groups, nb * size) zeros; fields: the
-    # layout's offsets d, m, sc, mn, hi, q (-1: absent, a value numba can hold).
+    # layout's offsets d, m, sc, mn (-1: absent, a value numba can hold), then
+    # where the chunks start, the vectors per chunk and the high-bit bytes opening each.
     # One branch per group, each calling the pass with its type as a constant.
     for g in prange(out.shape[0]):
         if kind == _Q4_0:
@@ -198,7 +207,10 @@ def pack(blocks: np.ndarray, kind: int) -> np.ndarray:
     rows = blocks.shape[0]
     nb = blocks.shape[1] // _BLOCK_BYTES[kind]
     out = np.zeros((-(-rows // ROWS), nb * lay.size), np.uint8)
-    fields = tuple(-1 if f is None else f for f in (lay.d, lay.m, lay.sc, lay.mn, lay.hi, lay.q))
+    fields = tuple(
+        -1 if f is None else f
+        for f in (lay.d, lay.m, lay.sc, lay.mn, lay.body, lay.chunk_vectors, lay.hi_bytes)
+    )
     if rows:
         _pack(blocks, kind, _BLOCK_BYTES[kind], lay.values, lay.size, fields, out)
     return out
