@@ -98,7 +98,7 @@ def test_silu_mul_gives_a_row_the_same_bits_alone_and_in_a_batch(f: int, seed: i
     n_kv=st.integers(1, 3),
     group=st.integers(1, 3),
     head_dim=st.sampled_from([2, 4, 8, 16]),
-    block_size=st.sampled_from([1, 3, 4, 8]),
+    block_size=st.sampled_from([1, 3, 4, 8, 32]),  # 32: K read in place (f32, f16)
     window=st.sampled_from([0, 1, 5, 16]),
     segment=st.sampled_from([32, 64, 1024]),
     seed=st.integers(0, 2**32 - 1),
@@ -173,10 +173,11 @@ def _attention_equals_dense(
     head_dim=st.sampled_from([16, 64, 128]),
     segment=st.sampled_from([64, 1024]),
     dtype=st.sampled_from(list(KVDtype)),
+    block_size=st.sampled_from([4, 32]),  # 32: f32 and f16 read K's blocks in place
     seed=st.integers(0, 2**32 - 1),
 )
 def test_paged_attention_gives_a_row_the_same_bits_alone_and_in_a_batch(
-    window: int, head_dim: int, segment: int, dtype: KVDtype, seed: int
+    window: int, head_dim: int, segment: int, dtype: KVDtype, block_size: int, seed: int
 ) -> None:
     """16 rows of one sequence at once, and each alone: identical bits (batch invariance).
 
@@ -187,15 +188,17 @@ def test_paged_attention_gives_a_row_the_same_bits_alone_and_in_a_batch(
     saved = attention.SEGMENT_POSITIONS
     attention.SEGMENT_POSITIONS = segment
     try:
-        _row_alone_and_in_a_batch(window, head_dim, dtype, seed)
+        _row_alone_and_in_a_batch(window, head_dim, dtype, block_size, seed)
     finally:
         attention.SEGMENT_POSITIONS = saved
 
 
-def _row_alone_and_in_a_batch(window: int, head_dim: int, dtype: KVDtype, seed: int) -> None:
+def _row_alone_and_in_a_batch(
+    window: int, head_dim: int, dtype: KVDtype, block_size: int, seed: int
+) -> None:
     rng = rng_for(seed)
-    n_kv, group, block_size, length = 3, 3, 4, 300
-    n_blocks = length // block_size
+    n_kv, group, length = 3, 3, 300
+    n_blocks = -(-length // block_size)
     k_cache, v_cache, k_scale, v_scale = stored_cache(
         rng, dtype, n_blocks, n_kv, block_size, head_dim
     )
@@ -297,14 +300,15 @@ def tiny_config(n_kv: int, head_dim: int) -> ModelConfig:
     dtype=st.sampled_from(list(KVDtype)),
     head_dim=st.sampled_from([32, 64, 128]),
     length=st.integers(1, 200),
+    bs=st.sampled_from([8, 32]),  # 32: f32 and f16 read K's blocks in place
     seed=st.integers(0, 2**32 - 1),
 )
 def test_each_cache_type_attends_over_the_values_it_stores(
-    dtype: KVDtype, head_dim: int, length: int, seed: int
+    dtype: KVDtype, head_dim: int, length: int, bs: int, seed: int
 ) -> None:
     """The kernel's widening (f16 bits, bf16 bits, q8_0 blocks) equals numpy's."""
     rng = rng_for(seed)
-    n_kv, group, bs = 2, 2, 8
+    n_kv, group = 2, 2
     n_blocks = -(-length // bs)
     k_cache, v_cache, k_scale, v_scale = stored_cache(rng, dtype, n_blocks, n_kv, bs, head_dim)
     # (n_blocks, n_kv, bs, head_dim) float32; K (and its scales) back to position-major

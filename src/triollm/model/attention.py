@@ -70,7 +70,7 @@ from numba.extending import intrinsic, overload
 
 from triollm.model.kvstore import Q8_BLOCK
 from triollm.model.matmul import PANEL as TILE
-from triollm.model.matmul import _tile1, _tile2, _tile4, _tile8
+from triollm.model.matmul import _make_tile, _tile1, _tile8
 from triollm.model.threads import start_parallel_runtime
 
 start_parallel_runtime()  # passive OpenMP workers, before the first prange (threads.py)
@@ -90,6 +90,12 @@ SEGMENT_POSITIONS = 1024  # a multiple of TILE (32)
 # region at 9.1 us and a visit (6 query heads x 128) at 1.8 us (busy machine,
 # load 18); so the split pays from 2 x 9.1 / 1.8 ~ 10 visits on.
 PARALLEL_MIN_TILES = 10
+
+# The products' 4- and 2-row register tiles without their next-panel prefetch:
+# here the "next panel" of a K block read in place is the other KV head's block,
+# not the next tile (which _prefetch_tile asks for). Same arithmetic, same bits.
+_tile4 = _make_tile(4)
+_tile2 = _make_tile(2)
 
 if TILE != Q8_BLOCK:  # _load_values takes one q8_0 scale per V panel row
     raise ImportError(f"attention needs TILE ({TILE}) == kvstore.Q8_BLOCK ({Q8_BLOCK})")
@@ -236,25 +242,162 @@ def _widen_run(typingctx: Any, src: Any, s_at: Any, dst: Any, d_at: Any, n: Any)
             undef,
             ir.Constant(vi32, [0] * _LANES),
         )
-        for v in range(TILE // _LANES):
-            lanes = ir.Constant(vi32, [v * _LANES + i for i in range(_LANES)])
-            mask = builder.icmp_signed("<", lanes, limit)
-            at = builder.gep(s_ptr, [ir.Constant(i64, v * _LANES * width)])
-            raw = builder.call(
-                mload, [at, ir.Constant(i32, width), mask, ir.Constant(load_t, None)]
-            )
+
+        def widen(raw: Any) -> Any:
             if kind == "float32":
-                val = raw
-            elif kind == "int16":  # IEEE half bits
-                val = builder.fpext(builder.bitcast(raw, ir.VectorType(ir.HalfType(), _LANES)), vf)
-            else:  # bfloat16 bits: the top half of a float32
-                wide = builder.shl(builder.zext(raw, vi32), ir.Constant(vi32, [16] * _LANES))
-                val = builder.bitcast(wide, vf)
-            out = builder.gep(d_ptr, [ir.Constant(i64, v * _LANES * 4)])
-            builder.call(mstore, [val, out, ir.Constant(i32, 4), mask])
+                return raw
+            if kind == "int16":  # IEEE half bits
+                return builder.fpext(builder.bitcast(raw, ir.VectorType(ir.HalfType(), _LANES)), vf)
+            # bfloat16 bits: the top half of a float32
+            wide = builder.shl(builder.zext(raw, vi32), ir.Constant(vi32, [16] * _LANES))
+            return builder.bitcast(wide, vf)
+
+        # a whole run (the common case: every tile but a row's last) takes plain
+        # loads and stores; only a partial run needs the masked ones
+        whole = builder.icmp_signed(">=", count, ir.Constant(i32, TILE))
+        with builder.if_else(whole) as (then, otherwise):
+            with then:
+                for v in range(TILE // _LANES):
+                    at = builder.gep(s_ptr, [ir.Constant(i64, v * _LANES * width)])
+                    raw = builder.load(builder.bitcast(at, load_t.as_pointer()), align=width)
+                    out = builder.gep(d_ptr, [ir.Constant(i64, v * _LANES * 4)])
+                    builder.store(widen(raw), builder.bitcast(out, vf.as_pointer()), align=4)
+            with otherwise:
+                for v in range(TILE // _LANES):
+                    lanes = ir.Constant(vi32, [v * _LANES + i for i in range(_LANES)])
+                    mask = builder.icmp_signed("<", lanes, limit)
+                    at = builder.gep(s_ptr, [ir.Constant(i64, v * _LANES * width)])
+                    raw = builder.call(
+                        mload, [at, ir.Constant(i32, width), mask, ir.Constant(load_t, None)]
+                    )
+                    out = builder.gep(d_ptr, [ir.Constant(i64, v * _LANES * 4)])
+                    builder.call(mstore, [widen(raw), out, ir.Constant(i32, 4), mask])
         return context.get_dummy_value()
 
     return types.void(src, s_at, dst, d_at, n), codegen
+
+
+@intrinsic
+def _prefetch(typingctx: Any, arr: Any, at: Any, n: Any) -> Any:
+    """Ask for the cache lines of ``arr.flat[at : at + n]`` (``prefetcht1``: into L2), no wait.
+
+    arr: a C-contiguous array of any dtype; the offsets count elements. A hint:
+    it reads nothing the program sees and never faults, so an address past the
+    array is harmless. One ``llvm.prefetch`` per 64 bytes, and one for the last
+    element (the run need not start on a line).
+    """
+    if not (
+        isinstance(arr, types.Array)
+        and arr.layout == "C"
+        and isinstance(at, types.Integer)
+        and isinstance(n, types.Integer)
+    ):
+        return None
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        a = signature.args
+        i8, i32, i64 = ir.IntType(8), ir.IntType(32), ir.IntType(64)
+        i8p = i8.as_pointer()
+        pf = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]), "llvm.prefetch.p0"
+        )
+        item = context.get_abi_sizeof(context.get_data_type(a[0].dtype))
+        arr_v = context.make_array(a[0])(context, builder, args[0])
+        at_v = context.cast(builder, args[1], a[1], types.int64)
+        n_v = context.cast(builder, args[2], a[2], types.int64)
+        start = builder.mul(at_v, ir.Constant(i64, item))
+        nbytes = builder.mul(n_v, ir.Constant(i64, item))
+        base = builder.gep(builder.bitcast(arr_v.data, i8p), [start])
+        hint = [
+            ir.Constant(i32, 0),
+            ir.Constant(i32, 2),
+            ir.Constant(i32, 1),
+        ]  # read, L2 (locality 2), data
+        with cgutils.for_range_slice(
+            builder, ir.Constant(i64, 0), nbytes, ir.Constant(i64, 64)
+        ) as (
+            off,
+            _,
+        ):
+            builder.call(pf, [builder.gep(base, [off]), *hint])
+        last = builder.sub(nbytes, ir.Constant(i64, 1))
+        with builder.if_then(builder.icmp_signed(">", nbytes, ir.Constant(i64, 0))):
+            builder.call(pf, [builder.gep(base, [last]), *hint])
+        return context.get_dummy_value()
+
+    return types.void(arr, at, n), codegen
+
+
+def _prefetch_tile(k_cache, v_cache, k_scale, v_scale, b, h, o, n):  # type: ignore[no-untyped-def]
+    """Prefetch positions ``o .. o+n-1`` of block ``b``, head ``h``: K, V (and scales)."""
+    raise NotImplementedError  # only called from numba; the overload is the body
+
+
+@overload(_prefetch_tile, inline="always")
+def _prefetch_tile_impl(k_cache, v_cache, k_scale, v_scale, b, h, o, n):  # type: ignore[no-untyped-def]
+    scaled = k_cache.dtype == types.int8
+
+    def impl(k_cache, v_cache, k_scale, v_scale, b, h, o, n):  # type: ignore[no-untyped-def]
+        head_dim, bs = k_cache.shape[2], k_cache.shape[3]
+        at = (b * k_cache.shape[1] + h) * head_dim * bs + o  # K[b, h, 0, o], flat
+        if n == bs:  # the whole block: one run of head_dim x bs
+            _prefetch(k_cache, at, head_dim * bs)
+        else:
+            for j in range(head_dim):
+                _prefetch(k_cache, at + j * bs, n)
+        _prefetch(v_cache, at, n * head_dim)  # V[b, h, o, 0], flat: the same offset
+        if scaled:
+            ns = k_scale.shape[2]
+            s_at = (b * k_scale.shape[1] + h) * ns * bs + o
+            for j in range(ns):
+                _prefetch(k_scale, s_at + j * bs, n)
+            _prefetch(v_scale, s_at, n * ns)
+
+    return impl
+
+
+def _keys_in_place(cache):  # type: ignore[no-untyped-def]
+    """True when the score product can read K's blocks where they are stored."""
+    raise NotImplementedError  # only called from numba; the overload is the body
+
+
+@overload(_keys_in_place, inline="always")
+def _keys_in_place_impl(cache):  # type: ignore[no-untyped-def]
+    # A block of K, (head_dim, block_size) per head, is exactly the products'
+    # panel layout (K rows of 32 columns) when block_size == TILE, in float32
+    # and in f16 bits (which the tiles widen per loaded vector, exactly as
+    # _widen_run does: the same float32 values, so the same bits). bf16 panels
+    # interleave their columns and q8_0 needs its scales: those load a tile.
+    if cache.dtype in (types.float32, types.int16):
+        return lambda cache: cache.shape[3] == TILE
+    return lambda cache: False
+
+
+def _scores(qb, cache, kp, sc, b, h):  # type: ignore[no-untyped-def]
+    """``sc = qb @ K tile``: from block ``b``, head ``h`` in place, or from ``kp``."""
+    raise NotImplementedError  # only called from numba; the overload is the body
+
+
+@overload(_scores, inline="always")
+def _scores_impl(qb, cache, kp, sc, b, h):  # type: ignore[no-untyped-def]
+    if cache.dtype in (types.float32, types.int16):
+
+        def in_place(qb, cache, kp, sc, b, h):  # type: ignore[no-untyped-def]
+            head_dim = qb.shape[1]
+            if cache.shape[3] == TILE:
+                # block b, head h as a one-panel (1, head_dim, 32) view. Hazard: the
+                # tiles take the panel index as the output's column panel too, so
+                # the panel must be index 0 of the view, not b * n_kv + h of the pool
+                _rows_times_panel(qb, cache[b : b + 1, h], sc, 0, head_dim, TILE)
+            else:
+                _rows_times_panel(qb, kp, sc, 0, head_dim, TILE)
+
+        return in_place
+
+    def loaded(qb, cache, kp, sc, b, h):  # type: ignore[no-untyped-def]
+        _rows_times_panel(qb, kp, sc, 0, qb.shape[1], TILE)
+
+    return loaded
 
 
 def _load_keys(cache, scales, b, h, o, kp, t, n):  # type: ignore[no-untyped-def]
@@ -457,7 +600,11 @@ def _item(
         for g in range(group):
             for j in range(head_dim):
                 qb[(r - r0) * group + g, j] = q[r, kvh * group + g, j]
-    kp = np.zeros((1, head_dim, TILE), np.float32)  # K tile as one panel: keys along lanes
+    # f32 and f16 pools with blocks of TILE positions are read in place by the
+    # products (a tile is one block); the others widen each tile into kp and vp
+    in_place = _keys_in_place(k_cache)
+    kp_dim = 0 if in_place else head_dim
+    kp = np.zeros((1, kp_dim, TILE), np.float32)  # K tile as one panel: keys along lanes
     vp = np.zeros((n_vp, TILE, TILE), np.float32)  # V tile as panels of 32 columns
     sc = np.empty((nq, TILE), np.float32)  # scores, then the tile's softmax weights
     pv = np.empty((nq, head_dim), np.float32)  # the tile's weighted sum of V
@@ -475,7 +622,9 @@ def _item(
     for t0 in range(t_begin, t_end + 1, TILE):
         # load the tile once for every query vector of the item, a block's run of
         # positions at a time; positions past the item's last row are zeros
-        # (never weighted: finite is what matters)
+        # (never weighted: finite is what matters). K read in place holds there
+        # whatever the block holds: those scores only reach the softmax's
+        # selects below, which drop them (a NaN included).
         n_valid = min(TILE, p_last - t0 + 1)
         t = 0
         while t < n_valid:
@@ -483,14 +632,30 @@ def _item(
             b = table[pos // bs]
             o = pos % bs
             n = min(bs - o, n_valid - t)  # this block's positions in the tile
-            _load_keys(k_cache, k_scale, b, kvh, o, kp, t, n)
+            if not in_place:
+                _load_keys(k_cache, k_scale, b, kvh, o, kp, t, n)
             for u in range(n):
                 _load_values(v_cache, v_scale, b, kvh, o + u, vp, t + u)
             t += n
         if n_valid < TILE:
-            kp[0, :, n_valid:] = np.float32(0.0)
+            kp[0, :, n_valid:] = np.float32(0.0)  # (no rows when K is read in place)
             vp[:, n_valid:, :] = np.float32(0.0)
-        _rows_times_panel(qb, kp, sc, 0, head_dim, TILE)  # sc = q . k, all vectors
+        # ask for the next tile's K/V now (into L2), so that memory delivers it
+        # while this tile is multiplied: at depth the tiles come from DRAM, and
+        # without it the products waited for them (docs/engine.md, "Decode at
+        # depth": 26.9 against 23.6 CPU ms per step at depth 4096)
+        t_next = t0 + TILE
+        if t_next <= t_end:
+            n_next = min(TILE, p_last - t_next + 1)
+            t = 0
+            while t < n_next:
+                pos = t_next + t
+                b = table[pos // bs]
+                o = pos % bs
+                n = min(bs - o, n_next - t)
+                _prefetch_tile(k_cache, v_cache, k_scale, v_scale, b, kvh, o, n)
+                t += n
+        _scores(qb, k_cache, kp, sc, table[t0 // bs], kvh)  # sc = q . k, all vectors
         for r in range(r0, r1):
             p = positions[r]
             lo = max(0, p - window + 1) if window > 0 else 0
@@ -526,7 +691,8 @@ def _item(
                     for j in range(head_dim):
                         acc[qi, j] *= alpha
                 started[qi] = True
-        for panel in range(n_vp):  # pv = weights @ V tile, all vectors
+        # pv = weights @ V tile, all vectors
+        for panel in range(n_vp):
             _rows_times_panel(sc, vp, pv, panel, TILE, head_dim - panel * TILE)
         for r in range(r0, r1):
             p = positions[r]
