@@ -91,11 +91,19 @@ SEGMENT_POSITIONS = 1024  # a multiple of TILE (32)
 # load 18); so the split pays from 2 x 9.1 / 1.8 ~ 10 visits on.
 PARALLEL_MIN_TILES = 10
 
-# The products' 4- and 2-row register tiles without their next-panel prefetch:
-# here the "next panel" of a K block read in place is the other KV head's block,
-# not the next tile (which _prefetch_tile asks for). Same arithmetic, same bits.
-_tile4 = _make_tile(4)
+# The products' register tiles for every row count up to 8, without the
+# next-panel prefetch (here the "next panel" of a K block read in place is the
+# other KV head's block, not the next tile, which _prefetch_tile asks for). A
+# decode row is one vector per query head of the GQA group (6 for
+# Qwen2.5-1.5B, 7 for the 0.5B, 3 for SmolLM2): one tile of exactly that many
+# rows passes over a K or V panel once, where 4 + 2 (+ 1) passed two or three
+# times. Every tile computes an element with the same chain: the same bits.
 _tile2 = _make_tile(2)
+_tile3 = _make_tile(3)
+_tile4 = _make_tile(4)
+_tile5 = _make_tile(5)
+_tile6 = _make_tile(6)
+_tile7 = _make_tile(7)
 
 if TILE != Q8_BLOCK:  # _load_values takes one q8_0 scale per V panel row
     raise ImportError(f"attention needs TILE ({TILE}) == kvstore.Q8_BLOCK ({Q8_BLOCK})")
@@ -547,21 +555,29 @@ def _tree_sum(w: Any, x: Any) -> Any:  # pragma: no cover - numba
 
 @njit(inline="always")
 def _rows_times_panel(x: Any, w: Any, out: Any, panel: int, k_in: int, ncols: int) -> None:
-    # out[:, panel's columns] = x @ w[panel], 8 rows at a time, then 4, 2, 1: the
-    # products' register tiles (matmul.py), which give every element the same
-    # chain of roundings whichever tile computes it (so rows stay independent).
+    # out[:, panel's columns] = x @ w[panel], 8 rows at a time, then the last 0-7
+    # in one tile: the products' register tiles (matmul.py), which give every
+    # element the same chain of roundings whichever tile computes it (so rows
+    # stay independent).
     n = x.shape[0]
     r = 0
     while r + 8 <= n:
         _tile8(x, w, out, r, panel, k_in, ncols)
         r += 8
-    if r + 4 <= n:
+    rest = n - r  # the last 0-7 rows in one tile
+    if rest == 7:
+        _tile7(x, w, out, r, panel, k_in, ncols)
+    elif rest == 6:
+        _tile6(x, w, out, r, panel, k_in, ncols)
+    elif rest == 5:
+        _tile5(x, w, out, r, panel, k_in, ncols)
+    elif rest == 4:
         _tile4(x, w, out, r, panel, k_in, ncols)
-        r += 4
-    if r + 2 <= n:
+    elif rest == 3:
+        _tile3(x, w, out, r, panel, k_in, ncols)
+    elif rest == 2:
         _tile2(x, w, out, r, panel, k_in, ncols)
-        r += 2
-    if r < n:
+    elif rest == 1:
         _tile1(x, w, out, r, panel, k_in, ncols)
 
 
