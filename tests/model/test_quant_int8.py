@@ -307,6 +307,31 @@ def test_a_stack_of_parts_is_one_call_giving_each_part_its_own_bits(n: int) -> N
     np.testing.assert_array_equal(matmul.linear(x, stacked), want)
 
 
+def test_a_weights_table_is_made_once_and_refuses_what_it_does_not_fit() -> None:
+    # quant.linear keeps one PartsTable per weight (its arrays cost more than a small
+    # product's kernel); a table must still refuse x of another activation block and
+    # an out whose columns are not its rows
+    rng = np.random.default_rng(5)
+    w = QuantizedTensor(QuantType.Q4_K, (20, 256), raw_blocks(QuantType.Q4_K, 20, 1, rng, -3))
+    table = w.table()
+    assert w.table() is table and table.rows == 20 and table.block == 256
+    x = rng.standard_normal((2, 256)).astype(F32)
+    got = quant_int8.product_table(
+        quant_int8.quantize_rows(x, 256), table, np.empty((2, 20), F32), 16
+    )
+    np.testing.assert_array_equal(got, reference_product(x, w))
+    with pytest.raises(ValueError, match="activation blocks of 256"):
+        quant_int8.product_table(quant_int8.quantize_rows(x, 32), table, np.empty((2, 20), F32), 16)
+    with pytest.raises(ValueError, match="the 19 output columns"):
+        quant_int8.product_table(
+            quant_int8.quantize_rows(x, 256), table, np.empty((2, 19), F32), 16
+        )
+    with pytest.raises(ValueError, match="one activation block"):
+        quant_int8.parts_table(
+            [(w.packed(), int(QuantType.Q4_K), 20), (w.packed(), int(QuantType.Q8_0), 20)]
+        )
+
+
 def _resident_kb(path: Path) -> int:
     """This process's resident kB of the mappings of ``path`` (/proc/self/smaps)."""
     total, inside = 0, False

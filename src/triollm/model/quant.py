@@ -610,6 +610,8 @@ class QuantizedTensor:
     # the int8 product's copy of the blocks, sixteen rows interleaved
     # (quant_pack.py), made once by packed(): at load through matmul.prepare
     _packed: dict[str, np.ndarray] = field(default_factory=dict, repr=False, init=False)
+    # the int8 product's table of this weight (quant_int8.PartsTable), made once
+    _table: dict[str, quant_int8.PartsTable] = field(default_factory=dict, repr=False, init=False)
 
     def __post_init__(self) -> None:
         rows, cols = self.shape
@@ -659,6 +661,14 @@ class QuantizedTensor:
             quant_pack.release_pages(self.blocks)
         return self._packed["int8"]
 
+    def table(self) -> quant_int8.PartsTable:
+        """The int8 product's :class:`quant_int8.PartsTable` of this weight, made once."""
+        if "int8" not in self._table:
+            self._table["int8"] = quant_int8.parts_table(
+                [(self.packed(), int(self.qtype), self.shape[0])]
+            )
+        return self._table["int8"]
+
     def __getitem__(self, ids: Any) -> np.ndarray:
         """Rows ``ids`` (an integer array) widened to float32: only those rows are read."""
         idx = np.ascontiguousarray(np.asarray(ids, dtype=np.int64).reshape(-1))
@@ -695,6 +705,18 @@ class QuantizedStack:
     """
 
     parts: tuple[QuantizedTensor, ...]
+    # the int8 product's table of the parts (quant_int8.PartsTable), made once
+    _table: dict[str, quant_int8.PartsTable] = field(default_factory=dict, repr=False, init=False)
+
+    def table(self) -> quant_int8.PartsTable:
+        """The int8 product's :class:`quant_int8.PartsTable` of the parts, made once.
+
+        Only for a stack :func:`linear` multiplies in one call (``_in_one_call``)."""
+        if "int8" not in self._table:
+            self._table["int8"] = quant_int8.parts_table(
+                [(p.packed(), int(p.qtype), p.shape[0]) for p in self.parts]
+            )
+        return self._table["int8"]
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -809,9 +831,8 @@ def linear(
         if _in_one_call(w) and x.shape[0]:  # the int8 product takes the parts in one call
             block = quant_int8.activation_block(int(w.parts[0].qtype))
             acts = quant_int8.quantize_rows(x, block)
-            parts = [(p.packed(), int(p.qtype), p.shape[0]) for p in w.parts]
             rows = block_rows(w.shape[0], numba.get_num_threads())
-            return quant_int8.product_parts(acts, parts, out, rows)
+            return quant_int8.product_table(acts, w.table(), out, rows)
         shared: dict[int, Int8Rows] = {} if int8_rows is None else int8_rows
         j = 0
         for part in w.parts:
@@ -832,7 +853,7 @@ def linear(
     cache = {} if int8_rows is None else int8_rows
     if block not in cache:
         cache[block] = quant_int8.quantize_rows(x, block)
-    return quant_int8.product(cache[block], w.packed(), int(w.qtype), out, rows)
+    return quant_int8.product_table(cache[block], w.table(), out, rows)
 
 
 class QuantizingSource:
