@@ -66,6 +66,9 @@ class Step:
 
     rows: int = 0
     decode_only: bool = False
+    prefill_rows: int = 0
+    decode_rows: int = 0
+    sampled: tuple[int, ...] = ()  # the seq_ids that got a token from this step
     launched: float = 0.0  # the loop called the step runner
     run_start: float = 0.0  # Batch.run began in the worker
     run_end: float = 0.0
@@ -109,7 +112,13 @@ def instrument(service: Any, batch: Any, timeline: Timeline) -> None:
     local = threading.local()
 
     async def timed_runner(plan: Any) -> Any:
-        step = Step(rows=plan.n_rows, decode_only=not any(c.prefill for c in plan.chunks))
+        step = Step(
+            rows=plan.n_rows,
+            decode_only=not any(c.prefill for c in plan.chunks),
+            prefill_rows=sum(len(c.token_ids) for c in plan.chunks if c.prefill),
+            decode_rows=sum(1 for c in plan.chunks if not c.prefill),
+            sampled=tuple(c.seq_id for c in plan.chunks if c.sample),
+        )
         timeline._current = step
         if timeline.recording:
             timeline.steps.append(step)
@@ -253,6 +262,25 @@ def breakdown(steps: list[Step]) -> dict[str, list[float]]:
     return parts
 
 
+def print_timeline(steps: list[Step]) -> None:
+    """One line per step: its rows, its wall time, and the longest gap it ended for a
+    stream that already had a token (what that stream's client sees as one ITL)."""
+    if not steps or not steps[0].launched:
+        return
+    t0 = steps[0].launched
+    last: dict[int, float] = {}  # seq_id -> when its previous token's step resumed
+    print("timeline: step, launched +ms, prefill rows, decode rows, step ms, longest ITL ms ended")
+    for i, s in enumerate(steps):
+        gaps = [s.resumed - last[q] for q in s.sampled if q in last]
+        for q in s.sampled:
+            last[q] = s.resumed
+        print(
+            f"  {i:3d} {1e3 * (s.launched - t0):8.0f} {s.prefill_rows:4d} {s.decode_rows:3d} "
+            f"{1e3 * (s.resumed - s.launched):7.0f} "
+            f"{'-' if not gaps else f'{1e3 * max(gaps):7.0f}'}"
+        )
+
+
 def engine_step_s(model: Any, prompt: int, new: int, rounds: int) -> list[float]:
     from bench_gguf import decode_case
 
@@ -297,6 +325,8 @@ async def serve_and_load(stack: Any, batch: Any, args: argparse.Namespace) -> No
             timeline.end()
             cpu1 = thread_cpu()
             report_level(c, level, timeline, wall, cpu0, cpu1, loop_tid, load0)
+            if args.timeline:
+                print_timeline(timeline.steps)
         shutdown.set()
         stack.service.begin_shutdown(0.0)
         nursery.cancel_scope.cancel()
@@ -389,6 +419,9 @@ def main(argv: list[str] | None = None) -> int:
         "--switch-interval-ms",
         type=float,
         help="sys.setswitchinterval for the server (default: Python's 5 ms)",
+    )
+    p.add_argument(
+        "--timeline", action="store_true", help="print every step of each level (rows, ms, ITL)"
     )
     args = p.parse_args(argv)
     args.concurrency = [int(x) for x in args.concurrency.split(",")]
