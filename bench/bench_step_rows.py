@@ -19,6 +19,16 @@ downloaded), driven through the real :class:`~triollm.scheduler.Scheduler` and
 2. a ``--prompt``-token prompt arrives; the steps run until its first token;
 3. a few more steps, then everything is cancelled.
 
+With ``--wave N`` step 2 is N prompts arriving together instead of one (the
+served conc-8 load: 8 short prompts at once, the first already decoding when the
+other seven are admitted). That is the case the step's prefill budget is for:
+while any sequence decodes, the chunk bounds the prefill rows of the whole step,
+shared by every waiting prompt (``Scheduler.plan_step``, docs/scheduling.md §5);
+before that rule each prompt had its own chunk, the wave filled ``step_rows``,
+the decoders were pushed out of every second step, and a stream's gap was two
+full steps (served ITL p99 2.4x llama-server's on Qwen2.5-1.5B). Run the same
+command with ``PYTHONPATH`` naming an old and a new tree to compare the rules.
+
 Reported per setting: the decoders' inter-token latency while the long prompt
 was being prefilled (median / p95 / max of the gaps between one decoder's
 consecutive tokens), the newcomer's TTFT (from its arrival to its first token),
@@ -60,7 +70,7 @@ class Outcome:
 
     chunk: int
     step_rows: int
-    ttft: float  # the long prompt's arrival -> its first token
+    ttft: float  # the long prompt's arrival -> its first token (the wave's last first token)
     prefill_steps: int  # steps from its arrival to its first token
     gaps: tuple[float, ...]  # decoders' inter-token gaps during the prefill phase
     quiet_gaps: tuple[float, ...]  # the same before the long prompt arrived (decode only)
@@ -77,6 +87,7 @@ def run_scenario(
     prompt_len: int,
     warm_steps: int = 5,
     seed: int = 0,
+    wave: int = 1,
 ) -> Outcome:
     """Drive Scheduler + Batch through the scenario of the module docstring once."""
     context = prompt_len + 256
@@ -122,8 +133,9 @@ def run_scenario(
             if s in last:
                 quiet.append(t - last[s])
             last[s] = t
-    # 2. the long prompt arrives; run until its first token
-    newcomer = submit(prompt_len)
+    # 2. the long prompt (or a wave of prompts) arrives; run until every first token
+    newcomers = {submit(prompt_len) for _ in range(wave)}
+    waiting = set(newcomers)
     arrival = time.perf_counter()
     gaps: list[float] = []
     steps = 0
@@ -136,12 +148,13 @@ def run_scenario(
                 gaps.append(t - last[s])
             last[s] = t
         decoded += len(got & set(decoding))
-        if newcomer in got:
+        waiting -= got
+        if not waiting:
             break
-        if steps > prompt_len:  # bounded: a chunk is at least one token
+        if steps > prompt_len * wave:  # bounded: a chunk is at least one token
             raise RuntimeError("the long prompt never got its first token")
     elapsed = t - arrival
-    for s in [*decoding, newcomer]:
+    for s in [*decoding, *newcomers]:
         scheduler.cancel(s)
         batch.remove(s)
     return Outcome(
@@ -151,7 +164,7 @@ def run_scenario(
         prefill_steps=steps,
         gaps=tuple(gaps),
         quiet_gaps=tuple(quiet),
-        throughput=(prompt_len + decoded) / elapsed,
+        throughput=(prompt_len * wave + decoded) / elapsed,
     )
 
 
@@ -181,14 +194,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--slots", type=int, default=4, help="sequences running at once (4)")
     p.add_argument("--decoders", type=int, default=3, help="sequences decoding (3)")
     p.add_argument("--prompt", type=int, default=1500, help="long prompt tokens (1500)")
+    p.add_argument(
+        "--wave", type=int, default=1, help="prompts arriving together (1; see the docstring)"
+    )
     p.add_argument("--rounds", type=int, default=2, help="runs of every setting (2)")
     p.add_argument("--dtype", default="bf16", choices=("f32", "bf16"), help="weights (bf16)")
     p.add_argument("--quick", action="store_true", help="one round, 300-token prompt")
     args = p.parse_args(argv)
     if args.quick:
         args.rounds, args.prompt = 1, 300
-    if args.decoders >= args.slots:
-        p.error("--decoders must leave a slot for the long prompt")
+    if args.decoders + args.wave > args.slots:
+        p.error("--decoders + --wave must fit in --slots (every prompt of the wave runs)")
     settings = parse_settings(args.settings, args.slots)
 
     print(f"# triollm bench-step-rows — {datetime.datetime.now().isoformat(timespec='minutes')}")
@@ -199,7 +215,8 @@ def main(argv: list[str] | None = None) -> int:
     matmul.warm_up()
     kernels.warm_up()
     print(
-        f"{args.dtype} weights; {args.decoders} decoders + one {args.prompt}-token prompt, "
+        f"{args.dtype} weights; {args.decoders} decoders + {args.wave} {args.prompt}-token "
+        "prompt(s) arriving together, "
         f"{args.slots} slots; {args.rounds} round(s), settings interleaved\n"
     )
     # One untimed run so the first timed setting does not pay first-touch costs.
@@ -217,6 +234,7 @@ def main(argv: list[str] | None = None) -> int:
                     slots=args.slots,
                     decoders=args.decoders,
                     prompt_len=args.prompt,
+                    wave=args.wave,
                 )
             )
     print(

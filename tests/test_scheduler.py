@@ -216,6 +216,33 @@ def test_prefill_goes_before_decode_when_rows_are_scarce() -> None:
         assert [c.prefill for c in plan.chunks] == [True] + [False] * len(rows)
 
 
+def test_a_wave_of_prompts_shares_one_chunk_while_anyone_decodes() -> None:
+    # The served c=8 wave: one prompt arrives first and decodes while seven more
+    # prefill. The chunk bounds the step's prefill (the decoders' stall), not each
+    # prompt's, so every step carries at most one chunk and every decoder its row.
+    s = make(num_blocks=64, slots=8, chunk_tokens=8, step_rows=16)
+    first = s.add(SequenceSpec(list(range(8)), 20))
+    s.admit_waiting()
+    plan, _ = run_step(s)
+    assert rows_of(plan) == {first: 8}  # nobody decodes: the whole chunk at once
+    wave = [s.add(SequenceSpec(list(range(8)), 20)) for _ in range(7)]
+    s.admit_waiting()
+    decoding = {first}
+    while any(s.sequence(q).n_generated == 0 for q in wave):
+        plan, _ = run_step(s)
+        rows = rows_of(plan)
+        prefill = sum(c.n_rows for c in plan.chunks if c.prefill)
+        assert prefill <= 8, f"step {plan.step}: {prefill} prefill rows beside decoders"
+        assert decoding <= set(rows), f"step {plan.step} left out {decoding - set(rows)}"
+        decoding |= {q for q in wave if s.sequence(q).n_generated > 0}
+    # An idle step (nothing decodes) is not bounded by the chunk: two prompts fill it.
+    t = make(num_blocks=64, slots=8, chunk_tokens=8, step_rows=16)
+    pair = [t.add(SequenceSpec(list(range(8)), 2)) for _ in range(2)]
+    t.admit_waiting()
+    plan, _ = run_step(t)
+    assert rows_of(plan) == {pair[0]: 8, pair[1]: 8}
+
+
 def test_a_chunk_rides_with_decodes_in_one_step() -> None:
     s = make(chunk_tokens=8, step_rows=12)
     decoders = [s.add(SequenceSpec([1, 2], 5)) for _ in range(3)]

@@ -33,7 +33,8 @@ test; where each lives:
    ``_admit`` (how many: the policy's ``admission_blocks``).
 3. FCFS with at most K overtakes of the head: ``admit_waiting``.
 4. Step composition (left-out decoders, then prefill chunks, then decode rows,
-   within ``step_rows``; nobody is evicted for a row): ``plan_step``.
+   within ``step_rows``; while anyone decodes the chunks share one
+   ``chunk_tokens``; nobody is evicted for a row): ``plan_step``.
 5. Growth and preemption (recompute, at the original ticket): ``_grow``,
    ``_preempt``, ``_readmit_preempted``.
 6. Cancellation frees every block at once; ``commit`` ignores results for
@@ -135,10 +136,12 @@ class SchedulerConfig:
     num_blocks: int  # KV blocks in the pool (the Batch allocates the arrays to match)
     block_size: int = 32  # positions per block; Forma's value, a multiple of a SIMD width
     slots: int = 4  # sequences running at once; bounds memory and the batch's width
-    # Prefill tokens per sequence per step. A step carrying a chunk stalls every
-    # decoding stream for as long as the chunk takes, and the stall grows with the
-    # chunk, while a long prompt's time to first token barely depends on it down to
-    # ~64-128 tokens (prefill is compute bound). bench/bench_step_rows.py measured
+    # Prefill tokens per sequence per step, and per step (all prompts together)
+    # while any sequence decodes: the stall budget (rule 4, docs/scheduling.md §5).
+    # A step carrying a chunk stalls every decoding stream for as long as the chunk
+    # takes, and the stall grows with the chunk, while a long prompt's time to first
+    # token barely depends on it down to ~64-128 tokens (prefill is compute bound).
+    # bench/bench_step_rows.py measured
     # 128 at about a quarter of 512's decode stall for the same TTFT
     # (docs/serving.md, "Choosing the step budget"). That was SmolLM2-135M; the
     # server scales it to the model it serves (serving_chunk_tokens).
@@ -847,7 +850,18 @@ class Scheduler:
             if seq.state is SeqState.DECODING and seq.left_out and seq.seq_id not in blocked:
                 rows[seq.seq_id] = 1
                 left -= 1
-        # (b) prefill chunks: a waiting caller measures time to first token.
+        # (b) prefill chunks: a waiting caller measures time to first token. While
+        # any sequence decodes, the chunk bounds the prefill rows of the whole step,
+        # not of each prompt: a step's prefill is every decoder's stall, so the rows
+        # past one chunk are held back for the decoders. Hazard: with a per-prompt
+        # bound, a wave of prompts filled the step (prompt A's chunk and B's first
+        # rows), pushed the decoders out, and each stream got a token every second
+        # step of a full chunk: served ITL p99 2.4x llama-server's (8 streams,
+        # Qwen2.5-1.5B). A step with no decoder stalls nobody and fills step_rows.
+        held = 0
+        if any(s.state is SeqState.DECODING and s.seq_id not in blocked for s in order):
+            held = max(left - cfg.chunk_tokens, 0)
+        left -= held
         for seq in order:
             if seq.state is SeqState.PREFILLING and left > 0:
                 if not self.kv.ready(seq.seq_id):
@@ -855,6 +869,7 @@ class Scheduler:
                 n = min(cfg.chunk_tokens, len(seq.token_ids) - self.kv.computed(seq.seq_id), left)
                 rows[seq.seq_id] = n
                 left -= n
+        left += held  # the decoders' rows
         # (c) one decode row each, in the policy's order, while rows last.
         for seq in self._decode_order([s for s in order if s.state is SeqState.DECODING]):
             if left == 0:

@@ -591,6 +591,12 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert len(ids) == len(set(ids)), "one chunk per sequence per step"
         kinds = [c.prefill for c in plan.chunks]
         assert kinds == sorted(kinds, reverse=True), "prefill chunks come before decode rows"
+        if not all(kinds):  # a decoder rides: the step's prefill is its stall (rule 4)
+            prefill_rows = sum(c.n_rows for c in plan.chunks if c.prefill)
+            assert prefill_rows <= cfg.chunk_tokens, (
+                f"{prefill_rows} prefill rows beside a decode row, past the chunk "
+                f"{cfg.chunk_tokens}: the decoders' stall is unbounded"
+            )
         written_by: dict[int, int] = {}
         for c in plan.chunks:
             info = self.s.sequence(c.seq_id)
