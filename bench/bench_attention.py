@@ -2,6 +2,7 @@
 
     python bench/bench_attention.py --shape qwen1.5b --depths 4096,16384
     python bench/bench_attention.py --shape qwen1.5b --depths 4096,16384 --baseline main
+    NUMBA_NUM_THREADS=1 python bench/bench_attention.py --cpu --baseline main
     python bench/bench_attention.py --model FILE.gguf --step --depths 0,4096,16384
     python bench/bench_attention.py --wake
 
@@ -16,6 +17,9 @@
 - ``--step`` with ``--model``: the whole batch-1 decode step of the real model at
   depth D over random K/V (normal values, stored in the cache's type). The
   difference to depth 0 is what depth costs the step.
+- ``--cpu``: the kernel mode's figures in the process's CPU time, which a busy
+  machine distorts less than wall time (with ``NUMBA_NUM_THREADS=1``: one
+  thread's work, the kernel's cost without the split across cores).
 - ``--wake``: what a parallel region costs here against a tile's work, the two
   numbers behind ``attention.PARALLEL_MIN_TILES``.
 
@@ -130,13 +134,14 @@ class Pools:
             self._old = (k, self.kv.v, ks, self.kv.v_scale)
         return self._old
 
-    def run(self, module: ModuleType) -> float:
-        """Seconds of one decode step's attention: every layer, one plan."""
+    def run(self, module: ModuleType, clock: Any = time.perf_counter) -> float:
+        """Seconds of one decode step's attention: every layer, one plan (``clock``:
+        wall time, or ``time.process_time`` for the process's CPU time)."""
         new = hasattr(module, "plan_attention")
         k, v, ks, vs = (
             (self.kv.k, self.kv.v, self.kv.k_scale, self.kv.v_scale) if new else self.old_layout()
         )
-        t = time.perf_counter()
+        t = clock()
         extra: tuple[Any, ...] = ()
         if new:
             extra = (
@@ -159,7 +164,7 @@ class Pools:
                 vs[layer],
                 *extra,
             )
-        return time.perf_counter() - t
+        return clock() - t
 
 
 def _config(shape: tuple[int, int, int, int]) -> Any:
@@ -193,6 +198,9 @@ def kernel_mode(args: argparse.Namespace, shape: tuple[int, int, int, int]) -> N
     best, _ = measure_bandwidth(gib=0.5, reps=5)
     print(f"# decode attention, shape {shape} (layers, heads, kv heads, head_dim), {dtype.value}")
     print(f"# streaming read bandwidth (best of 5): {best / 1e9:.1f} GB/s; load {load_average()}")
+    clock = time.process_time if args.cpu else time.perf_counter
+    if args.cpu:
+        print("# ms are the process's CPU time (with NUMBA_NUM_THREADS=1: one thread's)")
     impls: list[tuple[str, ModuleType]] = [("this tree", attention)]
     if args.baseline:
         impls.append((f"baseline {args.baseline}", baseline_module(args.baseline)))
@@ -205,7 +213,7 @@ def kernel_mode(args: argparse.Namespace, shape: tuple[int, int, int, int]) -> N
         for rnd in range(args.rounds):
             order = impls if rnd % 2 == 0 else impls[::-1]
             for name, module in order:
-                ms, _ = median_ms(lambda m=module, p=pools: p.run(m), args.reps)
+                ms, _ = median_ms(lambda m=module, p=pools: p.run(m, clock), args.reps)
                 per[name].append(ms)
                 print(
                     f"| {depth} | {name} | {rnd + 1} | {ms:.2f} | {floor:.2f} "
@@ -285,6 +293,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--baseline", help="git revision of attention.py to A/B against")
     p.add_argument("--step", action="store_true", help="the whole decode step (needs --model)")
     p.add_argument("--wake", action="store_true", help="parallel region vs one tile")
+    p.add_argument(
+        "--cpu", action="store_true", help="kernel mode in process CPU time, not wall time"
+    )
     args = p.parse_args(argv)
     args.depths = [int(d) for d in args.depths.split(",")]
     if hasattr(attention, "plan_attention"):

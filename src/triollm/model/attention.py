@@ -15,7 +15,10 @@ half of a SmolLM2 prefill (docs/performance.md). This one works on tiles:
   into the keys-along-lanes panel the score product wants, V into its panels
   of 32 columns. (With K stored position-major the load was a transpose, one
   scalar widening per element: ~75 ms of a Qwen2.5-1.5B decode step at depth
-  4096, ~15x the step's K/V bytes at the machine's bandwidth.);
+  4096, ~15x the step's K/V bytes at the machine's bandwidth.) With blocks of
+  32 positions (the server's default) an f16 or f32 block of K *is* such a
+  panel, and the score product reads it in place, no copy; the next tile's
+  K/V are prefetched into L2 while this one is multiplied;
 - **a work item** is (query block, KV head, segment): up to :data:`Q_BLOCK`
   consecutive rows of one chunk against the positions of one segment of
   :data:`SEGMENT_POSITIONS`. A segment's partial result (max, sum, weighted
