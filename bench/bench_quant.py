@@ -24,6 +24,8 @@ read rate (numpy sum over 1 GB, all threads) for the bandwidth floor.
 
 ``--tile`` runs the int8 tile alone (the model's own, one x row and four) over
 records that stay in L1/L2: the tile's compute ceiling, no memory traffic.
+``--memory`` runs the same one-row tile over records far larger than L3,
+beside one thread's streaming read: what the record stream costs.
 ``--pack`` times the load's repacking of one gate/up matrix per type;
 ``--stacks`` a fused product in one stacked call against the way before it.
 """
@@ -230,6 +232,63 @@ def tile_rate(types: str) -> None:
     print(f"# load average: {os.getloadavg()}")
 
 
+def memory_rate(types: str, rounds: int) -> None:
+    """One core, the one-row int8 tile over records far larger than L3: from memory.
+
+    The same loop as ``--tile`` (no parallel region, no Python between groups)
+    over eight distinct matrices per shape (64-181 MB of records), in the
+    thread's CPU time, beside one thread's streaming read of 512 MiB (a float32
+    sum, in its CPU time too: wall time on a shared core measures the queue),
+    each round taking both. What a product
+    loses against that read is the record stream's shape (what the hardware
+    prefetcher follows), not the arithmetic (``--tile``: ~60 GB/s a core).
+    """
+    import numba
+    from numba import njit
+
+    from triollm.model import quant_int8 as qi
+
+    @njit(nogil=True, fastmath=True)
+    def stream(a):  # type: ignore[no-untyped-def]
+        total = np.float32(0.0)
+        for i in range(a.shape[0]):
+            total += a[i]
+        return total
+
+    @njit(nogil=True)
+    def one_row(kind, q, d, s, packed, out):  # type: ignore[no-untyped-def]
+        for g in range(packed.shape[0]):
+            qi._int8_tile(kind, 1, 0, q, d, s, packed, out, g, 0, 0, 0, out.shape[1])
+
+    numba.set_num_threads(1)
+    rng = np.random.default_rng(0)
+    big = np.ones(1 << 27, np.float32)  # 512 MiB, every page written (resident)
+    stream(big[:1024])
+    print("| type | matrix | MB read | GB/s of records, per round | stream read GB/s, per round |")
+    print("| --- | --- | ---: | --- | --- |")
+    for name in types.split(","):
+        kind = QuantType[name]
+        for shape in ((17920, 1536), (1536, 8960)):  # the 1.5B's gate/up and down
+            ws = [random_weight(kind, shape, rng).packed() for _ in range(8)]
+            lay = qi.LAYOUTS[int(kind)]
+            x = qi.quantize_rows(rng.standard_normal((1, shape[1]), dtype=np.float32), lay.values)
+            out = np.empty((1, shape[0]), np.float32)
+            one_row(int(kind), x.q, x.d, x.sums, ws[0], out)  # compile
+            nbytes = sum(w.nbytes for w in ws)
+            rates, reads = [], []
+            for _ in range(rounds):
+                t = time.thread_time()
+                for w in ws:
+                    one_row(int(kind), x.q, x.d, x.sums, w, out)
+                rates.append(nbytes / (time.thread_time() - t) / 1e9)
+                t = time.thread_time()
+                stream(big)
+                reads.append(big.nbytes / (time.thread_time() - t) / 1e9)
+            per, read = (" ".join(f"{r:.1f}" for r in v) for v in (rates, reads))
+            print(f"| {name} | {shape[0]} x {shape[1]} | {nbytes / 1e6:.0f} | {per} | {read} |")
+    print(f"# load average: {os.getloadavg()}")
+
+
 def pack_rate(types: str) -> None:
     """CPU time of the load's repacking (``quant_pack.pack``) of one gate/up matrix per type."""
     from triollm.model import quant_pack
@@ -371,6 +430,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layers", type=int, default=2, help="layers per sweep (distinct arrays)")
     p.add_argument("--ceiling", action="store_true", help="instruction throughput and bandwidth")
     p.add_argument("--tile", action="store_true", help="the int8 tile alone on data in L1/L2")
+    p.add_argument("--memory", action="store_true", help="the int8 tile on records from memory")
     p.add_argument("--pack", action="store_true", help="CPU time of the load's repacking")
     p.add_argument("--stacks", action="store_true", help="fused products: one call vs before")
     p.add_argument("--model", help="a GGUF file: whole forward passes instead of products")
@@ -388,6 +448,8 @@ def main(argv: list[str] | None = None) -> int:
         pack_rate(args.types)
     elif args.tile:
         tile_rate(args.types)
+    elif args.memory:
+        memory_rate(args.types, args.rounds)
     elif args.model:
         model_rounds(args)
     else:
