@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from triollm.bench.compare import Metric
-from triollm.bench.rounds import TABLE_HEAD, Summary, pair_rounds, table_row
+from triollm.bench.rounds import TABLE_HEAD, Summary, fmt, pair_rounds, table_row
 
 REPO = Path(__file__).resolve().parents[1]
 # The results page, apart from the teaching one (docs/performance.md explains what these
@@ -320,50 +320,47 @@ def _floor(row: str, rec: dict[str, Any], w: dict[str, Any], b: dict[str, int], 
 def long_context(runs: list[Path], threshold: float | None = None) -> list[str]:
     """The lines between performance.md's long-context markers: for each model, the
     rows a long prompt or a long conversation lives on, each from the last run that
-    measured its part, against the floor of the run's own bandwidth probe."""
-    latest: dict[tuple[str, str], tuple[dict[str, Any], list[dict[str, Any]]]] = {}
+    measured that row (a run at depth 16384 leaves the 4096 row of an earlier run),
+    against the floor of the run's own bandwidth probe."""
+    latest: dict[tuple[str, str, str], tuple[dict[str, Any], list[dict[str, Any]]]] = {}
     for results in runs:
         meta = json.loads((results / "meta.json").read_text())
         rs = [r for r in read(results / "records.jsonl") if "error" not in r]
         if threshold is not None:
             rs, _ = rejudge(rs, read(results / "rounds.jsonl"), threshold)
-        for key in {(r["model"], r["part"]) for r in rs}:
-            if key[1] in ("decode", "prefill", "depth"):
-                latest[key] = (
-                    meta | {"dir": results.name},
-                    [r for r in rs if (r["model"], r["part"]) == key],
-                )
+        for key in {(r["model"], r["part"], r["row"]) for r in rs}:
+            if key[1] == "depth" or key[2] in LONG_ROWS:
+                latest[key] = (meta, [r for r in rs if (r["model"], r["part"], r["row"]) == key])
     lines = [
         "| model | row | triollm tok/s | llama.cpp tok/s | ratio | per round | floor tok/s "
         "| triollm of floor | llama.cpp of floor | run |",
         "| --- | --- | ---: | ---: | ---: | --- | ---: | ---: | ---: | --- |",
     ]
-    models = sorted({m for m, _ in latest}, key=lambda m: (m != "qwen1.5b", m))
-    for model in models:
-        for part in ("decode", "prefill", "depth"):
-            if (model, part) not in latest:
+    parts = ("decode", "prefill", "depth")
+    for model, part, row in sorted(
+        latest,
+        key=lambda k: (k[0] != "qwen1.5b", k[0], parts.index(k[1]), _row_order(k[2])),
+    ):
+        meta, rs = latest[(model, part, row)]
+        gbps = meta.get("stream_gbps")
+        b = step_bytes(meta["models"][model]["ours"])
+        for e in summaries(rs):
+            if e["metric"] != "tok/s":
                 continue
-            meta, rs = latest[(model, part)]
-            gbps = meta.get("stream_gbps")
-            b = step_bytes(meta["models"][model]["ours"])
-            for e in sorted(summaries(rs), key=lambda e: _row_order(e["row"])):
-                if e["metric"] != "tok/s" or (part != "depth" and e["row"] not in LONG_ROWS):
-                    continue
-                s = e["s"]
-                rec = next(r for r in rs if r["row"] == e["row"])
-                fl = _floor(e["row"], rec, meta["workload"], b, gbps) if b and gbps else None
-                of = [
-                    "—" if fl is None or v is None else f"{100 * v / fl:.0f} %"
-                    for v in (s.ours, s.peer)
-                ]
-                ratio = "—" if s.ratio is None else f"{s.ratio:.2f}x"
-                lines.append(
-                    f"| {meta['models'][model]['title']} | {e['row']} | {s.ours:.1f} | "
-                    f"{s.peer:.1f} | {ratio} ({s.verdict}) | {s.per_round()} | "
-                    + ("—" if fl is None else f"{fl:.1f}")
-                    + f" | {of[0]} | {of[1]} | {meta['date'][:16].replace('T', ' ')}, "
-                    f"`{meta.get('commit', '?')}`, {gbps or '—'} GB/s |"
-                )
+            s = e["s"]
+            fl = _floor(row, rs[0], meta["workload"], b, gbps) if b and gbps else None
+            of = [
+                "—" if fl is None or v is None else f"{100 * v / fl:.0f} %"
+                for v in (s.ours, s.peer)
+            ]
+            ratio = "—" if s.ratio is None else f"{s.ratio:.2f}x"
+            lines.append(
+                f"| {meta['models'][model]['title']} | {row} | {fmt(s.ours)} | "
+                f"{fmt(s.peer)} | {ratio} ({s.verdict}) | {s.per_round()} | "
+                + ("—" if fl is None else f"{fl:.1f}")
+                + f" | {of[0]} | {of[1]} | {meta['date'][:16].replace('T', ' ')}, "
+                f"`{meta.get('commit', '?')}`, {gbps or '—'} GB/s |"
+            )
     return [LONG_BEGIN, "", *lines, "", LONG_END]
 
 

@@ -259,3 +259,33 @@ def test_the_floor_of_a_row_is_its_tokens_per_step_over_the_bytes_a_step_reads()
     b16 = report._floor("decode b=16", {"part": "decode", "batch": 16}, w, b, 33.0)
     assert math.isclose(b16, 16 * 33e9 / (1e9 + 16 * 48 * 28_672))
     assert report._floor("prefill 512", {"part": "prefill"}, w, b, 33.0) is None
+
+
+def test_the_long_context_table_keeps_each_row_from_the_last_run_that_measured_it(
+    tmp_path: Path,
+) -> None:
+    """A run at depth 16384 adds its row beside the earlier run's depth 4096 row; a row
+    measured again replaces the older one (keyed by the part alone, the 4096 row was lost)."""
+    report = _report()
+    runs = []
+    for name, rows in (("a", (("decode b=1", 10.0), ("decode after 4096", 5.0))),
+                       ("b", (("decode after 16384", 3.0),)),
+                       ("c", (("decode b=1", 20.0),))):  # fmt: skip
+        d = tmp_path / name
+        d.mkdir()
+        meta = {"date": f"2026-12-02T0{len(runs)}:00", "commit": name,
+                "models": {"q": {"title": "Q", "ours": str(tmp_path / "hf-dir")}},
+                "workload": {"prompt": 32, "new": 32, "depth_new": 32}}  # fmt: skip
+        (d / "meta.json").write_text(json.dumps(meta))
+        recs = [
+            {"model": "q", "part": "decode" if "b=" in row else "depth", "row": row,
+             "system": system, "round": rnd, "tok_s": tok * (2 if system == "triollm" else 1)}
+            for row, tok in rows for system in ("triollm", "llama.cpp") for rnd in range(3)
+        ]  # fmt: skip
+        (d / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+        (d / "rounds.jsonl").write_text("")
+        runs.append(d)
+    lines = [x for x in report.long_context(runs) if x.startswith("| Q |")]
+    got = [(x.split(" | ")[1], x.split(" | ")[2], x.split("`")[1]) for x in lines]
+    assert got == [("decode b=1", "40.0", "c"), ("decode after 4096", "10.0", "a"),
+                   ("decode after 16384", "6.0", "b")]  # fmt: skip
