@@ -404,6 +404,15 @@ def merged(
     return meta, records
 
 
+# the order of the pictures' panels: the headline first, then the files by size
+_MODEL_ORDER = ("qwen1.5b", "qwen0.5b", "smollm2-q4_1", "smollm2-q8_0", "smollm2-16bit")
+
+
+def _model_rank(model: str) -> tuple[int, str]:
+    """A model key's place among the panels (an unknown key last, by name)."""
+    return (_MODEL_ORDER.index(model) if model in _MODEL_ORDER else len(_MODEL_ORDER), model)
+
+
 def plots(runs: list[Path], threshold: float | None = None) -> list[tuple[str, str]]:
     """Decode tok/s against batch per model and the headline's server; every round a
     dot, the median a line. (file name, alt text) of each picture drawn."""
@@ -421,9 +430,14 @@ def plots(runs: list[Path], threshold: float | None = None) -> list[tuple[str, s
     IMG.mkdir(parents=True, exist_ok=True)
     drawn = []
     styles = {"triollm": ("-o", "tab:blue"), "llama.cpp": ("--s", "tab:red")}
-    decode_models = [
-        m for m in meta["models"] if any(r["model"] == m and r["part"] == "decode" for r in records)
-    ]
+    decode_models = sorted(
+        (
+            m
+            for m in meta["models"]
+            if any(r["model"] == m and r["part"] == "decode" for r in records)
+        ),
+        key=_model_rank,
+    )
     if decode_models:
         fig, axes = plt.subplots(
             1, len(decode_models), figsize=(3.6 * len(decode_models), 3.8), squeeze=False
@@ -466,9 +480,14 @@ def plots(runs: list[Path], threshold: float | None = None) -> list[tuple[str, s
         fig.savefig(IMG / "peers-decode.png", dpi=100)
         plt.close(fig)
         drawn.append(("peers-decode.png", "decode tok/s against batch, every round a dot"))
-    serve_models = [
-        m for m in meta["models"] if any(r["model"] == m and r["part"] == "serve" for r in records)
-    ]
+    serve_models = sorted(
+        (
+            m
+            for m in meta["models"]
+            if any(r["model"] == m and r["part"] == "serve" for r in records)
+        ),
+        key=_model_rank,
+    )
     if serve_models:
         model = "qwen1.5b" if "qwen1.5b" in serve_models else serve_models[0]
         fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.8))
