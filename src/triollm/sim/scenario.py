@@ -15,7 +15,7 @@ which it arrives. Optional, per request: ``max_tokens`` (default ``answer``; whe
 larger, the model says EOS at the ``answer``-th token, but admission reserves
 for ``max_tokens``), ``cancel`` (the step at which the client leaves) and
 ``priority`` (for a policy that orders by it); for the whole scenario:
-``overtake_limit`` and ``preempt_watermark_blocks`` (SchedulerConfig's) and
+``overtake_limit``, ``preempt_watermark_blocks`` and ``stall_rows`` (SchedulerConfig's) and
 ``skip_admission`` (steps at which the loop plans without admitting). These are
 what ``triollm check-policy`` writes to replay a counter-example.
 
@@ -71,8 +71,11 @@ class Scenario:
     overtake_limit: int | None = None  # K; None: the Scheduler's default (slots)
     preempt_watermark_blocks: int = 1  # the Scheduler's default
     skip_admission: frozenset[int] = frozenset()  # steps that plan without an admission pass
+    stall_rows: int | None = None  # prefill rows beside a decoder; None: the chunk
 
     def config(self, policy: Policy | SchedulingPolicy) -> SchedulerConfig:
+        # Unset, stall_rows is not passed: SchedulerConfig owns its default (the chunk).
+        stall: dict[str, Any] = {} if self.stall_rows is None else {"stall_rows": self.stall_rows}
         return SchedulerConfig(
             num_blocks=self.num_blocks,
             block_size=self.block_size,
@@ -84,6 +87,7 @@ class Scenario:
             prefix_cache=self.prefix_cache,
             overtake_limit=self.overtake_limit,
             preempt_watermark_blocks=self.preempt_watermark_blocks,
+            **stall,
         )
 
     def prompt_ids(self, index: int) -> list[int]:
@@ -140,6 +144,11 @@ def parse_scenario(data: Any, source: str) -> Scenario:
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise UserError(f"{source}: field {key!r} must be an integer >= 0, got {v!r}")
             optional[key] = v
+    if "stall_rows" in data:
+        v = data["stall_rows"]
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise UserError(f"{source}: field 'stall_rows' must be an integer >= 1, got {v!r}")
+        optional["stall_rows"] = v
     if "skip_admission" in data:
         v = data["skip_admission"]
         if not isinstance(v, list) or not all(
