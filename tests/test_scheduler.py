@@ -8,6 +8,7 @@ from triollm.errors import FieldError
 from triollm.plan import Finished, FinishReason, SampledToken, StepPlan, StepResult
 from triollm.scheduler import (
     MIN_SERVING_CHUNK_TOKENS,
+    MIN_SERVING_STALL_ROWS,
     PRIORITY_MAX,
     PRIORITY_MIN,
     Infeasible,
@@ -16,6 +17,7 @@ from triollm.scheduler import (
     SchedulerConfig,
     SeqState,
     serving_chunk_tokens,
+    serving_stall_rows,
 )
 from triollm.spec import SequenceSpec
 
@@ -241,6 +243,36 @@ def test_a_wave_of_prompts_shares_one_chunk_while_anyone_decodes() -> None:
     t.admit_waiting()
     plan, _ = run_step(t)
     assert rows_of(plan) == {pair[0]: 8, pair[1]: 8}
+
+
+def test_the_stall_budget_bounds_prefill_beside_decoders_and_idle_steps_keep_the_chunk() -> None:
+    # stall_rows below the chunk: beside a decoder a step carries at most 3 prefill
+    # rows (the decoders' stall), spread over the prompts in admission order; a step
+    # with nobody decoding stalls nobody and takes the whole chunk.
+    s = make(num_blocks=64, slots=4, chunk_tokens=8, stall_rows=3, step_rows=12)
+    first = s.add(SequenceSpec(list(range(8)), 20))
+    s.admit_waiting()
+    plan, _ = run_step(s)
+    assert rows_of(plan) == {first: 8}  # idle: the full chunk, one step to a first token
+    wave = [s.add(SequenceSpec(list(range(5)), 20)) for _ in range(2)]
+    s.admit_waiting()
+    plan, _ = run_step(s)
+    assert rows_of(plan) == {wave[0]: 3, first: 1}
+    plan, _ = run_step(s)
+    assert rows_of(plan) == {wave[0]: 2, wave[1]: 1, first: 1}  # the budget is shared
+    while s.sequence(wave[1]).n_generated == 0:
+        plan, _ = run_step(s)
+        prefill = sum(c.n_rows for c in plan.chunks if c.prefill)
+        assert prefill <= 3, f"step {plan.step}: {prefill} prefill rows beside decoders"
+        assert first in rows_of(plan)
+
+
+def test_a_stall_budget_past_the_chunk_is_refused_and_unset_it_is_the_chunk() -> None:
+    with pytest.raises(ValueError, match=r"stall_rows \(9\) must be <= chunk_tokens \(8\)"):
+        SchedulerConfig(num_blocks=4, chunk_tokens=8, stall_rows=9)
+    with pytest.raises(ValueError, match="stall_rows must be an integer >= 1, got 0"):
+        SchedulerConfig(num_blocks=4, chunk_tokens=8, stall_rows=0)
+    assert SchedulerConfig(num_blocks=4, chunk_tokens=8).stall_rows == 8
 
 
 def test_a_chunk_rides_with_decodes_in_one_step() -> None:
@@ -541,3 +573,19 @@ def test_the_serving_chunk_shrinks_as_the_model_grows_down_to_one_short_prompt()
     assert {c & (c - 1) for c in chunks} == {0}  # powers of two
     with pytest.raises(ValueError, match="row_weights"):
         serving_chunk_tokens(0)
+
+
+def test_the_serving_stall_budget_follows_the_bytes_per_weight_within_the_chunk() -> None:
+    # The files the budget was measured on (bytes as loaded): ~one decode step of rows.
+    assert serving_stall_rows(QWEN_1_5B_ROW_WEIGHTS, 1_111_599_616, 32) == 16  # Q4_K_M
+    assert serving_stall_rows(SMOLLM2_ROW_WEIGHTS, 96_576_768, 128) == 16  # Q4_1
+    assert serving_stall_rows(SMOLLM2_ROW_WEIGHTS, 269_100_288, 128) == 32  # bf16: 2.5 B/w
+    # Never past the chunk (a chunk is the most one prompt takes), never below the floor
+    # unless the chunk itself is.
+    assert serving_stall_rows(SMOLLM2_ROW_WEIGHTS, 4 * SMOLLM2_ROW_WEIGHTS, 32) == 32
+    assert serving_stall_rows(SMOLLM2_ROW_WEIGHTS, 1_000, 128) == MIN_SERVING_STALL_ROWS == 8
+    assert serving_stall_rows(SMOLLM2_ROW_WEIGHTS, 1_000, 4) == 4
+    stalls = [serving_stall_rows(10**8, b, 128) for b in range(10**7, 10**9, 10**7)]
+    assert stalls == sorted(stalls) and {c & (c - 1) for c in stalls} == {0}
+    with pytest.raises(ValueError, match="weight_bytes"):
+        serving_stall_rows(10**8, 0, 32)

@@ -34,7 +34,7 @@ test; where each lives:
 3. FCFS with at most K overtakes of the head: ``admit_waiting``.
 4. Step composition (left-out decoders, then prefill chunks, then decode rows,
    within ``step_rows``; while anyone decodes the chunks share one
-   ``chunk_tokens``; nobody is evicted for a row): ``plan_step``.
+   ``stall_rows``; nobody is evicted for a row): ``plan_step``.
 5. Growth and preemption (recompute, at the original ticket): ``_grow``,
    ``_preempt``, ``_readmit_preempted``.
 6. Cancellation frees every block at once; ``commit`` ignores results for
@@ -94,6 +94,7 @@ __all__ = [
     "SeqState",
     "SequenceInfo",
     "serving_chunk_tokens",
+    "serving_stall_rows",
 ]
 
 
@@ -136,8 +137,7 @@ class SchedulerConfig:
     num_blocks: int  # KV blocks in the pool (the Batch allocates the arrays to match)
     block_size: int = 32  # positions per block; Forma's value, a multiple of a SIMD width
     slots: int = 4  # sequences running at once; bounds memory and the batch's width
-    # Prefill tokens per sequence per step, and per step (all prompts together)
-    # while any sequence decodes: the stall budget (rule 4, docs/scheduling.md §5).
+    # Prefill tokens per sequence per step (rule 4, docs/scheduling.md §5).
     # A step carrying a chunk stalls every decoding stream for as long as the chunk
     # takes, and the stall grows with the chunk, while a long prompt's time to first
     # token barely depends on it down to ~64-128 tokens (prefill is compute bound).
@@ -151,6 +151,13 @@ class SchedulerConfig:
     # (step_rows = chunk_tokens measured 1.5x longer stalls). __post_init__ resolves
     # None, so every reader sees an int: hence the type, and the one ignore.
     step_rows: int = None  # type: ignore[assignment]
+    # Prefill rows of a whole step (all prompts together) while any sequence decodes:
+    # the stall budget (rule 4, docs/scheduling.md §5). Every decoding stream waits for
+    # each of those rows, so this bounds the longest gap between two of its tokens; a
+    # step with nobody decoding stalls nobody and keeps the full chunk. None (the
+    # default) means chunk_tokens; the server sizes it to the model it serves
+    # (serving_stall_rows). At most chunk_tokens: a larger one would be the chunk.
+    stall_rows: int = None  # type: ignore[assignment]
     context_tokens: int = 2048  # positions one sequence may reach (prompt + answer)
     # A built-in's name, or any object with the SchedulingPolicy interface (policies.py).
     policy: Policy | SchedulingPolicy = Policy.RESERVE  # never deadlocks, never recomputes
@@ -182,7 +189,16 @@ class SchedulerConfig:
                 )
         if self.step_rows is None and isinstance(self.chunk_tokens, int):
             object.__setattr__(self, "step_rows", self.chunk_tokens + self.slots)
-        for name in ("num_blocks", "block_size", "slots", "chunk_tokens", "step_rows"):
+        if self.stall_rows is None and isinstance(self.chunk_tokens, int):
+            object.__setattr__(self, "stall_rows", self.chunk_tokens)
+        for name in (
+            "num_blocks",
+            "block_size",
+            "slots",
+            "chunk_tokens",
+            "step_rows",
+            "stall_rows",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
@@ -195,6 +211,12 @@ class SchedulerConfig:
             raise ValueError(
                 f"step_rows ({self.step_rows}) must be >= slots ({self.slots}): every "
                 "left-out decoding sequence is promised a row in the next step"
+            )
+        if self.stall_rows > self.chunk_tokens:
+            raise ValueError(
+                f"stall_rows ({self.stall_rows}) must be <= chunk_tokens "
+                f"({self.chunk_tokens}): it bounds the prefill rows beside decoders, and a "
+                "chunk is the most one prompt takes in a step"
             )
         if self.overtake_limit is not None and self.overtake_limit < 0:
             raise ValueError(f"overtake_limit must be >= 0 or None, got {self.overtake_limit}")
@@ -267,6 +289,41 @@ def serving_chunk_tokens(row_weights: int) -> int:
     most = SchedulerConfig.chunk_tokens  # the class attribute: the measured default
     rows = max(CHUNK_STALL_ROW_WEIGHTS // row_weights, 1)
     return max(MIN_SERVING_CHUNK_TOKENS, min(most, 1 << (rows.bit_length() - 1)))
+
+
+# The serving stall budget follows the model too, but through a ratio, not a size. A
+# decode step streams every weight byte once (bandwidth bound); a prefill row
+# multiplies every layer weight (compute bound). So the rows whose compute costs about
+# one decode step grow with the bytes the model holds per weight a row multiplies
+# (``weight_bytes / row_weights``), whatever its size: 4-5 bit files ~0.9, bf16 ~2.5.
+# Measured on the served conc-8 timeline (bench/bench_serverpath.py --timeline, busy
+# machine): Qwen2.5-1.5B Q4_K_M, an 8-stream decode step ~140 ms and ~8.8 ms per prefill
+# row beside it (16 rows per step's worth; 0.85 bytes per row weight); SmolLM2-135M
+# Q4_1, ~37 ms and ~1.75 ms (21 rows; 0.93). 20 rows per byte per weight sits between
+# them: a step beside decoders then carries about one decode step of prefill, so a
+# decoding stream's longest gap is about two decode steps, not the 3-7 a full chunk of
+# 32 (1.5B) or 128 (SmolLM2) rows made it.
+STALL_ROWS_PER_WEIGHT_BYTE = 20
+# The floor: fewer rows would spread even a chat turn's prompt over many steps, each
+# reading every weight again, for a stall hardly shorter than the decode step itself.
+MIN_SERVING_STALL_ROWS = 8
+
+
+def serving_stall_rows(row_weights: int, weight_bytes: int, chunk_tokens: int) -> int:
+    """The server's ``stall_rows`` (prefill rows beside decoders) for a model whose
+    layers multiply ``row_weights`` weights per row and which holds ``weight_bytes``
+    bytes of weights (what a decode step streams), serving chunks of ``chunk_tokens``.
+
+    A power of two between :data:`MIN_SERVING_STALL_ROWS` and the chunk, near
+    :data:`STALL_ROWS_PER_WEIGHT_BYTE` x bytes per row weight. Trap: only the default;
+    ``--stall-rows`` wins over it, and a chunk below the floor is the bound itself."""
+    if row_weights < 1 or weight_bytes < 1 or chunk_tokens < 1:
+        raise ValueError(
+            f"row_weights, weight_bytes and chunk_tokens must be >= 1, got "
+            f"{row_weights}, {weight_bytes}, {chunk_tokens}"
+        )
+    rows = max(STALL_ROWS_PER_WEIGHT_BYTE * weight_bytes // row_weights, 1)
+    return min(chunk_tokens, max(MIN_SERVING_STALL_ROWS, 1 << (rows.bit_length() - 1)))
 
 
 @dataclass(frozen=True, slots=True)
@@ -851,16 +908,16 @@ class Scheduler:
                 rows[seq.seq_id] = 1
                 left -= 1
         # (b) prefill chunks: a waiting caller measures time to first token. While
-        # any sequence decodes, the chunk bounds the prefill rows of the whole step,
+        # any sequence decodes, stall_rows bounds the prefill rows of the whole step,
         # not of each prompt: a step's prefill is every decoder's stall, so the rows
-        # past one chunk are held back for the decoders. Hazard: with a per-prompt
-        # bound, a wave of prompts filled the step (prompt A's chunk and B's first
-        # rows), pushed the decoders out, and each stream got a token every second
-        # step of a full chunk: served ITL p99 2.4x llama-server's (8 streams,
-        # Qwen2.5-1.5B). A step with no decoder stalls nobody and fills step_rows.
+        # past it are held back for the decoders. Hazard: with a per-prompt bound, a
+        # wave of prompts filled the step (prompt A's chunk and B's first rows),
+        # pushed the decoders out, and each stream got a token every second step of
+        # a full chunk: served ITL p99 2.4x llama-server's (8 streams, Qwen2.5-1.5B).
+        # A step with no decoder stalls nobody and fills step_rows with chunks.
         held = 0
         if any(s.state is SeqState.DECODING and s.seq_id not in blocked for s in order):
-            held = max(left - cfg.chunk_tokens, 0)
+            held = max(left - cfg.stall_rows, 0)
         left -= held
         for seq in order:
             if seq.state is SeqState.PREFILLING and left > 0:

@@ -92,6 +92,7 @@ class Capacity:
     num_blocks: int | None = None
     kv_memory_bytes: int | None = None
     chunk_tokens: int | None = None
+    stall_rows: int | None = None  # None: the chunk (the server sizes it to the model)
     step_rows: int | None = None
     policy: Policy | SchedulingPolicy | None = None
     overtake_limit: int | None = None
@@ -135,6 +136,7 @@ class Capacity:
             context_tokens=context,
             chunk_tokens=_or_default(self.chunk_tokens, "chunk_tokens"),
             step_rows=_or_default(self.step_rows, "step_rows"),  # its default: chunk + slots
+            stall_rows=_or_default(self.stall_rows, "stall_rows"),  # its default: the chunk
             policy=_or_default(self.policy, "policy"),
             overtake_limit=self.overtake_limit,  # None is SchedulerConfig's own "K = slots"
             prefix_cache=self.prefix_cache,

@@ -64,14 +64,15 @@ class ClaimViolated(AssertionError):
 def liveness_bound(s: Scheduler, seq_id: int) -> int:
     """Steps within which running sequence ``seq_id`` must end, counted from now.
 
-    q = min(chunk, rows - slots + 1) is the least a prefill chunk gets while it is
-    the first prefill in admission order (rule 4: at most slots - 1 left-out decoders
-    go before it). Every prefilling sequence admitted before this one finishes its
+    q = min(chunk, stall, rows - slots + 1) is the least a prefill chunk gets while
+    it is the first prefill in admission order (rule 4: at most slots - 1 left-out
+    decoders go before it, and beside a decoder the step's prefill is at most
+    ``stall_rows``). Every prefilling sequence admitted before this one finishes its
     prompt first, each within ceil(remaining / q) steps; then this one's does. After
     that each answer token needs at most two steps (left out once, first next time).
     """
     cfg = s.config
-    q = min(cfg.chunk_tokens, cfg.step_rows - cfg.slots + 1)
+    q = min(cfg.chunk_tokens, cfg.stall_rows, cfg.step_rows - cfg.slots + 1)
     me = s.sequence(seq_id)
     if me.state is SeqState.DECODING:
         return 2 * (me.max_tokens - me.n_generated)
@@ -143,6 +144,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         num_blocks=st.integers(2, 24),
         slots=st.integers(1, 4),
         chunk=st.integers(1, 12),
+        stall=st.integers(0, 12),
         extra_rows=st.integers(0, 12),
         context=st.integers(4, 48),
         overtake=st.integers(0, 4),
@@ -154,6 +156,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         num_blocks: int,
         slots: int,
         chunk: int,
+        stall: int,
         extra_rows: int,
         context: int,
         overtake: int,
@@ -164,6 +167,8 @@ class SchedulerMachine(RuleBasedStateMachine):
             block_size=block_size,
             slots=slots,
             chunk_tokens=chunk,
+            # 0: the chunk (SchedulerConfig's default); otherwise a budget below it
+            stall_rows=min(stall, chunk) or chunk,
             step_rows=slots + extra_rows,
             context_tokens=context,
             policy=self.POLICY,
@@ -180,6 +185,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                     "num_blocks": num_blocks,
                     "block_size": block_size,
                     "chunk_tokens": chunk,
+                    "stall_rows": cfg.stall_rows,
                     "step_rows": cfg.step_rows,
                     "context_tokens": context,
                     "overtake_limit": cfg.overtake_k,
@@ -189,7 +195,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         )
         self.say(
             f"config: {num_blocks} blocks of {block_size} positions, {slots} slot(s), "
-            f"chunks of {chunk}, {cfg.step_rows} rows a step, context {context}, "
+            f"chunks of {chunk} ({cfg.stall_rows} beside a decoder), {cfg.step_rows} rows "
+            f"a step, context {context}, "
             f"overtake limit K={cfg.overtake_k}, watermark {watermark}"
         )
 
@@ -593,9 +600,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert kinds == sorted(kinds, reverse=True), "prefill chunks come before decode rows"
         if not all(kinds):  # a decoder rides: the step's prefill is its stall (rule 4)
             prefill_rows = sum(c.n_rows for c in plan.chunks if c.prefill)
-            assert prefill_rows <= cfg.chunk_tokens, (
-                f"{prefill_rows} prefill rows beside a decode row, past the chunk "
-                f"{cfg.chunk_tokens}: the decoders' stall is unbounded"
+            assert prefill_rows <= cfg.stall_rows, (
+                f"{prefill_rows} prefill rows beside a decode row, past the stall budget "
+                f"{cfg.stall_rows}: the decoders' stall is unbounded"
             )
         written_by: dict[int, int] = {}
         for c in plan.chunks:
