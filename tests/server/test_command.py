@@ -298,3 +298,17 @@ def test_the_default_chunk_follows_the_models_weights(loaded):
     # the tiny fixture keeps the measured 128; --chunk still wins over the default
     assert stack_for(loaded).service.scheduler.config.chunk_tokens == 128
     assert stack_for(loaded, chunk_tokens=48).service.scheduler.config.chunk_tokens == 48
+
+
+def test_the_stall_budget_follows_the_model_and_the_flag_wins(loaded):
+    from triollm.scheduler import serving_stall_rows
+    from triollm.server.command import row_weights
+
+    stack = stack_for(loaded)
+    config = stack.service.scheduler.config
+    derived = serving_stall_rows(row_weights(loaded.config), loaded.weight_bytes, 128)
+    assert config.stall_rows == derived <= config.chunk_tokens
+    assert f"{derived} rows a step while any sequence decodes" in stack.report.describe()
+    assert stack_for(loaded, stall_rows=5).service.scheduler.config.stall_rows == 5
+    with pytest.raises(UserError, match=r"--stall-rows \(64\) must be <= --chunk \(32\)"):
+        stack_for(loaded, chunk_tokens=32, stall_rows=64)

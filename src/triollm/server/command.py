@@ -41,7 +41,7 @@ from triollm.model.embed import Embedder, Pooling
 from triollm.model.kvstore import DEFAULT_KV_DTYPE, KVDtype, kv_bytes_per_position
 from triollm.policies import Claim, Policy, SchedulingPolicy, load_policy, policy_name
 from triollm.request import ServedModel
-from triollm.scheduler import Scheduler, serving_chunk_tokens
+from triollm.scheduler import Scheduler, serving_chunk_tokens, serving_stall_rows
 from triollm.server.app import DEFAULT_BODY_TIMEOUT_S, body_limit_for, create_app
 from triollm.server.door import API_KEY_ENV, DoorPolicy
 from triollm.server.frontend import HttpConfig, Serving, serve_http
@@ -196,6 +196,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "same TTFT; see scheduler.serving_chunk_tokens)",
     )
     cap.add_argument(
+        "--stall-rows",
+        type=int,
+        help="prefill rows of a whole step while any sequence decodes, at most the chunk "
+        "(default: about one decode step's worth for the model, at least 8: each such row "
+        "delays every stream's next token; see scheduler.serving_stall_rows)",
+    )
+    cap.add_argument(
         "--step-rows",
         type=int,
         help="rows per forward pass (default: chunk + slots: a full chunk plus every decoder)",
@@ -317,6 +324,7 @@ FLAG_OF_FIELD = {
     "num_blocks": "--kv-blocks (or --kv-memory)",
     "block_size": "--block-size",
     "step_rows": "--step-rows",
+    "stall_rows": "--stall-rows",
     "slots": "--slots",
 }
 
@@ -399,10 +407,15 @@ def build_stack(
 
     refuse_policy(capacity.policy)
     cfg = loaded.config
-    if capacity.chunk_tokens is None:  # unset: the default follows the model's size
-        capacity = dataclasses.replace(
-            capacity, chunk_tokens=serving_chunk_tokens(row_weights(cfg))
-        )
+    chunk = capacity.chunk_tokens
+    if chunk is None:  # unset: the default follows the model's size
+        chunk = serving_chunk_tokens(row_weights(cfg))
+        capacity = dataclasses.replace(capacity, chunk_tokens=chunk)
+    # Unset: about one decode step's worth of prefill. A chunk below 1 is left for
+    # SchedulerConfig to refuse by its name (--chunk), not blamed on this derivation.
+    if capacity.stall_rows is None and chunk >= 1:
+        stall = serving_stall_rows(row_weights(cfg), loaded.weight_bytes, chunk)
+        capacity = dataclasses.replace(capacity, stall_rows=stall)
     per_position = kv_bytes_per_position(cfg, capacity.kv_dtype)
     try:
         sched_config = capacity.resolve(cfg.max_position_embeddings, per_position)
@@ -484,7 +497,8 @@ def build_stack(
             f"queue: {sc.slots} slots x {q.queue_depth_per_slot} = "
             f"{sc.slots * q.queue_depth_per_slot} waiters, wait budget {q.queue_wait_s:g} s; "
             f"stream buffer {q.stream_buffer_steps} steps",
-            f"step: up to {sc.step_rows} rows; prefill chunk {sc.chunk_tokens} tokens; "
+            f"step: up to {sc.step_rows} rows; prefill chunk {sc.chunk_tokens} tokens, "
+            f"{sc.stall_rows} rows a step while any sequence decodes; "
             f"policy {policy_name(sc.policy)}; prefix cache {'on' if sc.prefix_cache else 'off'}",
         ),
     )
@@ -622,6 +636,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[Capacity, ServiceConfig
         num_blocks=args.kv_blocks,
         kv_memory_bytes=None if args.kv_memory is None else parse_size(args.kv_memory),
         chunk_tokens=args.chunk,
+        stall_rows=args.stall_rows,
         step_rows=args.step_rows,
         policy=parse_policy(args.policy),
         prefix_cache=args.prefix_cache == "on",
