@@ -85,13 +85,15 @@ class Timeline:
 
     steps: list[Step] = field(default_factory=list)
     submits: list[float] = field(default_factory=list)  # when each request reached submit
+    # (reached submit, its first seq_id) per request, once submit returned (admitted)
+    admitted: list[tuple[float, int]] = field(default_factory=list)
     # Per HTTP request: [reached the app, first body bytes handed to hypercorn]
     requests: list[list[float]] = field(default_factory=list)
     recording: bool = False
     _current: Step | None = None
 
     def begin(self) -> None:
-        self.steps, self.submits, self.requests = [], [], []
+        self.steps, self.submits, self.requests, self.admitted = [], [], [], []
         self.recording, self._current = True, None
 
     def end(self) -> list[Step]:
@@ -158,9 +160,13 @@ def instrument(service: Any, batch: Any, timeline: Timeline) -> None:
         return wrapper
 
     async def timed_submit(*args: Any, **kw: Any) -> Any:
+        t = clock()
         if timeline.recording:
-            timeline.submits.append(clock())
-        return await submit(*args, **kw)
+            timeline.submits.append(t)
+        stream = await submit(*args, **kw)
+        if timeline.recording:
+            timeline.admitted.append((t, stream.seq_id))
+        return stream
 
     service.step_runner = timed_runner
     service.submit_prompts = timed_submit
@@ -351,32 +357,47 @@ def report_level(
         f"{tokens} tokens, aggregate {agg:.1f} tok/s, TTFT p50 "
         f"{'-' if ttft is None else f'{ttft:.0f}'} ms; load {load0:.1f} -> {os.getloadavg()[0]:.1f}"
     )
+    # What the client saw per token, beside the step's cycle below: a TPOT p50 above
+    # the cycle's *mean* is time between the step and the client (the SSE write, the
+    # client's own read), not the server's step.
+    client = {k: (level.get(f"{k}_ms") or {}) for k in ("tpot", "itl")}
+    print(
+        "client: TPOT p50 {}, ITL p50 {}, ITL p99 {} ms".format(
+            *(
+                "-" if client[k].get(q) is None else f"{client[k][q]:.1f}"
+                for k, q in (("tpot", "p50"), ("itl", "p50"), ("itl", "p99"))
+            )
+        )
+    )
     decode = [s for s in steps if s.decode_only and s.run_start]
     parts = breakdown(steps)
     print(f"steps: {len(steps)} ({len(decode)} decode-only); per decode step, ms median (mean):")
     for name, values in parts.items():
         print(f"  {name:<10} {ms(values)}")
-    # The first token: from the request reaching Service.submit to its prefill step's
-    # launch (admission, the membership's safe point), and that step's own cycle.
+    # The first token: from the request reaching Service.submit to the launch of the
+    # step that sampled it (admission, the membership's safe point, and the earlier
+    # chunks of a prompt longer than the step's prefill budget), that step's own
+    # cycle, and the handler's write. Paired by seq_id: a prompt of several chunks
+    # would otherwise be paired with its first chunk's step.
     firsts: dict[str, list[float]] = {
         "app -> submit": [],
-        "submit -> prefill launched": [],
-        "prefill launched -> dispatched": [],
+        "submit -> sampling step launched": [],
+        "sampling step -> dispatched": [],
         "dispatched -> first bytes": [],
     }
     for entered, first_bytes in timeline.requests:
-        t = next((t for t in timeline.submits if t > entered), None)
-        first = next((s for s in steps if t and s.launched > t and not s.decode_only), None)
+        t, seq = next(((t, q) for t, q in timeline.admitted if t > entered), (None, None))
+        first = next((s for s in steps if seq in s.sampled and s.prefill_rows), None)
         if t is None or first is None or not first.resumed or not first_bytes:
             continue
         dispatched = first.resumed + first.commit + first.dispatch
         firsts["app -> submit"].append(t - entered)
-        firsts["submit -> prefill launched"].append(first.launched - t)
-        firsts["prefill launched -> dispatched"].append(dispatched - first.launched)
+        firsts["submit -> sampling step launched"].append(first.launched - t)
+        firsts["sampling step -> dispatched"].append(dispatched - first.launched)
         firsts["dispatched -> first bytes"].append(first_bytes - dispatched)
     print("first token, per request, ms median (mean):")
     for name, values in firsts.items():
-        print(f"  {name:<31} {ms(values)}")
+        print(f"  {name:<33} {ms(values)}")
     busy = sum(s.run_end - s.run_start for s in steps if s.run_start)
     fwd = sum(s.forward for s in steps)
     level_s = level.get("duration_s") or wall
@@ -396,7 +417,15 @@ def report_level(
         "concurrency": c,
         "aggregate_tok_s": round(agg, 2),
         "ttft_p50_ms": ttft,
+        "client_ms": {
+            "tpot_p50": client["tpot"].get("p50"),
+            "itl_p50": client["itl"].get("p50"),
+            "itl_p99": client["itl"].get("p99"),
+        },
         "step_ms": med,
+        "step_mean_ms": {
+            k: round(1e3 * statistics.fmean(v), 3) if v else None for k, v in parts.items()
+        },
         "first_token_ms": {
             k: round(1e3 * statistics.median(v), 3) if v else None for k, v in firsts.items()
         },
