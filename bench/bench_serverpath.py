@@ -30,8 +30,12 @@ and ``LlamaModel.forward`` inside the worker thread, and the loop's own calls
 
 The engine's own b=1 step
 beside it shows how much the server's forward pass itself is slowed by sharing the
-2 cores with the event loop (and the load client). It also reports the event loop
-thread's CPU time per token (``/proc/self/task``), and the client's figures.
+2 cores with the event loop (and the load client). It also reports the client's
+TPOT and ITL beside the step's cycle, the SSE writes' own gaps as the app hands
+them to hypercorn (a client TPOT above those is between the socket and the
+client), and the CPU time per token of the event loop thread and of the other
+threads (``/proc/self/task``) and of the load client process (``getrusage``): on
+a busy machine wall times swing 3-4x within seconds, CPU time much less.
 
 Figures vary with the machine's load (print ``/proc/loadavg`` with them); for an
 A/B run it once per tree, alternating, with ``PYTHONPATH`` naming the tree.
@@ -43,6 +47,7 @@ import argparse
 import itertools
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -89,11 +94,14 @@ class Timeline:
     admitted: list[tuple[float, int]] = field(default_factory=list)
     # Per HTTP request: [reached the app, first body bytes handed to hypercorn]
     requests: list[list[float]] = field(default_factory=list)
+    # Per HTTP request: when each non-empty body message was handed to hypercorn
+    writes: list[list[float]] = field(default_factory=list)
     recording: bool = False
     _current: Step | None = None
 
     def begin(self) -> None:
         self.steps, self.submits, self.requests, self.admitted = [], [], [], []
+        self.writes = []
         self.recording, self._current = True, None
 
     def end(self) -> list[Step]:
@@ -198,10 +206,13 @@ def instrument_app(stack: Any, timeline: Timeline) -> None:
                 return
             rec = [time.perf_counter(), 0.0]
             timeline.requests.append(rec)
+            writes: list[float] = []
+            timeline.writes.append(writes)
 
             async def timed_send(message: dict[str, Any]) -> None:
-                if not rec[1] and message["type"] == "http.response.body" and message.get("body"):
-                    rec[1] = time.perf_counter()
+                if message["type"] == "http.response.body" and message.get("body"):
+                    writes.append(time.perf_counter())
+                    rec[1] = rec[1] or writes[0]
                 await send(message)
 
             await inner(scope, receive, timed_send)
@@ -323,6 +334,7 @@ async def serve_and_load(stack: Any, batch: Any, args: argparse.Namespace) -> No
         tmp = Path(tempfile.mkdtemp()) / "level.jsonl"
         for c in args.concurrency:
             cpu0 = thread_cpu()
+            child0 = resource.getrusage(resource.RUSAGE_CHILDREN)
             load0 = os.getloadavg()[0]
             timeline.begin()
             t0 = time.perf_counter()
@@ -330,7 +342,11 @@ async def serve_and_load(stack: Any, batch: Any, args: argparse.Namespace) -> No
             wall = time.perf_counter() - t0
             timeline.end()
             cpu1 = thread_cpu()
-            report_level(c, level, timeline, wall, cpu0, cpu1, loop_tid, load0)
+            child1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+            client_cpu = sum(
+                getattr(child1, f) - getattr(child0, f) for f in ("ru_utime", "ru_stime")
+            )
+            report_level(c, level, timeline, wall, cpu0, cpu1, loop_tid, load0, client_cpu)
             if args.timeline:
                 print_timeline(timeline.steps)
         shutdown.set()
@@ -347,6 +363,7 @@ def report_level(
     cpu1: dict[int, float],
     loop_tid: int,
     load0: float,
+    client_cpu: float,
 ) -> None:
     steps = timeline.steps
     tokens = level.get("output_tokens") or 0
@@ -395,6 +412,19 @@ def report_level(
         firsts["submit -> sampling step launched"].append(first.launched - t)
         firsts["sampling step -> dispatched"].append(dispatched - first.launched)
         firsts["dispatched -> first bytes"].append(first_bytes - dispatched)
+    # The SSE writes as the app hands them to hypercorn: per request, the mean gap
+    # between its writes after the first (the server side of the client's TPOT), and
+    # every such gap (the server side of its ITL). The last write or two are the
+    # final event and [DONE], right after the last token's: left out.
+    tpot_w, gaps_w = [], []
+    for writes in timeline.writes:
+        w = writes[: len(writes) - 2] if len(writes) > 3 else []
+        if len(w) >= 2:
+            tpot_w.append((w[-1] - w[0]) / (len(w) - 1))
+            gaps_w.extend(b - a for a, b in itertools.pairwise(w))
+    print(
+        f"SSE writes: per-request mean gap (TPOT) median {ms(tpot_w)}, gap median {ms(gaps_w)} ms"
+    )
     print("first token, per request, ms median (mean):")
     for name, values in firsts.items():
         print(f"  {name:<33} {ms(values)}")
@@ -408,9 +438,14 @@ def report_level(
     )
     loop_cpu = cpu1.get(loop_tid, 0.0) - cpu0.get(loop_tid, 0.0)
     others = sum(cpu1[t] - cpu0.get(t, 0.0) for t in cpu1 if t != loop_tid)
+    # All of it shares the 2 cores with the forward pass's threads: the load client
+    # (a child process; it loads llama-server the same way; its figure includes its
+    # start-up, ~0.5 s of imports) and the event loop.
+    per = 1e3 / max(tokens, 1)
     print(
-        f"CPU: event loop thread {loop_cpu:.2f} s ({1e3 * loop_cpu / max(tokens, 1):.2f} ms "
-        f"per token), the other threads {others:.2f} s"
+        f"CPU: event loop thread {loop_cpu:.2f} s ({per * loop_cpu:.2f} ms per token), "
+        f"the other threads {others:.2f} s ({per * others:.2f} ms per token), the load "
+        f"client process {client_cpu:.2f} s ({per * client_cpu:.2f} ms per token)"
     )
     med = {k: round(1e3 * statistics.median(v), 3) if v else None for k, v in parts.items()}
     summary = {
@@ -429,7 +464,8 @@ def report_level(
         "first_token_ms": {
             k: round(1e3 * statistics.median(v), 3) if v else None for k, v in firsts.items()
         },
-        "loop_cpu_ms_per_token": round(1e3 * loop_cpu / max(tokens, 1), 3),
+        "loop_cpu_ms_per_token": round(per * loop_cpu, 3),
+        "client_cpu_ms_per_token": round(per * client_cpu, 3),
         "load": [round(load0, 1), round(os.getloadavg()[0], 1)],
     }
     print("JSON " + json.dumps(summary))
