@@ -88,8 +88,10 @@ def run_scenario(
     warm_steps: int = 5,
     seed: int = 0,
     wave: int = 1,
+    stall_rows: int | None = None,
 ) -> Outcome:
-    """Drive Scheduler + Batch through the scenario of the module docstring once."""
+    """Drive Scheduler + Batch through the scenario of the module docstring once
+    (``stall_rows`` None: SchedulerConfig's default, the chunk)."""
     context = prompt_len + 256
     blocks_per_seq = -(-context // BLOCK_SIZE)
     config = SchedulerConfig(
@@ -99,6 +101,7 @@ def run_scenario(
         chunk_tokens=chunk,
         step_rows=step_rows,
         context_tokens=context,
+        **({} if stall_rows is None else {"stall_rows": stall_rows}),
     )
     scheduler = Scheduler(config)
     batch = Batch(model, num_blocks=config.num_blocks, block_size=BLOCK_SIZE)
@@ -197,6 +200,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--wave", type=int, default=1, help="prompts arriving together (1; see the docstring)"
     )
+    p.add_argument(
+        "--stall",
+        default="",
+        help="comma-separated stall_rows values, each run with every setting (default: "
+        "the chunk; docs/scheduling.md, the stall budget)",
+    )
     p.add_argument("--rounds", type=int, default=2, help="runs of every setting (2)")
     p.add_argument("--dtype", default="bf16", choices=("f32", "bf16"), help="weights (bf16)")
     p.add_argument("--quick", action="store_true", help="one round, 300-token prompt")
@@ -205,7 +214,11 @@ def main(argv: list[str] | None = None) -> int:
         args.rounds, args.prompt = 1, 300
     if args.decoders + args.wave > args.slots:
         p.error("--decoders + --wave must fit in --slots (every prompt of the wave runs)")
-    settings = parse_settings(args.settings, args.slots)
+    stalls: list[int | None] = [int(x) for x in args.stall.split(",") if x] or [None]
+    settings = [(c, r, t) for c, r in parse_settings(args.settings, args.slots) for t in stalls]
+    for c, _, t in settings:
+        if t is not None and not 1 <= t <= c:
+            p.error(f"--stall {t} must be between 1 and the chunk {c}")
 
     print(f"# triollm bench-step-rows — {datetime.datetime.now().isoformat(timespec='minutes')}")
     print(f"command: python bench/bench_step_rows.py {' '.join(sys.argv[1:])}".rstrip())
@@ -223,10 +236,10 @@ def main(argv: list[str] | None = None) -> int:
     run_scenario(
         model, chunk=64, step_rows=68, slots=args.slots, decoders=args.decoders, prompt_len=128
     )
-    results: dict[tuple[int, int], list[Outcome]] = {s: [] for s in settings}
+    results: dict[tuple[int, int, int | None], list[Outcome]] = {s: [] for s in settings}
     for _ in range(args.rounds):
-        for chunk, rows in settings:
-            results[(chunk, rows)].append(
+        for chunk, rows, stall in settings:
+            results[(chunk, rows, stall)].append(
                 run_scenario(
                     model,
                     chunk=chunk,
@@ -235,18 +248,19 @@ def main(argv: list[str] | None = None) -> int:
                     decoders=args.decoders,
                     prompt_len=args.prompt,
                     wave=args.wave,
+                    stall_rows=stall,
                 )
             )
     print(
-        "| chunk | step_rows | prefill steps | TTFT s | decode gap median ms "
+        "| chunk | step_rows | stall_rows | prefill steps | TTFT s | decode gap median ms "
         "| p95 ms | max ms | decode-only gap ms | tok/s (prefill phase) |"
     )
-    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
-    for (chunk, rows), runs in results.items():
+    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for (chunk, rows, stall), runs in results.items():
         gaps = [g for r in runs for g in r.gaps]
         quiet = [g for r in runs for g in r.quiet_gaps]
         print(
-            f"| {chunk} | {rows} | {runs[0].prefill_steps} "
+            f"| {chunk} | {rows} | {chunk if stall is None else stall} | {runs[0].prefill_steps} "
             f"| {statistics.median(r.ttft for r in runs):.2f} "
             f"| {1000 * statistics.median(gaps):.0f} | {1000 * percentile(gaps, 95):.0f} "
             f"| {1000 * max(gaps):.0f} | {1000 * statistics.median(quiet):.0f} "
