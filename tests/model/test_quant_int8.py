@@ -32,14 +32,14 @@ F32 = np.float32
 
 
 def reference_rows(x: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """q int8, d float32 per block, int32 sums of 16: quant_int8.quantize_rows in numpy."""
+    """q int8, d float32 per block, int16 sums of 16: quant_int8.quantize_rows in numpy."""
     n, k = x.shape
     xb = x.reshape(n, k // block, block)
     amax = np.abs(xb).max(axis=2)
     d = amax / F32(127)
     inv = np.divide(F32(127), amax, out=np.zeros_like(amax), where=amax > 0)
     q = np.clip(np.rint(xb * inv[:, :, None]), -127, 127).astype(np.int8).reshape(n, k)
-    sums = q.astype(np.int32).reshape(n, k // 16, 16).sum(axis=2, dtype=np.int32)
+    sums = q.astype(np.int32).reshape(n, k // 16, 16).sum(axis=2).astype(np.int16)
     return q, d.astype(F32), sums
 
 

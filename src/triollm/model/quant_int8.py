@@ -198,7 +198,9 @@ class Int8Rows:
     """Rows of ``x`` quantized per block: ``x ~ q * d``, block by block.
 
     ``q`` int8 ``(n, k)`` in -127..127; ``d`` float32 ``(n, k / block)``;
-    ``sums`` int32 ``(n, k / 16)``: the sum of each 16 consecutive ``q``.
+    ``sums`` int16 ``(n, k / 16)``: the sum of each 16 consecutive ``q``
+    (at most 16 * 127 in magnitude). int16 so that two neighbours are one
+    32-bit word the tile broadcasts into ``vpdpwssd`` (int16 pairs).
     """
 
     q: np.ndarray
@@ -230,8 +232,8 @@ def _quantize_row(
     for g in range(k // SUM_VALUES):
         s = 0
         for i in range(g * SUM_VALUES, (g + 1) * SUM_VALUES):
-            s += int(q[r, i])  # at most 16 * 127
-        sums[r, g] = s
+            s += int(q[r, i])  # at most 16 * 127: fits the int16
+        sums[r, g] = np.int16(s)
 
 
 @njit(cache=True, nogil=True, parallel=True)
@@ -258,7 +260,7 @@ def quantize_rows(x: np.ndarray, block: int) -> Int8Rows:
         raise ValueError(f"rows of {k} values are not whole blocks of {block}")
     q = np.empty((n, k), np.int8)
     d = np.empty((n, k // block), np.float32)
-    sums = np.empty((n, k // SUM_VALUES), np.int32)
+    sums = np.empty((n, k // SUM_VALUES), np.int16)
     if n:
         driver = _quantize_rows if n > 1 else _quantize_rows_serial
         driver(np.ascontiguousarray(x, np.float32), block, q, d, sums)
@@ -316,6 +318,26 @@ def _busd(b: Any, vnni: bool, acc: Any, u: Any, x: Any) -> Any:
     p = b.mul(b.zext(u, _vec(_I32, n)), b.sext(x, _vec(_I32, n)))
     part = [b.shuffle_vector(p, p, _const(_I32, n // 4, range(k, n, 4))) for k in range(4)]
     return b.add(acc, b.add(b.add(part[0], part[1]), b.add(part[2], part[3])))
+
+
+def _wssd(b: Any, vnni: bool, acc: Any, a: Any, x: Any) -> Any:
+    """``acc[l] + a[2l] * x[2l] + a[2l + 1] * x[2l + 1]``: acc <16 x i32>; a, x <32 x i16>.
+
+    Signed int16 pairs (``vpdpwssd``, part of AVX512-VNNI; it does not
+    saturate). The portable IR gives the same bits: integer sums are exact.
+    """
+    if vnni:
+        return _intrinsic(b, "llvm.x86.avx512.vpdpwssd.512", acc.type, [acc, a, x])
+    p = b.mul(b.sext(a, _vec(_I32, 32)), b.sext(x, _vec(_I32, 32)))
+    part = [b.shuffle_vector(p, p, _const(_I32, 16, range(k, 32, 2))) for k in range(2)]
+    return b.add(acc, b.add(part[0], part[1]))
+
+
+def _pairs(b: Any, low: Any, high: Any) -> Any:
+    """<16 x i32> lanes of int16-range values: lane l = (low[l], high[l]) as <32 x i16>."""
+    lo = b.and_(low, _const(_I32, _LANES, 0xFFFF))
+    hi = b.shl(high, _const(_I32, _LANES, 16))
+    return b.bitcast(b.or_(lo, hi), _vec(_I16, 2 * _LANES))
 
 
 def _can_vnni(context: Any) -> bool:
@@ -428,10 +450,14 @@ def _tile_function(module: Any, K: int, R: int, vnni: bool) -> Any:
         rec = _Record(b, K, _ptr(b, wg, b.mul(bi, c64(lay.size)), _I8))
         dx = [b.load(_ptr(b, xdr[r], b.mul(bi, c64(4)), _F32)) for r in range(R)]
         xoff = b.mul(bi, c64(lay.values))  # the block's first byte in a row of q
-        soff = b.mul(bi, c64(lay.values // SUM_VALUES * 4))  # ... and of its sums
+        soff = b.mul(bi, c64(lay.values // SUM_VALUES * 2))  # ... and of its int16 sums
 
         def xsum16(r: int, i: int) -> Any:  # x row r's i-th sum of 16 in this block
-            return b.load(_ptr(b, xsr[r], b.add(soff, c64(4 * i)), _I32), align=4)
+            return b.sext(b.load(_ptr(b, xsr[r], b.add(soff, c64(2 * i)), _I16), align=2), _I32)
+
+        def xpair(r: int, p: int) -> Any:  # sums 2p and 2p + 1 (int16) in every lane
+            two = b.load(_ptr(b, xsr[r], b.add(soff, c64(4 * p)), _I32), align=2)
+            return b.bitcast(_splat(b, two), _vec(_I16, 2 * _LANES))
 
         def xb(r: int, c: int) -> Any:  # x row r's values 4c .. 4c + 3 in every lane
             four = b.load(_ptr(b, xqr[r], b.add(xoff, c64(4 * c)), _I32), align=1)
@@ -467,27 +493,41 @@ def _tile_function(module: Any, K: int, R: int, vnni: bool) -> Any:
         else:
             # the K-quants: sub-block scales applied in integers, floats once per 256
             total = [zero] * R
+            scs = [rec.scales(lay.sc, j, signed=K == _Q6_K) for j in range(lay.subs)]
             for j in range(lay.subs):
                 s = sub_sums(j)
-                sc = rec.scales(lay.sc, j, signed=K == _Q6_K)
                 for r in range(R):
-                    t = s[r]
-                    if lay.offset:  # Q6_K: sum (u - 32) q, |t| <= 16 * 32 * 127
-                        t = b.sub(t, _splat(b, b.mul(xsum16(r, j), ir.Constant(_I32, 32))))
-                    # |t * sc| summed over the sub-blocks: Q4_K/Q5_K <= 8 * 32 * 31 * 127 * 63,
-                    # Q6_K <= 16 * 16 * 32 * 127 * 128: both below 2^31, exact
-                    total[r] = b.add(total[r], b.mul(t, sc))
+                    # |t * sc| summed over the sub-blocks (t = sum u q, u unsigned):
+                    # Q4_K/Q5_K <= 8 * 32 * 31 * 127 * 63, Q6_K <= 16 * 16 * 63 * 127 * 128:
+                    # both below 2^31, exact
+                    total[r] = b.add(total[r], b.mul(s[r], scs[j]))
+            if lay.offset:
+                # Q6_K: sum_j sc_j (t_j - 32 s_j) = sum_j sc_j t_j - 32 sum_j sc_j s_j; the
+                # second sum by vpdpwssd, two sub-blocks a word (the sc pair of a lane
+                # against the x row's two int16 sums, broadcast from memory), instead of
+                # a scalar offset broadcast into every sub-block of every row.
+                # |32 sum_j sc_j s_j| <= 32 * 16 * 128 * 16 * 127, exact
+                scp = [_pairs(b, scs[2 * p], scs[2 * p + 1]) for p in range(lay.subs // 2)]
+                for r in range(R):
+                    off = zero
+                    for p in range(lay.subs // 2):
+                        off = _wssd(b, vnni, off, scp[p], xpair(r, p))
+                    total[r] = b.sub(total[r], b.shl(off, _const(_I32, _LANES, 5)))
             d = rec.halves(lay.d)
             for r in range(R):
                 dxs = _splat(b, dx[r])
                 add(r, b.fmul(b.sitofp(total[r], vf), b.fmul(d, dxs)))
             if lay.mn is not None:  # - dmin * dx * sum_j mn_j * (sum q over sub-block j)
                 dmin = rec.halves(lay.m)
+                # mn_j * (s_2j + s_2j+1) by vpdpwssd: the lane's (mn_j, mn_j) against the
+                # x row's two int16 sums of sub-block j, broadcast from memory
+                mnp = [
+                    _pairs(b, m, m) for m in (rec.scales(lay.mn, j, False) for j in range(lay.subs))
+                ]
                 for r in range(R):
                     mins = zero
                     for j in range(lay.subs):  # |.| <= 8 * 63 * 32 * 127, exact
-                        bs = b.add(xsum16(r, 2 * j), xsum16(r, 2 * j + 1))
-                        mins = b.add(mins, b.mul(rec.scales(lay.mn, j, False), _splat(b, bs)))
+                        mins = _wssd(b, vnni, mins, mnp[j], xpair(r, j))
                     corr = b.fmul(b.sitofp(mins, vf), b.fmul(dmin, _splat(b, dx[r])))
                     b.store(b.fsub(b.load(accs[r]), corr), accs[r])
 
@@ -566,9 +606,12 @@ def _int8_tile(  # type: ignore[no-untyped-def]
     return sig, codegen
 
 
-# x rows per tile: one row alone (batch-1 decode), else four: each unpacked
-# weight vector then feeds four vpdpbusd. Any R gives a row the same bits.
-_MANY_X = 4
+# x rows per tile: eight, then four, then one for what is left of a chunk (one
+# row alone for a batch-1 decode): each unpacked weight vector feeds up to
+# eight vpdpbusd. Any R gives a row the same bits. Sixteen spilled (the tile's
+# accumulators no longer fit the 32 zmm registers) and ran slower than eight.
+_MANY_X = 8
+_FEW_X = 4
 # x rows per pass over a thread's groups: a prefill's x (512 rows of 8960
 # int8 = 4.6 MB) does not stay in L2 while every group passes over it; 64
 # rows of x (<= 574 KB) do. Any chunking gives the same bits.
@@ -604,11 +647,20 @@ def _int8_matmul(q, d, s, p0, p1, p2, kinds, first, cols, out, per_task):  # typ
                 k, at, m = kinds[p], cols[p], cols[p + 1] - cols[p]
                 for gg in range(max(g0, first[p]), min(g1, first[p + 1])):
                     g = gg - first[p]
-                    if n == 1:
-                        _int8_tile(k, 1, 0, q, d, s, w, out, g, 0, 0, at, m)
-                    else:
-                        for r0 in range(c0, min(c0 + _X_CHUNK, n), _MANY_X):
-                            _int8_tile(k, _MANY_X, 0, q, d, s, w, out, g, r0, n - 1, at, m)
+                    # tiles of _MANY_X rows, then _FEW_X, then single rows: no tile
+                    # computes a row twice (a clamped row did), and any row gets the
+                    # same bits in any of them
+                    end = min(c0 + _X_CHUNK, n)
+                    r0 = c0
+                    while r0 + _MANY_X <= end:
+                        _int8_tile(k, _MANY_X, 0, q, d, s, w, out, g, r0, n - 1, at, m)
+                        r0 += _MANY_X
+                    while r0 + _FEW_X <= end:
+                        _int8_tile(k, _FEW_X, 0, q, d, s, w, out, g, r0, n - 1, at, m)
+                        r0 += _FEW_X
+                    while r0 < end:
+                        _int8_tile(k, 1, 0, q, d, s, w, out, g, r0, n - 1, at, m)
+                        r0 += 1
 
 
 @njit(cache=True, nogil=True, parallel=True)
@@ -626,11 +678,20 @@ def _portable_matmul(q, d, s, p0, p1, p2, kinds, first, cols, out, per_task):  #
                 k, at, m = kinds[p], cols[p], cols[p + 1] - cols[p]
                 for gg in range(max(g0, first[p]), min(g1, first[p + 1])):
                     g = gg - first[p]
-                    if n == 1:
-                        _int8_tile(k, 1, 1, q, d, s, w, out, g, 0, 0, at, m)
-                    else:
-                        for r0 in range(c0, min(c0 + _X_CHUNK, n), _MANY_X):
-                            _int8_tile(k, _MANY_X, 1, q, d, s, w, out, g, r0, n - 1, at, m)
+                    # tiles of _MANY_X rows, then _FEW_X, then single rows: no tile
+                    # computes a row twice (a clamped row did), and any row gets the
+                    # same bits in any of them
+                    end = min(c0 + _X_CHUNK, n)
+                    r0 = c0
+                    while r0 + _MANY_X <= end:
+                        _int8_tile(k, _MANY_X, 1, q, d, s, w, out, g, r0, n - 1, at, m)
+                        r0 += _MANY_X
+                    while r0 + _FEW_X <= end:
+                        _int8_tile(k, _FEW_X, 1, q, d, s, w, out, g, r0, n - 1, at, m)
+                        r0 += _FEW_X
+                    while r0 < end:
+                        _int8_tile(k, 1, 1, q, d, s, w, out, g, r0, n - 1, at, m)
+                        r0 += 1
 
 
 _NO_PART = np.zeros((0, 1), np.uint8)  # an unused part: no groups
