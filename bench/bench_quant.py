@@ -22,7 +22,7 @@ thread's CPU time (a shared core stretches wall time), so the
 products can be put beside the instruction's throughput, and a memory
 read rate (numpy sum over 1 GB, all threads) for the bandwidth floor.
 
-``--tile`` runs the int8 tile alone (the model's own, one x row and four) over
+``--tile`` runs the int8 tile alone (the model's own, one x row, four and eight) over
 records that stay in L1/L2: the tile's compute ceiling, no memory traffic.
 ``--memory`` runs the same one-row tile over records far larger than L3,
 beside one thread's streaming read: what the record stream costs.
@@ -203,6 +203,12 @@ def tile_rate(types: str) -> None:
             for g in range(packed.shape[0]):
                 qi._int8_tile(kind, 4, 0, q, d, s, packed, out, g, 0, 3, 0, out.shape[1])
 
+    @njit(nogil=True)
+    def eight_rows(kind, q, d, s, packed, out, reps):  # type: ignore[no-untyped-def]
+        for _ in range(reps):
+            for g in range(packed.shape[0]):
+                qi._int8_tile(kind, 8, 0, q, d, s, packed, out, g, 0, 7, 0, out.shape[1])
+
     numba.set_num_threads(1)
     rng = np.random.default_rng(0)
     print("| type | x rows | record bytes | GB/s of records | G vpdpbusd/s | per-round ms |")
@@ -212,10 +218,10 @@ def tile_rate(types: str) -> None:
         w = random_weight(kind, (32, 1536), rng)
         packed = w.packed()
         lay = qi.LAYOUTS[int(kind)]
-        for n, fn in ((1, one_row), (4, four_rows)):
+        for n, fn in ((1, one_row), (4, four_rows), (8, eight_rows)):
             x = qi.quantize_rows(rng.standard_normal((n, 1536), dtype=np.float32), lay.values)
             out = np.empty((n, 32), np.float32)
-            reps = 20000
+            reps = 20000 // n
             fn(int(kind), x.q, x.d, x.sums, packed, out, 10)  # compile
             rounds = []
             for _ in range(5):

@@ -333,13 +333,6 @@ def _wssd(b: Any, vnni: bool, acc: Any, a: Any, x: Any) -> Any:
     return b.add(acc, b.add(part[0], part[1]))
 
 
-def _pairs(b: Any, low: Any, high: Any) -> Any:
-    """<16 x i32> lanes of int16-range values: lane l = (low[l], high[l]) as <32 x i16>."""
-    lo = b.and_(low, _const(_I32, _LANES, 0xFFFF))
-    hi = b.shl(high, _const(_I32, _LANES, 16))
-    return b.bitcast(b.or_(lo, hi), _vec(_I16, 2 * _LANES))
-
-
 def _can_vnni(context: Any) -> bool:
     """Whether numba's target has AVX512-VNNI with BW (else the portable IR).
 
@@ -383,6 +376,20 @@ class _Record:
         v = self.load(None if field is None else field + _LANES * j, _vec(_I8, _LANES))
         ext = self.b.sext if signed else self.b.zext
         return ext(v, _vec(_I32, _LANES))
+
+    def pairs(self, field: int | None, j: int, signed: bool, same: bool = False) -> Any:
+        """Sub-blocks ``j`` and ``j + 1``'s byte scales as int16 pairs: lane l's word is
+        (sc_j[l], sc_j+1[l]) as <32 x i16> (``same``: sub-block ``j``'s twice), for
+        ``vpdpwssd``. Loaded afresh, not kept from :meth:`scales`: sixteen scale vectors
+        held live across a Q6_K record spilled at eight x rows."""
+        n = _LANES if same else 2 * _LANES
+        v = self.load(None if field is None else field + _LANES * j, _vec(_I8, n))
+        w = (self.b.sext if signed else self.b.zext)(v, _vec(_I16, n))
+        if same:
+            order = [lane // 2 for lane in range(2 * _LANES)]
+        else:
+            order = [lane // 2 + (lane % 2) * _LANES for lane in range(2 * _LANES)]
+        return self.b.shuffle_vector(w, w, _const(_I32, 2 * _LANES, order))
 
     def u(self, c: int) -> Any:
         """Vector ``c``: lane r's four bytes are row r's values 4c .. 4c + 3, unsigned."""
@@ -493,21 +500,21 @@ def _tile_function(module: Any, K: int, R: int, vnni: bool) -> Any:
         else:
             # the K-quants: sub-block scales applied in integers, floats once per 256
             total = [zero] * R
-            scs = [rec.scales(lay.sc, j, signed=K == _Q6_K) for j in range(lay.subs)]
             for j in range(lay.subs):
                 s = sub_sums(j)
+                sc = rec.scales(lay.sc, j, signed=K == _Q6_K)
                 for r in range(R):
                     # |t * sc| summed over the sub-blocks (t = sum u q, u unsigned):
                     # Q4_K/Q5_K <= 8 * 32 * 31 * 127 * 63, Q6_K <= 16 * 16 * 63 * 127 * 128:
                     # both below 2^31, exact
-                    total[r] = b.add(total[r], b.mul(s[r], scs[j]))
+                    total[r] = b.add(total[r], b.mul(s[r], sc))
             if lay.offset:
                 # Q6_K: sum_j sc_j (t_j - 32 s_j) = sum_j sc_j t_j - 32 sum_j sc_j s_j; the
                 # second sum by vpdpwssd, two sub-blocks a word (the sc pair of a lane
                 # against the x row's two int16 sums, broadcast from memory), instead of
                 # a scalar offset broadcast into every sub-block of every row.
                 # |32 sum_j sc_j s_j| <= 32 * 16 * 128 * 16 * 127, exact
-                scp = [_pairs(b, scs[2 * p], scs[2 * p + 1]) for p in range(lay.subs // 2)]
+                scp = [rec.pairs(lay.sc, 2 * p, True) for p in range(lay.subs // 2)]
                 for r in range(R):
                     off = zero
                     for p in range(lay.subs // 2):
@@ -521,9 +528,7 @@ def _tile_function(module: Any, K: int, R: int, vnni: bool) -> Any:
                 dmin = rec.halves(lay.m)
                 # mn_j * (s_2j + s_2j+1) by vpdpwssd: the lane's (mn_j, mn_j) against the
                 # x row's two int16 sums of sub-block j, broadcast from memory
-                mnp = [
-                    _pairs(b, m, m) for m in (rec.scales(lay.mn, j, False) for j in range(lay.subs))
-                ]
+                mnp = [rec.pairs(lay.mn, j, False, same=True) for j in range(lay.subs)]
                 for r in range(R):
                     mins = zero
                     for j in range(lay.subs):  # |.| <= 8 * 63 * 32 * 127, exact
@@ -606,10 +611,13 @@ def _int8_tile(  # type: ignore[no-untyped-def]
     return sig, codegen
 
 
-# x rows per tile: eight, then four, then one for what is left of a chunk (one
-# row alone for a batch-1 decode): each unpacked weight vector feeds up to
-# eight vpdpbusd. Any R gives a row the same bits. Sixteen spilled (the tile's
-# accumulators no longer fit the 32 zmm registers) and ran slower than eight.
+# x rows per tile: eight (the K-quants), then four, then one for what is left of
+# a chunk (one row alone for a batch-1 decode): each unpacked weight vector
+# feeds up to eight vpdpbusd. Any R gives a row the same bits. Sixteen spilled
+# (the accumulators no longer fit the 32 zmm registers) and ran slower than
+# eight; the 32-value types' tile at eight ran slower than at four (Q8_0 1.99
+# against 2.75 G vpdpbusd/s on cached records, bench_quant.py --tile: the
+# block is short and the 24 row pointers spill general registers).
 _MANY_X = 8
 _FEW_X = 4
 # x rows per pass over a thread's groups: a prefill's x (512 rows of 8960
@@ -652,7 +660,7 @@ def _int8_matmul(q, d, s, p0, p1, p2, kinds, first, cols, out, per_task):  # typ
                     # same bits in any of them
                     end = min(c0 + _X_CHUNK, n)
                     r0 = c0
-                    while r0 + _MANY_X <= end:
+                    while k >= _Q4_K and r0 + _MANY_X <= end:
                         _int8_tile(k, _MANY_X, 0, q, d, s, w, out, g, r0, n - 1, at, m)
                         r0 += _MANY_X
                     while r0 + _FEW_X <= end:
@@ -683,7 +691,7 @@ def _portable_matmul(q, d, s, p0, p1, p2, kinds, first, cols, out, per_task):  #
                     # same bits in any of them
                     end = min(c0 + _X_CHUNK, n)
                     r0 = c0
-                    while r0 + _MANY_X <= end:
+                    while k >= _Q4_K and r0 + _MANY_X <= end:
                         _int8_tile(k, _MANY_X, 1, q, d, s, w, out, g, r0, n - 1, at, m)
                         r0 += _MANY_X
                     while r0 + _FEW_X <= end:
