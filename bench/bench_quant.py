@@ -22,7 +22,8 @@ thread's CPU time (a shared core stretches wall time), so the
 products can be put beside the instruction's throughput, and a memory
 read rate (numpy sum over 1 GB, all threads) for the bandwidth floor.
 
-``--tile`` runs the int8 tile alone (the model's own, one x row, four and eight) over
+``--tile`` runs the int8 tile alone (the model's own: one x row, four, and for the
+K-quants eight and sixteen) over
 records that stay in L1/L2: the tile's compute ceiling, no memory traffic.
 ``--memory`` runs the same one-row tile over records far larger than L3,
 beside one thread's streaming read: what the record stream costs.
@@ -182,7 +183,7 @@ def tile_rate(types: str) -> None:
 
     A numba loop calls the tile (the model's own, ``quant_int8._int8_tile``) over
     two groups of a 1536-wide weight (2 x 6 records: 28 KB of Q4_K, 40 KB of Q6_K,
-    in L1/L2) again and again, one x row and four: no memory traffic, no parallel
+    in L1/L2) again and again, one x row, four, eight and sixteen: no memory traffic, no parallel
     region, no Python. Its rate is what a product could reach if memory were free;
     beside the --ceiling loop, the share of the tile's time that is vpdpbusd.
     """
@@ -209,6 +210,12 @@ def tile_rate(types: str) -> None:
             for g in range(packed.shape[0]):
                 qi._int8_tile(kind, 8, 0, q, d, s, packed, out, g, 0, 7, 0, out.shape[1])
 
+    @njit(nogil=True)
+    def sixteen_rows(kind, q, d, s, packed, out, reps):  # type: ignore[no-untyped-def]
+        for _ in range(reps):
+            for g in range(packed.shape[0]):
+                qi._int8_tile(kind, 16, 0, q, d, s, packed, out, g, 0, 15, 0, out.shape[1])
+
     numba.set_num_threads(1)
     rng = np.random.default_rng(0)
     print("| type | x rows | record bytes | GB/s of records | G vpdpbusd/s | per-round ms |")
@@ -218,7 +225,10 @@ def tile_rate(types: str) -> None:
         w = random_weight(kind, (32, 1536), rng)
         packed = w.packed()
         lay = qi.LAYOUTS[int(kind)]
-        for n, fn in ((1, one_row), (4, four_rows), (8, eight_rows)):
+        tiles = [(1, one_row), (4, four_rows)]
+        if int(kind) in qi._MANY_TYPES:  # the only types with tiles of 8 and 16 rows
+            tiles += [(8, eight_rows), (16, sixteen_rows)]
+        for n, fn in tiles:
             x = qi.quantize_rows(rng.standard_normal((n, 1536), dtype=np.float32), lay.values)
             out = np.empty((n, 32), np.float32)
             reps = 20000 // n

@@ -171,7 +171,7 @@ def raw_blocks(
 @settings(max_examples=60, deadline=None)
 @given(
     kind=st.sampled_from(TYPES),
-    n=st.integers(1, 11),
+    n=st.integers(1, 40),  # tiles of 16, 8, 4 and 1 x rows (the K-quants), 4 and 1 (others)
     rows=st.integers(1, 37),
     nb=st.integers(1, 4),
     w_exp=st.integers(-14, 10),
@@ -287,7 +287,7 @@ def test_int8_rows_stay_within_the_activation_rounding_of_the_exact_path(kind: Q
     assert rel < 0.02, rel
 
 
-@pytest.mark.parametrize("n", [1, 6])
+@pytest.mark.parametrize("n", [1, 6, 29])  # 29 = tiles of 16, 8, 4 and 1 x rows
 def test_a_stack_of_parts_is_one_call_giving_each_part_its_own_bits(n: int) -> None:
     # a Q4_K_M file's fused q/k/v: Q4_K, Q4_K and a Q6_K v, in rows that leave
     # groups part-empty, so each part's outputs must start at its own column

@@ -90,6 +90,7 @@ start_parallel_runtime()  # passive OpenMP workers, before the first prange (thr
 _Q4_0, _Q4_1, _Q5_0, _Q5_1, _Q8_0 = 2, 3, 6, 7, 8
 _Q4_K, _Q5_K, _Q6_K = 12, 13, 14
 INT8_TYPES = (_Q4_0, _Q4_1, _Q5_0, _Q5_1, _Q8_0, _Q4_K, _Q5_K, _Q6_K)
+_MANY_TYPES = (_Q4_K, _Q5_K, _Q6_K)  # the types with tiles of more than four x rows
 SUM_VALUES = 16  # activation values per stored int32 sum
 
 
@@ -452,89 +453,107 @@ def _tile_function(module: Any, K: int, R: int, vnni: bool) -> Any:
         b.store(ir.Constant(vf, None), a)
     zero = ir.Constant(vi, None)
 
+    # Rows of x in halves of at most eight: a tile of sixteen rows takes each record
+    # twice in a row, eight rows at a time, so that a half's accumulators fit the 32
+    # zmm registers (sixteen rows at once spilled), while the record is read from
+    # memory once: the second half finds it in L1. The second half reloads and
+    # unpacks the record through an opaque copy of its address (an empty inline
+    # asm), so LLVM cannot keep the first half's unpacked vectors live across it.
+    halves = [list(range(h, min(h + 8, R))) for h in range(0, R, 8)]
     with cgutils.for_range(b, b.udiv(k_in, c64(lay.values))) as loop:
         bi = loop.index
-        rec = _Record(b, K, _ptr(b, wg, b.mul(bi, c64(lay.size)), _I8))
-        dx = [b.load(_ptr(b, xdr[r], b.mul(bi, c64(4)), _F32)) for r in range(R)]
-        xoff = b.mul(bi, c64(lay.values))  # the block's first byte in a row of q
-        soff = b.mul(bi, c64(lay.values // SUM_VALUES * 2))  # ... and of its int16 sums
+        recbase = _ptr(b, wg, b.mul(bi, c64(lay.size)), _I8)
+        for rows in halves:
+            if rows[0]:  # an opaque copy of the record's address: see `halves`
+                asm_ty = ir.FunctionType(i8p, [i8p])
+                recbase = b.asm(asm_ty, "", "=r,0", [recbase], side_effect=False)
+            rec = _Record(b, K, recbase)
+            dx = {r: b.load(_ptr(b, xdr[r], b.mul(bi, c64(4)), _F32)) for r in rows}
+            xoff = b.mul(bi, c64(lay.values))  # the block's first byte in a row of q
+            soff = b.mul(bi, c64(lay.values // SUM_VALUES * 2))  # ... and of its int16 sums
 
-        def xsum16(r: int, i: int) -> Any:  # x row r's i-th sum of 16 in this block
-            return b.sext(b.load(_ptr(b, xsr[r], b.add(soff, c64(2 * i)), _I16), align=2), _I32)
+            def xsum16(
+                r: int, i: int, soff: Any = soff
+            ) -> Any:  # x row r's i-th sum of 16 in this block
+                return b.sext(b.load(_ptr(b, xsr[r], b.add(soff, c64(2 * i)), _I16), align=2), _I32)
 
-        def xpair(r: int, p: int) -> Any:  # sums 2p and 2p + 1 (int16) in every lane
-            two = b.load(_ptr(b, xsr[r], b.add(soff, c64(4 * p)), _I32), align=2)
-            return b.bitcast(_splat(b, two), _vec(_I16, 2 * _LANES))
+            def xpair(
+                r: int, p: int, soff: Any = soff
+            ) -> Any:  # sums 2p and 2p + 1 (int16) in every lane
+                two = b.load(_ptr(b, xsr[r], b.add(soff, c64(4 * p)), _I32), align=2)
+                return b.bitcast(_splat(b, two), _vec(_I16, 2 * _LANES))
 
-        def xb(r: int, c: int) -> Any:  # x row r's values 4c .. 4c + 3 in every lane
-            four = b.load(_ptr(b, xqr[r], b.add(xoff, c64(4 * c)), _I32), align=1)
-            return b.bitcast(_splat(b, four), _vec(_I8, 64))
+            def xb(
+                r: int, c: int, xoff: Any = xoff
+            ) -> Any:  # x row r's values 4c .. 4c + 3 in every lane
+                four = b.load(_ptr(b, xqr[r], b.add(xoff, c64(4 * c)), _I32), align=1)
+                return b.bitcast(_splat(b, four), _vec(_I8, 64))
 
-        def sub_sums(j: int) -> list[Any]:
-            # sub-block j, every x row: two partial sums (alternate vectors) so that
-            # the vpdpbusd chains are half as long; integer adds are exact in any order
-            per = lay.sub // 4
-            parts = [[zero, zero] for _ in range(R)]
-            for c in range(j * per, (j + 1) * per):
-                u = rec.u(c)
-                for r in range(R):
-                    parts[r][c % 2] = _busd(b, vnni, parts[r][c % 2], u, xb(r, c))
-            return [b.add(p[0], p[1]) for p in parts]
+            def sub_sums(j: int, rows: list[int] = rows, rec: _Record = rec) -> dict[int, Any]:
+                # sub-block j, every x row: two partial sums (alternate vectors) so that
+                # the vpdpbusd chains are half as long; integer adds are exact in any order
+                per = lay.sub // 4
+                parts = {r: [zero, zero] for r in rows}
+                for c in range(j * per, (j + 1) * per):
+                    u = rec.u(c)
+                    for r in rows:
+                        parts[r][c % 2] = _busd(b, vnni, parts[r][c % 2], u, xb(r, c))
+                return {r: b.add(p[0], p[1]) for r, p in parts.items()}
 
-        def add(r: int, value: Any) -> None:
-            b.store(b.fadd(b.load(accs[r]), value), accs[r])
+            def add(r: int, value: Any) -> None:
+                b.store(b.fadd(b.load(accs[r]), value), accs[r])
 
-        if lay.subs == 1:  # the 32-value types: one integer sum per row and block
-            s = sub_sums(0)
-            dw = rec.halves(lay.d)
-            for r in range(R):
-                xsum = b.add(xsum16(r, 0), xsum16(r, 1))  # |xsum| <= 32 * 127
-                isum = s[r]  # |isum| <= 32 * 255 * 127, exact
-                if lay.offset:  # sum (u - off) q = sum u q - off * sum q
-                    isum = b.sub(isum, _splat(b, b.mul(xsum, ir.Constant(_I32, lay.offset))))
-                scale = b.fmul(dw, _splat(b, dx[r]))
-                add(r, b.fmul(b.sitofp(isum, vf), scale))
-                if lay.m is not None:  # + m * (dx * sum q)
-                    mx = b.fmul(dx[r], b.sitofp(xsum, _F32))
-                    add(r, b.fmul(rec.halves(lay.m), _splat(b, mx)))
-        else:
-            # the K-quants: sub-block scales applied in integers, floats once per 256
-            total = [zero] * R
-            for j in range(lay.subs):
-                s = sub_sums(j)
-                sc = rec.scales(lay.sc, j, signed=K == _Q6_K)
-                for r in range(R):
-                    # |t * sc| summed over the sub-blocks (t = sum u q, u unsigned):
-                    # Q4_K/Q5_K <= 8 * 32 * 31 * 127 * 63, Q6_K <= 16 * 16 * 63 * 127 * 128:
-                    # both below 2^31, exact
-                    total[r] = b.add(total[r], b.mul(s[r], sc))
-            if lay.offset:
-                # Q6_K: sum_j sc_j (t_j - 32 s_j) = sum_j sc_j t_j - 32 sum_j sc_j s_j; the
-                # second sum by vpdpwssd, two sub-blocks a word (the sc pair of a lane
-                # against the x row's two int16 sums, broadcast from memory), instead of
-                # a scalar offset broadcast into every sub-block of every row.
-                # |32 sum_j sc_j s_j| <= 32 * 16 * 128 * 16 * 127, exact
-                scp = [rec.pairs(lay.sc, 2 * p, True) for p in range(lay.subs // 2)]
-                for r in range(R):
-                    off = zero
-                    for p in range(lay.subs // 2):
-                        off = _wssd(b, vnni, off, scp[p], xpair(r, p))
-                    total[r] = b.sub(total[r], b.shl(off, _const(_I32, _LANES, 5)))
-            d = rec.halves(lay.d)
-            for r in range(R):
-                dxs = _splat(b, dx[r])
-                add(r, b.fmul(b.sitofp(total[r], vf), b.fmul(d, dxs)))
-            if lay.mn is not None:  # - dmin * dx * sum_j mn_j * (sum q over sub-block j)
-                dmin = rec.halves(lay.m)
-                # mn_j * (s_2j + s_2j+1) by vpdpwssd: the lane's (mn_j, mn_j) against the
-                # x row's two int16 sums of sub-block j, broadcast from memory
-                mnp = [rec.pairs(lay.mn, j, False, same=True) for j in range(lay.subs)]
-                for r in range(R):
-                    mins = zero
-                    for j in range(lay.subs):  # |.| <= 8 * 63 * 32 * 127, exact
-                        mins = _wssd(b, vnni, mins, mnp[j], xpair(r, j))
-                    corr = b.fmul(b.sitofp(mins, vf), b.fmul(dmin, _splat(b, dx[r])))
-                    b.store(b.fsub(b.load(accs[r]), corr), accs[r])
+            if lay.subs == 1:  # the 32-value types: one integer sum per row and block
+                s = sub_sums(0)
+                dw = rec.halves(lay.d)
+                for r in rows:
+                    xsum = b.add(xsum16(r, 0), xsum16(r, 1))  # |xsum| <= 32 * 127
+                    isum = s[r]  # |isum| <= 32 * 255 * 127, exact
+                    if lay.offset:  # sum (u - off) q = sum u q - off * sum q
+                        isum = b.sub(isum, _splat(b, b.mul(xsum, ir.Constant(_I32, lay.offset))))
+                    scale = b.fmul(dw, _splat(b, dx[r]))
+                    add(r, b.fmul(b.sitofp(isum, vf), scale))
+                    if lay.m is not None:  # + m * (dx * sum q)
+                        mx = b.fmul(dx[r], b.sitofp(xsum, _F32))
+                        add(r, b.fmul(rec.halves(lay.m), _splat(b, mx)))
+            else:
+                # the K-quants: sub-block scales applied in integers, floats once per 256
+                total = dict.fromkeys(rows, zero)
+                for j in range(lay.subs):
+                    s = sub_sums(j)
+                    sc = rec.scales(lay.sc, j, signed=K == _Q6_K)
+                    for r in rows:
+                        # |t * sc| summed over the sub-blocks (t = sum u q, u unsigned):
+                        # Q4_K/Q5_K <= 8 * 32 * 31 * 127 * 63, Q6_K <= 16 * 16 * 63 * 127 * 128:
+                        # both below 2^31, exact
+                        total[r] = b.add(total[r], b.mul(s[r], sc))
+                if lay.offset:
+                    # Q6_K: sum_j sc_j (t_j - 32 s_j) = sum_j sc_j t_j - 32 sum_j sc_j s_j; the
+                    # second sum by vpdpwssd, two sub-blocks a word (the sc pair of a lane
+                    # against the x row's two int16 sums, broadcast from memory), instead of
+                    # a scalar offset broadcast into every sub-block of every row.
+                    # |32 sum_j sc_j s_j| <= 32 * 16 * 128 * 16 * 127, exact
+                    scp = [rec.pairs(lay.sc, 2 * p, True) for p in range(lay.subs // 2)]
+                    for r in rows:
+                        off = zero
+                        for p in range(lay.subs // 2):
+                            off = _wssd(b, vnni, off, scp[p], xpair(r, p))
+                        total[r] = b.sub(total[r], b.shl(off, _const(_I32, _LANES, 5)))
+                d = rec.halves(lay.d)
+                for r in rows:
+                    dxs = _splat(b, dx[r])
+                    add(r, b.fmul(b.sitofp(total[r], vf), b.fmul(d, dxs)))
+                if lay.mn is not None:  # - dmin * dx * sum_j mn_j * (sum q over sub-block j)
+                    dmin = rec.halves(lay.m)
+                    # mn_j * (s_2j + s_2j+1) by vpdpwssd: the lane's (mn_j, mn_j) against the
+                    # x row's two int16 sums of sub-block j, broadcast from memory
+                    mnp = [rec.pairs(lay.mn, j, False, same=True) for j in range(lay.subs)]
+                    for r in rows:
+                        mins = zero
+                        for j in range(lay.subs):  # |.| <= 8 * 63 * 32 * 127, exact
+                            mins = _wssd(b, vnni, mins, mnp[j], xpair(r, j))
+                        corr = b.fmul(b.sitofp(mins, vf), b.fmul(dmin, _splat(b, dx[r])))
+                        b.store(b.fsub(b.load(accs[r]), corr), accs[r])
 
     # the results: lane t of row r is out[r0 + r, colbase + 16 g + t], where the part
     # that holds the group starts; lanes past its `cols` rows masked
@@ -599,7 +618,7 @@ def _int8_tile(  # type: ignore[no-untyped-def]
         vnni = _can_vnni(context) and not P
         end = builder.append_basic_block("type.end")
         switch = builder.switch(args[0], end)
-        for K in INT8_TYPES:
+        for K in INT8_TYPES if R <= _FEW_X else _MANY_TYPES:
             case = builder.append_basic_block(f"type.{K}")
             switch.add_case(ir.Constant(_I64, K), case)
             builder.position_at_end(case)
@@ -611,14 +630,19 @@ def _int8_tile(  # type: ignore[no-untyped-def]
     return sig, codegen
 
 
-# x rows per tile: eight (the K-quants), then four, then one for what is left of
-# a chunk (one row alone for a batch-1 decode): each unpacked weight vector
-# feeds up to eight vpdpbusd. Any R gives a row the same bits. Sixteen spilled
-# (the accumulators no longer fit the 32 zmm registers) and ran slower than
-# eight; the 32-value types' tile at eight ran slower than at four (Q8_0 1.99
-# against 2.75 G vpdpbusd/s on cached records, bench_quant.py --tile: the
-# block is short and the 24 row pointers spill general registers).
-_MANY_X = 8
+# x rows per tile: for the K-quants sixteen (two halves of eight per record:
+# the record read from memory once), then eight; then four, then one for what
+# is left of a chunk (one row alone for a batch-1 decode). Each unpacked weight
+# vector feeds up to eight vpdpbusd. Any R gives a row the same bits. Sixteen
+# rows at once spilled (the accumulators no longer fit the 32 zmm registers)
+# and ran slower than eight; the 32-value types' tile at eight ran slower than
+# at four (Q8_0 1.99 against 2.75 G vpdpbusd/s on cached records,
+# bench_quant.py --tile: the block is short and the 24 row pointers spill
+# general registers), so they stop at four. Hazard: the tiles of eight and
+# sixteen rows are compiled for the K-quants only (_MANY_TYPES); another type
+# there would compute nothing, so the drivers ask `k >= _Q4_K` first.
+_MANY_X = 16
+_HALF_X = 8
 _FEW_X = 4
 # x rows per pass over a thread's groups: a prefill's x (512 rows of 8960
 # int8 = 4.6 MB) does not stay in L2 while every group passes over it; 64
@@ -655,7 +679,7 @@ def _int8_matmul(q, d, s, p0, p1, p2, kinds, first, cols, out, per_task):  # typ
                 k, at, m = kinds[p], cols[p], cols[p + 1] - cols[p]
                 for gg in range(max(g0, first[p]), min(g1, first[p + 1])):
                     g = gg - first[p]
-                    # tiles of _MANY_X rows, then _FEW_X, then single rows: no tile
+                    # tiles of _MANY_X rows, then _HALF_X, _FEW_X, single rows: no tile
                     # computes a row twice (a clamped row did), and any row gets the
                     # same bits in any of them
                     end = min(c0 + _X_CHUNK, n)
@@ -663,6 +687,9 @@ def _int8_matmul(q, d, s, p0, p1, p2, kinds, first, cols, out, per_task):  # typ
                     while k >= _Q4_K and r0 + _MANY_X <= end:
                         _int8_tile(k, _MANY_X, 0, q, d, s, w, out, g, r0, n - 1, at, m)
                         r0 += _MANY_X
+                    while k >= _Q4_K and r0 + _HALF_X <= end:
+                        _int8_tile(k, _HALF_X, 0, q, d, s, w, out, g, r0, n - 1, at, m)
+                        r0 += _HALF_X
                     while r0 + _FEW_X <= end:
                         _int8_tile(k, _FEW_X, 0, q, d, s, w, out, g, r0, n - 1, at, m)
                         r0 += _FEW_X
@@ -686,7 +713,7 @@ def _portable_matmul(q, d, s, p0, p1, p2, kinds, first, cols, out, per_task):  #
                 k, at, m = kinds[p], cols[p], cols[p + 1] - cols[p]
                 for gg in range(max(g0, first[p]), min(g1, first[p + 1])):
                     g = gg - first[p]
-                    # tiles of _MANY_X rows, then _FEW_X, then single rows: no tile
+                    # tiles of _MANY_X rows, then _HALF_X, _FEW_X, single rows: no tile
                     # computes a row twice (a clamped row did), and any row gets the
                     # same bits in any of them
                     end = min(c0 + _X_CHUNK, n)
@@ -694,6 +721,9 @@ def _portable_matmul(q, d, s, p0, p1, p2, kinds, first, cols, out, per_task):  #
                     while k >= _Q4_K and r0 + _MANY_X <= end:
                         _int8_tile(k, _MANY_X, 1, q, d, s, w, out, g, r0, n - 1, at, m)
                         r0 += _MANY_X
+                    while k >= _Q4_K and r0 + _HALF_X <= end:
+                        _int8_tile(k, _HALF_X, 1, q, d, s, w, out, g, r0, n - 1, at, m)
+                        r0 += _HALF_X
                     while r0 + _FEW_X <= end:
                         _int8_tile(k, _FEW_X, 1, q, d, s, w, out, g, r0, n - 1, at, m)
                         r0 += _FEW_X
