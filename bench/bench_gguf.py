@@ -83,6 +83,12 @@ def prefill_chunks(model: LlamaModel, kv: PagedKVCache, seqs: list[tuple[int, ..
         model.forward(chunks, kv)
 
 
+# CPU seconds (all threads: process_time) of the last decode_case / prefill_case's
+# timed part. On a shared machine wall time measures the queue for a core; the CPU
+# time of the same steps is stretched far less, so --workload reports both.
+last_cpu_s = 0.0
+
+
 def decode_case(model: LlamaModel, batch: int, prompt: int, new: int) -> float:
     """Seconds for ``new`` decode steps of ``batch`` sequences after a ``prompt``-token
     prefill each (llama-batched-bench's t_tg); tok/s is batch * new / this."""
@@ -100,18 +106,24 @@ def decode_case(model: LlamaModel, batch: int, prompt: int, new: int) -> float:
         )
 
     step(prompt)  # warm: scratch buffers sized for this batch
-    t = time.perf_counter()
+    global last_cpu_s
+    t, cpu = time.perf_counter(), time.process_time()
     for pos in range(prompt + 1, prompt + 1 + new):
         step(pos)
-    return time.perf_counter() - t
+    wall = time.perf_counter() - t
+    last_cpu_s = time.process_time() - cpu
+    return wall
 
 
 def prefill_case(model: LlamaModel, tokens: int) -> float:
     """Seconds to prefill one ``tokens``-token prompt from position 0 (llama-bench -p)."""
     kv = PagedKVCache(model.config, -(-tokens // BLOCK), BLOCK)
-    t = time.perf_counter()
+    global last_cpu_s
+    t, cpu = time.perf_counter(), time.process_time()
     prefill_chunks(model, kv, [_prompt(tokens, 0)])
-    return time.perf_counter() - t
+    wall = time.perf_counter() - t
+    last_cpu_s = time.process_time() - cpu
+    return wall
 
 
 def fill_random(kv: PagedKVCache, rng: np.random.Generator) -> bool:
@@ -189,13 +201,18 @@ def workload(args: argparse.Namespace, batches: list[int]) -> int:
         for b in batches:
             s = decode_case(model, b, args.prompt, args.new)
             emit({"part": "decode", "row": f"decode b={b}", "batch": b, "prompt": args.prompt,
-                  "new": args.new, "seconds": s, "tok_s": b * args.new / s})  # fmt: skip
+                  "new": args.new, "seconds": s, "tok_s": b * args.new / s,
+                  "cpu_ms_per_step": 1e3 * last_cpu_s / args.new})  # fmt: skip
     if "prefill" in parts:
         for tokens in (int(x) for x in args.prefill.split(",")):
-            times = [prefill_case(model, tokens) for _ in range(args.prefill_reps)]
+            times, cpus = [], []
+            for _ in range(args.prefill_reps):
+                times.append(prefill_case(model, tokens))
+                cpus.append(last_cpu_s)
             s = statistics.median(times)
             emit({"part": "prefill", "row": f"prefill {tokens}", "rows": tokens,
-                  "chunk": OFFLINE_CHUNK_TOKENS, "seconds": s, "tok_s": tokens / s})  # fmt: skip
+                  "chunk": OFFLINE_CHUNK_TOKENS, "seconds": s, "tok_s": tokens / s,
+                  "cpu_s": statistics.median(cpus)})  # fmt: skip
     if "depth" in parts:
         s, real = depth_case(model, args.depth, args.depth_new)
         emit({"part": "depth", "row": f"decode after {args.depth}", "depth": args.depth,
