@@ -701,7 +701,10 @@ def _int8_matmul(q, d, s, p0, p1, p2, kinds, first, cols, out, per_task):  # typ
 @njit(cache=True, nogil=True, parallel=True)
 def _portable_matmul(q, d, s, p0, p1, p2, kinds, first, cols, out, per_task):  # type: ignore[no-untyped-def]  # pragma: no cover
     # _int8_matmul with the portable tiles: a function of its own so that the
-    # model's product does not compile (and load) both variants
+    # model's product does not compile (and load) both variants. No tile of
+    # sixteen rows here: with it, compiling the tests' products took more than
+    # four CPU minutes (its portable IR widens sixteen rows' products), and any
+    # R gives a row the same bits.
     n = q.shape[0]
     groups = first[PARTS]
     for task in prange((groups + per_task - 1) // per_task):
@@ -713,14 +716,8 @@ def _portable_matmul(q, d, s, p0, p1, p2, kinds, first, cols, out, per_task):  #
                 k, at, m = kinds[p], cols[p], cols[p + 1] - cols[p]
                 for gg in range(max(g0, first[p]), min(g1, first[p + 1])):
                     g = gg - first[p]
-                    # tiles of _MANY_X rows, then _HALF_X, _FEW_X, single rows: no tile
-                    # computes a row twice (a clamped row did), and any row gets the
-                    # same bits in any of them
                     end = min(c0 + _X_CHUNK, n)
                     r0 = c0
-                    while k >= _Q4_K and r0 + _MANY_X <= end:
-                        _int8_tile(k, _MANY_X, 1, q, d, s, w, out, g, r0, n - 1, at, m)
-                        r0 += _MANY_X
                     while k >= _Q4_K and r0 + _HALF_X <= end:
                         _int8_tile(k, _HALF_X, 1, q, d, s, w, out, g, r0, n - 1, at, m)
                         r0 += _HALF_X
