@@ -35,7 +35,9 @@ Theory of operation
    activation block sum of step 1: one integer per row of ``x``, shared by
    every weight row.
 3. **The tile** (:func:`_tile_function`, LLVM IR): one *group* of sixteen
-   weight rows meets ``R`` rows of ``x`` (1 for a batch-1 decode, else 4).
+   weight rows meets ``R`` rows of ``x``: 1 for a batch-1 decode; for many
+   rows 16 (two halves of eight per record), 8, 4, 1 for the K-quants and 4, 1
+   for the others, so that an unpacked vector feeds up to eight ``vpdpbusd``.
    Per block, each 64-byte vector of the group's record holds four values
    of each of the sixteen rows; its nibbles are unpacked once, in
    registers, and each ``x`` row's four matching bytes, broadcast to every
@@ -439,7 +441,7 @@ def _tile_function(module: Any, K: int, R: int, vnni: bool) -> Any:
     def c64(v: int) -> Any:
         return ir.Constant(i64, v)
 
-    def row(base: Any, stride: Any, i: int) -> Any:  # row r0 + i, the last row past the end
+    def row(base: Any, stride: Any, i: int) -> Any:  # row r0 + i (clamped: never past the end)
         idx = b.add(r0, c64(i))
         idx = b.select(b.icmp_signed("<", idx, last), idx, last)
         return _ptr(b, base, b.mul(idx, stride), _I8)
@@ -566,7 +568,7 @@ def _tile_function(module: Any, K: int, R: int, vnni: bool) -> Any:
         "llvm.masked.store.v16f32.p0",
     )  # fmt: skip
     for r in range(R):
-        at = row(out, out_s, r)  # a clamped row stores that last row's own bits again
+        at = row(out, out_s, r)  # (the drivers' tiles never need the clamp)
         at = _ptr(b, at, b.mul(col0, c64(4)), _I8)
         b.call(mstore, [b.load(accs[r]), at, ir.Constant(_I32, 4), mask])
     b.ret_void()
