@@ -49,3 +49,103 @@ def test_a_wait_policy_the_user_chose_wins_and_stays_theirs(preset: str) -> None
     out = _run(preset)
     assert f"OMP_WAIT_POLICY = '{preset}'" in out.stderr
     assert out.stdout.split("\n")[:2] == [f"self {preset}", f"child {preset}"]
+
+
+# --- on_calling_thread: a small product without a parallel region ---------------------
+
+import numba  # noqa: E402
+import numpy as np  # noqa: E402
+from numba import njit, prange  # noqa: E402
+
+from triollm.model import matmul, threads  # noqa: E402
+from triollm.model.quant import QuantType, quantize, stack_rows  # noqa: E402
+
+
+@njit(nogil=True, parallel=True)
+def _who_ran(ids: np.ndarray) -> None:  # pragma: no cover - numba
+    for i in prange(ids.shape[0]):
+        ids[i] = numba.get_thread_id()
+
+
+def test_a_kernel_on_the_calling_thread_runs_every_item_there_and_the_team_comes_back() -> None:
+    if numba.get_num_threads() < 2:
+        pytest.skip("one numba thread: nothing to keep off")
+    ids = np.full(64, -1, np.int64)
+    _who_ran(ids)
+    assert len(set(ids.tolist())) >= 2  # the team split the items
+    before = numba.get_num_threads()
+    ids[:] = -1
+    threads.on_calling_thread(_who_ran, ids)
+    assert set(ids.tolist()) == {0}  # no worker was woken: every item on this thread
+    assert numba.get_num_threads() == before == threads.thread_count()
+
+
+def test_the_team_comes_back_when_the_kernel_raises() -> None:
+    before = numba.get_num_threads()
+
+    def boom() -> None:
+        raise RuntimeError("kernel failed")
+
+    with pytest.raises(RuntimeError):
+        threads.on_calling_thread(boom)
+    assert numba.get_num_threads() == before
+
+
+def _spy(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    calls: list[int] = []
+    real = threads.on_calling_thread
+
+    def spy(kernel: object, *args: object) -> object:
+        calls.append(1)
+        return real(kernel, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(threads, "on_calling_thread", spy)
+    return calls
+
+
+@pytest.mark.parametrize("kind", ["q8_0", "stack", "exact", "bf16"])
+def test_only_one_row_times_a_small_weight_runs_serially_and_the_bits_are_the_same(
+    kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The serial path is one thread running the same compiled kernel: the bits of
+    # every row must equal the parallel path's, and only a one-row product below
+    # the threshold may take it (a batch, or a weight above it, keeps the team).
+    rng = np.random.default_rng(7)
+    raw = rng.standard_normal((96, 64)).astype(np.float32)
+    if kind == "bf16":
+        w = matmul.prepare((raw.view(np.uint32) >> np.uint32(16)).astype(np.uint16), bf16=True)
+    elif kind == "stack":
+        parts = [quantize(raw[:64], QuantType.Q8_0), quantize(raw[64:], QuantType.Q4_1)]
+        w = matmul.prepare(stack_rows(parts))
+    else:
+        q = quantize(raw, QuantType.Q8_0)
+        w = matmul.prepare(q.with_exact_activations(kind == "exact"))
+    x = rng.standard_normal((3, 64)).astype(np.float32)
+    calls = _spy(monkeypatch)
+    monkeypatch.setattr(threads, "SERIAL_MAX_BYTES", 0)
+    parallel = [matmul.linear(x[i : i + 1], w) for i in range(3)]
+    assert calls == []
+    monkeypatch.setattr(threads, "SERIAL_MAX_BYTES", w.nbytes)
+    serial = [matmul.linear(x[i : i + 1], w) for i in range(3)]
+    assert len(calls) == 3
+    batch = matmul.linear(x, w)  # three rows: the team, whatever the threshold
+    assert len(calls) == 3
+    for i in range(3):
+        np.testing.assert_array_equal(serial[i], parallel[i])
+        np.testing.assert_array_equal(serial[i][0], batch[i])
+
+
+def test_a_few_rows_looked_up_run_serially_and_equal_the_same_rows_of_a_long_lookup(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # the embedding lookup of a decode step (a token or a few) opens no region;
+    # a prefill's many tokens keep the team; a row's values are the same either way
+    rng = np.random.default_rng(3)
+    w = quantize(rng.standard_normal((64, 64)).astype(np.float32), QuantType.Q4_1)
+    many = np.arange(40, dtype=np.int64) % 64
+    calls = _spy(monkeypatch)
+    everything = w[many]
+    assert calls == []
+    for i in (0, 5, 39):
+        np.testing.assert_array_equal(w[many[i : i + 1]][0], everything[i])
+    assert len(calls) == 3

@@ -68,7 +68,7 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from triollm.model import quant
+from triollm.model import quant, threads
 from triollm.model.quant import Quantized, QuantizedStack, QuantizedTensor
 from triollm.model.threads import start_parallel_runtime
 
@@ -521,7 +521,11 @@ def linear(
         return out
     if not out.flags.c_contiguous:
         raise ValueError("out must be C-contiguous")
-    _panel_matmul(np.ascontiguousarray(x), w.data, out, w.out_features)
+    n_out = w.out_features
+    if n == 1 and w.nbytes <= threads.SERIAL_MAX_BYTES:  # too small to repay a region
+        threads.on_calling_thread(_panel_matmul, np.ascontiguousarray(x), w.data, out, n_out)
+    else:
+        _panel_matmul(np.ascontiguousarray(x), w.data, out, n_out)
     return out
 
 

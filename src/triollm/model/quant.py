@@ -84,16 +84,15 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Any
 
-import numba
 import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from triollm.model import quant_int8, quant_pack
+from triollm.model import quant_int8, quant_pack, threads
 from triollm.model.quant_int8 import Int8Rows
-from triollm.model.threads import start_parallel_runtime
+from triollm.model.threads import start_parallel_runtime, thread_count
 
 start_parallel_runtime()  # passive OpenMP workers, before the first prange (threads.py)
 
@@ -590,6 +589,12 @@ def _widen_rows(blocks: Any, ids: Any, kind: int, out: Any) -> None:  # pragma: 
 # --- public API ----------------------------------------------------------------
 
 
+# Row lookups (the embedding) of fewer rows run on the calling thread: one 576-wide
+# Q8_0 row widens in ~1-3 us, a parallel region costs ~10 us or more (busy machine:
+# 16 -> 4 us of wall for one token, docs/engine.md "The step's fixed costs")
+_PARALLEL_LOOKUP_ROWS = 16
+
+
 @dataclass(frozen=True, eq=False)
 class QuantizedTensor:
     """A 2-D weight ``[rows, cols]`` kept as its GGUF blocks.
@@ -675,8 +680,10 @@ class QuantizedTensor:
         if idx.size and (idx.min() < 0 or idx.max() >= self.shape[0]):
             raise IndexError(f"row index outside 0..{self.shape[0] - 1}")
         out = np.empty((idx.size, self.shape[1]), np.float32)
-        if idx.size:
+        if idx.size >= _PARALLEL_LOOKUP_ROWS:
             _widen_rows(self.blocks, idx, int(self.qtype), out)
+        elif idx.size:  # a decode step's few tokens: a region would cost more than the rows
+            threads.on_calling_thread(_widen_rows, self.blocks, idx, int(self.qtype), out)
         return out.reshape((*np.shape(ids), self.shape[1]))
 
     def dequantize(self) -> np.ndarray:
@@ -825,27 +832,39 @@ def linear(
     int8 per block once (``int8_rows`` keeps it by block size, so every part
     of a stack shares it) and multiplied with integer dot products
     (:mod:`triollm.model.quant_int8`). The caller (``matmul.linear``) has
-    checked the shapes and dtypes.
+    checked the shapes and dtypes. One row times a weight of at most
+    ``threads.SERIAL_MAX_BYTES`` runs on the calling thread (no parallel region).
     """
+    if not x.shape[0]:
+        return out
+    if x.shape[0] == 1 and w.nbytes <= threads.SERIAL_MAX_BYTES:
+        return threads.on_calling_thread(_linear, x, w, out, int8_rows)  # type: ignore[no-any-return]
+    return _linear(x, w, out, int8_rows)
+
+
+def _linear(
+    x: np.ndarray,
+    w: QuantizedTensor | QuantizedStack,
+    out: np.ndarray,
+    int8_rows: dict[int, Int8Rows] | None,
+) -> np.ndarray:
     if isinstance(w, QuantizedStack):
-        if _in_one_call(w) and x.shape[0]:  # the int8 product takes the parts in one call
+        if _in_one_call(w):  # the int8 product takes the parts in one call
             block = quant_int8.activation_block(int(w.parts[0].qtype))
             acts = quant_int8.quantize_rows(x, block)
-            rows = block_rows(w.shape[0], numba.get_num_threads())
+            rows = block_rows(w.shape[0], thread_count())
             return quant_int8.product_table(acts, w.table(), out, rows)
         shared: dict[int, Int8Rows] = {} if int8_rows is None else int8_rows
         j = 0
         for part in w.parts:
             # through a contiguous temporary: a column range of `out` would be a
             # strided array, and numba compiles the kernel once more for that layout
-            out[:, j : j + part.shape[0]] = linear(
-                x, part, np.empty((x.shape[0], part.shape[0]), np.float32), int8_rows=shared
+            out[:, j : j + part.shape[0]] = _linear(
+                x, part, np.empty((x.shape[0], part.shape[0]), np.float32), shared
             )
             j += part.shape[0]
         return out
-    if not x.shape[0]:
-        return out
-    rows = block_rows(w.shape[0], numba.get_num_threads())
+    rows = block_rows(w.shape[0], thread_count())
     if w.exact_activations:
         _quant_matmul(np.ascontiguousarray(x), w.blocks, int(w.qtype), out, rows)
         return out

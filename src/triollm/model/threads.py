@@ -22,8 +22,17 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Callable
+from typing import Any
 
 _WAIT_POLICY = "OMP_WAIT_POLICY"
+
+# A one-row product (a batch-1 decode step) whose weight is at most this many bytes
+# runs on the calling thread (:func:`on_calling_thread`), not split over the team:
+# below it the parallel region costs more than the second core saves. Read at each
+# call (``quant.linear``, ``matmul.linear``), so a benchmark may change it; 0 makes
+# every product parallel. docs/engine.md ("The step's fixed costs") has the A/B.
+SERIAL_MAX_BYTES = 2 << 20
 _started = False
 _lock = threading.Lock()
 
@@ -53,3 +62,49 @@ def start_parallel_runtime() -> None:
             if ours:
                 del os.environ[_WAIT_POLICY]
         _started = True
+
+
+def _thread_count_setters() -> tuple[Any, Any]:
+    """numba's raw getter and setter of this thread's parallel-thread count."""
+    start_parallel_runtime()
+    # Trap: private, as _launch_threads above. numba.set_num_threads validates its
+    # argument in Python (~2.5 us a call here, ~1.8 us for get_num_threads); these
+    # are the ctypes functions it ends in (~1 us for a set and its restore).
+    from numba.np.ufunc import parallel
+
+    return parallel._get_num_threads, parallel._set_num_threads  # type: ignore[attr-defined]
+
+
+def on_calling_thread(kernel: Callable[..., Any], *args: Any) -> Any:
+    """Run a ``prange`` kernel with this thread's team set to one thread, then restore it.
+
+    A team of one opens no parallel region: libgomp runs the loop inline and wakes
+    no worker. For a product too small to repay a region (a batch-1 decode step's
+    small weights; :data:`SERIAL_MAX_BYTES`) this saves the wake-up, its
+    futex sleeps and, on an idle virtual machine, the idle vCPU's exit latency. The
+    kernel's bits do not depend on how many threads split its items (every item is
+    computed whole by one thread), so the result is the same either way.
+    Hazard: the count is numba's per-thread setting; it is restored even if the
+    kernel raises, or every later region of this thread would run single-threaded.
+    """
+    get, set_ = _COUNT or _counts()
+    saved = get()
+    set_(1)
+    try:
+        return kernel(*args)
+    finally:
+        set_(saved)
+
+
+def thread_count() -> int:
+    """numba's thread count for this thread (``numba.get_num_threads`` without its checks)."""
+    return int((_COUNT or _counts())[0]())
+
+
+_COUNT: tuple[Any, Any] | None = None
+
+
+def _counts() -> tuple[Any, Any]:
+    global _COUNT
+    _COUNT = _thread_count_setters()  # the runtime starts here if nothing started it
+    return _COUNT
