@@ -617,6 +617,20 @@ class QuantizedTensor:
     _packed: dict[str, np.ndarray] = field(default_factory=dict, repr=False, init=False)
     # the int8 product's table of this weight (quant_int8.PartsTable), made once
     _table: dict[str, quant_int8.PartsTable] = field(default_factory=dict, repr=False, init=False)
+    # what linear() needs per call, made on the first (int8_call)
+    _call: dict[str, tuple[int, quant_int8.PartsTable] | None] = field(
+        default_factory=dict, repr=False, init=False
+    )
+
+    def int8_call(self) -> tuple[int, quant_int8.PartsTable] | None:
+        """``(activation block, table)`` of the int8 product, or None (exact path); made once."""
+        if "int8" not in self._call:
+            self._call["int8"] = (
+                None
+                if self.exact_activations
+                else (quant_int8.activation_block(int(self.qtype)), self.table())
+            )
+        return self._call["int8"]
 
     def __post_init__(self) -> None:
         rows, cols = self.shape
@@ -714,6 +728,29 @@ class QuantizedStack:
     parts: tuple[QuantizedTensor, ...]
     # the int8 product's table of the parts (quant_int8.PartsTable), made once
     _table: dict[str, quant_int8.PartsTable] = field(default_factory=dict, repr=False, init=False)
+    _call: dict[str, tuple[int, quant_int8.PartsTable] | None] = field(
+        default_factory=dict, repr=False, init=False
+    )
+    # shape and bytes, summed once: linear() reads them on every call (a sum over
+    # the parts each time was ~1 us of a batch-1 product's Python path)
+    _shape: tuple[int, int] = field(default=(0, 0), repr=False, init=False)
+    _nbytes: int = field(default=0, repr=False, init=False)
+
+    def __post_init__(self) -> None:
+        shape = (sum(p.shape[0] for p in self.parts), self.parts[0].shape[1])
+        object.__setattr__(self, "_shape", shape)  # frozen: set once, here
+        object.__setattr__(self, "_nbytes", sum(p.nbytes for p in self.parts))
+
+    def int8_call(self) -> tuple[int, quant_int8.PartsTable] | None:
+        """``(activation block, table)`` when the int8 product takes the parts in one
+        call (``_in_one_call``), else None (a call per part); made once."""
+        if "int8" not in self._call:
+            self._call["int8"] = (
+                (quant_int8.activation_block(int(self.parts[0].qtype)), self.table())
+                if _in_one_call(self)
+                else None
+            )
+        return self._call["int8"]
 
     def table(self) -> quant_int8.PartsTable:
         """The int8 product's :class:`quant_int8.PartsTable` of the parts, made once.
@@ -727,7 +764,7 @@ class QuantizedStack:
 
     @property
     def shape(self) -> tuple[int, int]:
-        return (sum(p.shape[0] for p in self.parts), self.parts[0].shape[1])
+        return self._shape
 
     @property
     def out_features(self) -> int:
@@ -739,7 +776,7 @@ class QuantizedStack:
 
     @property
     def nbytes(self) -> int:
-        return sum(p.nbytes for p in self.parts)
+        return self._nbytes
 
     @property
     def data(self) -> np.ndarray:
@@ -848,12 +885,18 @@ def _linear(
     out: np.ndarray,
     int8_rows: dict[int, Int8Rows] | None,
 ) -> np.ndarray:
-    if isinstance(w, QuantizedStack):
-        if _in_one_call(w):  # the int8 product takes the parts in one call
-            block = quant_int8.activation_block(int(w.parts[0].qtype))
+    call = w.int8_call()  # the int8 product in one kernel call: its block and table
+    if call is not None:
+        block, table = call
+        if int8_rows is None:
             acts = quant_int8.quantize_rows(x, block)
-            rows = block_rows(w.shape[0], thread_count())
-            return quant_int8.product_table(acts, w.table(), out, rows)
+        else:  # a stack's parts share one quantized x per block size
+            if block not in int8_rows:
+                int8_rows[block] = quant_int8.quantize_rows(x, block)
+            acts = int8_rows[block]
+        rows = block_rows(table.rows, thread_count())
+        return quant_int8.product_table(acts, table, out, rows)
+    if isinstance(w, QuantizedStack):  # parts the int8 product cannot take in one call
         shared: dict[int, Int8Rows] = {} if int8_rows is None else int8_rows
         j = 0
         for part in w.parts:
@@ -864,15 +907,10 @@ def _linear(
             )
             j += part.shape[0]
         return out
-    rows = block_rows(w.shape[0], thread_count())
-    if w.exact_activations:
-        _quant_matmul(np.ascontiguousarray(x), w.blocks, int(w.qtype), out, rows)
-        return out
-    block = quant_int8.activation_block(int(w.qtype))
-    cache = {} if int8_rows is None else int8_rows
-    if block not in cache:
-        cache[block] = quant_int8.quantize_rows(x, block)
-    return quant_int8.product_table(cache[block], w.table(), out, rows)
+    # exact_activations: x stays float32, the weights are widened
+    _quant_matmul(np.ascontiguousarray(x), w.blocks, int(w.qtype), out,
+                  block_rows(w.shape[0], thread_count()))  # fmt: skip
+    return out
 
 
 class QuantizingSource:
