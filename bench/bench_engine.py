@@ -436,6 +436,13 @@ def main(argv: list[str] | None = None) -> int:
         default=0,
         help="rows from which weight products use BLAS (default: never, the numba kernel)",
     )
+    p.add_argument(
+        "--serial-max-bytes",
+        type=int,
+        default=None,
+        help="one-row products of weights up to this many bytes run on the calling thread "
+        "(default: threads.SERIAL_MAX_BYTES; 0: every product opens a parallel region)",
+    )
     p.add_argument("--profile", action="store_true", help="per-stage time breakdown")
     p.add_argument("--compile", action="store_true", help="numba compile and cache-load times")
     p.add_argument("--json", help="append one JSON line per case to this file")
@@ -450,6 +457,10 @@ def main(argv: list[str] | None = None) -> int:
         matmul.BLAS_MIN_ROWS = args.blas_min_rows
     if args.threads:
         numba.set_num_threads(args.threads)
+    if args.serial_max_bytes is not None:
+        from triollm.model import threads  # here: a tree from before it has no such module
+
+        threads.SERIAL_MAX_BYTES = args.serial_max_bytes
     for d in args.dtypes.split(","):
         if d not in ("f32", "bf16"):
             p.error(f"--dtypes: unknown weight format {d!r} (choose f32, bf16)")
