@@ -57,7 +57,7 @@ import numba  # noqa: E402
 import numpy as np  # noqa: E402
 from numba import njit, prange  # noqa: E402
 
-from triollm.model import matmul, threads  # noqa: E402
+from triollm.model import matmul, quant, threads  # noqa: E402
 from triollm.model.quant import QuantType, quantize, stack_rows  # noqa: E402
 
 
@@ -92,14 +92,22 @@ def test_the_team_comes_back_when_the_kernel_raises() -> None:
 
 
 def _spy(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    # counts the calls that run on the calling thread: a kernel with the team set
+    # to one, or the int8 product's one-row kernel (no prange at all)
     calls: list[int] = []
     real = threads.on_calling_thread
+    one_row = quant._int8_one_row
 
     def spy(kernel: object, *args: object) -> object:
         calls.append(1)
         return real(kernel, *args)  # type: ignore[arg-type]
 
+    def spy_one_row(*args: object) -> None:
+        calls.append(1)
+        one_row(*args)
+
     monkeypatch.setattr(threads, "on_calling_thread", spy)
+    monkeypatch.setattr(quant, "_int8_one_row", spy_one_row)
     return calls
 
 

@@ -80,6 +80,7 @@ Hazards
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Any
@@ -875,8 +876,55 @@ def linear(
     if not x.shape[0]:
         return out
     if x.shape[0] == 1 and w.nbytes <= threads.SERIAL_MAX_BYTES:
+        call = w.int8_call()
+        if call is not None and int8_rows is None:
+            block, table = call
+            q, d, sums = _row_buffers(w.in_features, block)
+            p0, p1, p2 = table.parts
+            _int8_one_row(np.ascontiguousarray(x), block, q, d, sums, p0, p1, p2,
+                          table.kinds, table.first, table.cols, out)  # fmt: skip
+            return out
         return threads.on_calling_thread(_linear, x, w, out, int8_rows)  # type: ignore[no-any-return]
     return _linear(x, w, out, int8_rows)
+
+
+@njit(cache=True, nogil=True)
+def _int8_one_row(x, block, q, d, sums, p0, p1, p2, kinds, first, cols, out):  # type: ignore[no-untyped-def]  # pragma: no cover
+    # One activation row quantized and multiplied by every part, in one call on the
+    # calling thread: quant_int8.quantize_rows and product_table's _int8_matmul do
+    # this in two calls, two record allocations and a parfor launch even with a team
+    # of one (~8-14 us of a SmolLM2 product, against 6-25 us of work; engine.md,
+    # "The step's fixed costs"). The same compiled _quantize_row and the same
+    # one-row tile per group of 16 weight rows as _int8_matmul's n == 1 path, so the
+    # same bits (test_threads compares them). Hazard: it follows quant_int8's
+    # private tile and row quantizer; a change of their arguments shows here first.
+    quant_int8._quantize_row(x, np.int64(0), block, q, d, sums)
+    for p in range(quant_int8.PARTS):
+        w = p0 if p == 0 else (p1 if p == 1 else p2)
+        kind, at, m = kinds[p], cols[p], cols[p + 1] - cols[p]
+        for g in range(first[p + 1] - first[p]):
+            quant_int8._int8_tile(kind, 1, 0, q, d, sums, w, out, g, 0, 0, at, m)
+
+
+_rows = threading.local()  # one thread's int8 row buffers, by (width, block)
+
+
+def _row_buffers(k: int, block: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """This thread's buffers for one int8 activation row of ``k`` values (q, d, sums).
+
+    Per thread: two forwards on two models in two threads must not share them. A
+    row's buffers are filled and consumed inside one :func:`_int8_one_row` call."""
+    cache = getattr(_rows, "cache", None)
+    if cache is None:
+        cache = _rows.cache = {}
+    key = (k, block)
+    if key not in cache:
+        cache[key] = (
+            np.empty((1, k), np.int8),
+            np.empty((1, k // block), np.float32),
+            np.empty((1, k // quant_int8.SUM_VALUES), np.int32),
+        )
+    return cache[key]  # type: ignore[no-any-return]
 
 
 def _linear(
