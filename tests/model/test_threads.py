@@ -157,3 +157,10 @@ def test_a_few_rows_looked_up_run_serially_and_equal_the_same_rows_of_a_long_loo
     for i in (0, 5, 39):
         np.testing.assert_array_equal(w[many[i : i + 1]][0], everything[i])
     assert len(calls) == 3
+
+
+def test_the_one_row_product_releases_the_gil_and_is_cached() -> None:
+    # it runs inside a server's forward (a worker thread beside the event loop)
+    assert quant._int8_one_row.targetoptions["nogil"] is True
+    assert quant._int8_one_row._cache.__class__.__name__ == "FunctionCache"
+    assert not quant._int8_one_row.targetoptions.get("parallel")  # no prange: no region
