@@ -922,7 +922,7 @@ def _row_buffers(k: int, block: int) -> tuple[np.ndarray, np.ndarray, np.ndarray
         cache[key] = (
             np.empty((1, k), np.int8),
             np.empty((1, k // block), np.float32),
-            np.empty((1, k // quant_int8.SUM_VALUES), np.int32),
+            np.empty((1, k // quant_int8.SUM_VALUES), quant_int8.SUM_DTYPE),
         )
     return cache[key]  # type: ignore[no-any-return]
 

@@ -93,7 +93,8 @@ _Q4_0, _Q4_1, _Q5_0, _Q5_1, _Q8_0 = 2, 3, 6, 7, 8
 _Q4_K, _Q5_K, _Q6_K = 12, 13, 14
 INT8_TYPES = (_Q4_0, _Q4_1, _Q5_0, _Q5_1, _Q8_0, _Q4_K, _Q5_K, _Q6_K)
 _MANY_TYPES = (_Q4_K, _Q5_K, _Q6_K)  # the types with tiles of more than four x rows
-SUM_VALUES = 16  # activation values per stored int32 sum
+SUM_VALUES = 16  # activation values per stored sum
+SUM_DTYPE = np.int16  # the sums' type: the tile reads two of them as one 32-bit word
 
 
 # --- the packed weight layout (quant_pack.py writes it; kept here, see there) -----
@@ -263,7 +264,7 @@ def quantize_rows(x: np.ndarray, block: int) -> Int8Rows:
         raise ValueError(f"rows of {k} values are not whole blocks of {block}")
     q = np.empty((n, k), np.int8)
     d = np.empty((n, k // block), np.float32)
-    sums = np.empty((n, k // SUM_VALUES), np.int16)
+    sums = np.empty((n, k // SUM_VALUES), SUM_DTYPE)
     if n:
         driver = _quantize_rows if n > 1 else _quantize_rows_serial
         driver(np.ascontiguousarray(x, np.float32), block, q, d, sums)
@@ -590,6 +591,11 @@ def _int8_tile(  # type: ignore[no-untyped-def]
     R, P = _literal(n_x), _literal(portable)
     if R is None or P is None:
         return None
+    if xs.dtype != types.int16:
+        # Hazard: the tile reads the sums as int16 pairs; int32 sums would compile and
+        # give wrong numbers. numba's cache does not see a caller in another file
+        # change with this one, so the check is here, where the layout lives.
+        raise TypeError(f"int8 tile: the x sums must be int16 (SUM_DTYPE), not {xs.dtype}")
     intp = types.intp
     sig = types.void(intp, n_x, portable, xq, xd, xs, packed, out, intp, intp, intp, intp, intp)
 
