@@ -1,4 +1,4 @@
-"""The threading set-up: passive OpenMP workers inside, nothing left for child processes."""
+"""The threading set-up: briefly polling OpenMP workers inside, nothing left for child processes."""
 
 from __future__ import annotations
 
@@ -18,37 +18,52 @@ import triollm.model.matmul, triollm.model.kernels, triollm.model.quant
 from triollm.model import kernels
 x = np.ones((2, 8), np.float32); out = np.empty_like(x)
 kernels.rms_norm(x, np.ones(8, np.float32), np.float32(1e-5), out)
-print("self", os.environ.get("OMP_WAIT_POLICY"))
-grandchild = "import os; print('child', os.environ.get('OMP_WAIT_POLICY'))"
+print("self", os.environ.get("OMP_WAIT_POLICY"), os.environ.get("GOMP_SPINCOUNT"))
+grandchild = (
+    "import os; print('child', os.environ.get('OMP_WAIT_POLICY'), os.environ.get('GOMP_SPINCOUNT'))"
+)
 sys.stdout.flush()
 subprocess.run([sys.executable, "-c", grandchild], check=True)
 """
 
 
-def _run(preset: str | None) -> subprocess.CompletedProcess[str]:
+def _run(preset: str | None, spin: str | None = None) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OMP_", "GOMP_"))}
-    env["OMP_DISPLAY_ENV"] = "TRUE"
+    env["OMP_DISPLAY_ENV"] = "VERBOSE"  # VERBOSE adds libgomp's GOMP_SPINCOUNT line
     if preset is not None:
         env["OMP_WAIT_POLICY"] = preset
+    if spin is not None:
+        env["GOMP_SPINCOUNT"] = spin
     return subprocess.run(
         [sys.executable, "-c", _CHILD], env=env, capture_output=True, text=True, check=True
     )
 
 
-def test_the_runtime_waits_passively_and_no_child_inherits_the_setting() -> None:
-    # Spinning workers made a shared-core step 10x slower (docs/performance.md), so
-    # the runtime must read PASSIVE; but a peer benchmark started from this process
-    # inherited the variable and ran handicapped, so it must not stay in os.environ.
+def test_the_runtime_polls_briefly_then_sleeps_and_no_child_inherits_the_setting() -> None:
+    # Unbounded polling made a shared-core step 10x slower and pure sleeping made a
+    # region cost a wake-up (docs/performance.md, engine.md), so the runtime must read
+    # PASSIVE with our short spin count; but a peer benchmark started from this process
+    # inherited the variable and ran handicapped, so neither may stay in os.environ.
     out = _run(None)
     assert "OMP_WAIT_POLICY = 'PASSIVE'" in out.stderr
-    assert out.stdout.split("\n")[:2] == ["self None", "child None"]
+    assert f"GOMP_SPINCOUNT = '{threads.SPIN_COUNT}'" in out.stderr
+    assert out.stdout.split("\n")[:2] == ["self None None", "child None None"]
 
 
 @pytest.mark.parametrize("preset", ["ACTIVE", "PASSIVE"])
 def test_a_wait_policy_the_user_chose_wins_and_stays_theirs(preset: str) -> None:
     out = _run(preset)
     assert f"OMP_WAIT_POLICY = '{preset}'" in out.stderr
-    assert out.stdout.split("\n")[:2] == [f"self {preset}", f"child {preset}"]
+    # our spin count is not added to the user's policy: ACTIVE polls without end,
+    # PASSIVE not at all (libgomp's own reading of the policy)
+    assert f"GOMP_SPINCOUNT = '{threads.SPIN_COUNT}'" not in out.stderr
+    assert out.stdout.split("\n")[:2] == [f"self {preset} None", f"child {preset} None"]
+
+
+def test_a_spin_count_the_user_chose_wins_and_stays_theirs() -> None:
+    out = _run(None, spin="12345")
+    assert "GOMP_SPINCOUNT = '12345'" in out.stderr
+    assert out.stdout.split("\n")[:2] == ["self None 12345", "child None 12345"]
 
 
 # --- on_calling_thread: a small product without a parallel region ---------------------

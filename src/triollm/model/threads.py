@@ -1,21 +1,31 @@
 """The process's threading set-up for the parallel kernels: one owner, and no leak.
 
-numba runs every ``prange`` kernel on an OpenMP runtime (libgomp here). By default
-its workers spin-wait between parallel regions; a forward pass opens ~120 regions
-per step, and on the shared 2-core target spinning workers stole the cores the
-working ones needed (a step ran 10x slower; docs/performance.md). Passive waiting
-costs a futex wake-up per region instead.
+numba runs every ``prange`` kernel on an OpenMP runtime (libgomp here). A forward
+pass opens ~120 regions per step, and between two regions the other worker waits.
+How it waits decides what a region costs:
 
-libgomp reads ``OMP_WAIT_POLICY`` once, when the library is loaded. So
-:func:`start_parallel_runtime` puts the variable in the environment only for that
-moment: it sets it (unless the user chose a value), loads numba's threading layer,
-and takes the variable back out.
+- libgomp's default polls for up to 300 000 rounds (~16 ms here) before it sleeps.
+  On the shared 2-core target a polling worker held the core its partner needed to
+  finish the region (a step ran 10x slower; docs/performance.md).
+- Passive waiting (``OMP_WAIT_POLICY=PASSIVE``, no polling) costs a futex wake-up
+  and a sleep per region instead: ~600 sleeps per SmolLM2 batch-4 step, which took
+  34 ms where the same work with a polling worker took 11-15 ms.
+- So the worker polls a short while, :data:`SPIN_COUNT` rounds (~55 us at the
+  ~55 ns a round measured here), then sleeps. That covers the gaps inside a step
+  (Python between two products: tens of microseconds) and bounds what a poll can
+  steal from a busy machine to that, per region. docs/engine.md ("The step's fixed
+  costs") has the A/B.
 
-Hazard: the variable must not stay in ``os.environ``. Every child process inherits
-it, and a peer started from a benchmark (llama.cpp is built with OpenMP too) then
+libgomp reads both variables once, when the library is loaded. So
+:func:`start_parallel_runtime` puts them in the environment only for that moment:
+it sets them (unless the user chose either), loads numba's threading layer, and
+takes them back out.
+
+Hazard: the variables must not stay in ``os.environ``. Every child process inherits
+them, and a peer started from a benchmark (llama.cpp is built with OpenMP too) then
 runs with sleeping workers, a configuration nobody uses: the last wave's GGUF verdict
 compared against a handicapped peer exactly so. ``tests/model/test_threads.py`` holds
-both halves: the runtime starts passive, and no child sees the variable.
+both halves: the runtime starts with our values, and no child sees them.
 """
 
 from __future__ import annotations
@@ -26,6 +36,12 @@ from collections.abc import Callable
 from typing import Any
 
 _WAIT_POLICY = "OMP_WAIT_POLICY"
+_SPIN_COUNT = "GOMP_SPINCOUNT"
+
+# How many rounds a waiting OpenMP worker polls before it sleeps (the module's
+# docstring has why). Measured A/B in docs/engine.md; a user's GOMP_SPINCOUNT or
+# OMP_WAIT_POLICY replaces it.
+SPIN_COUNT = 1000
 
 # A one-row product (a batch-1 decode step) whose weight is at most this many bytes
 # runs on the calling thread (:func:`on_calling_thread`), not split over the team:
@@ -38,29 +54,32 @@ _lock = threading.Lock()
 
 
 def start_parallel_runtime() -> None:
-    """Load numba's threading layer with passive OpenMP workers; idempotent.
+    """Load numba's threading layer with briefly polling OpenMP workers; idempotent.
 
     Call it before the first parallel kernel runs (the kernel modules call it on
-    import). A value of ``OMP_WAIT_POLICY`` the user set wins and stays where the
-    user put it; ours is removed again once the runtime has read it.
+    import). A wait policy or spin count the user set wins (either one: then both
+    stay exactly as the user left them); ours are removed again once the runtime
+    has read them.
     """
     global _started
     with _lock:
         if _started:
             return
-        ours = _WAIT_POLICY not in os.environ
+        ours = _WAIT_POLICY not in os.environ and _SPIN_COUNT not in os.environ
         if ours:
             os.environ[_WAIT_POLICY] = "PASSIVE"
+            os.environ[_SPIN_COUNT] = str(SPIN_COUNT)
         try:
             # Trap: a private numba function, but the one that loads the layer (and
-            # with it libgomp, which reads the variable in its constructor); the first
-            # prange call would otherwise load it later, after we took the value back.
+            # with it libgomp, which reads the variables in its constructor); the
+            # first prange call would otherwise load it later, after we took them back.
             from numba.np.ufunc import parallel
 
             parallel._launch_threads()
         finally:
             if ours:
                 del os.environ[_WAIT_POLICY]
+                del os.environ[_SPIN_COUNT]
         _started = True
 
 
