@@ -21,6 +21,7 @@ import trio
 from prometheus_client.parser import text_string_to_metric_families
 from serverkit import StepGate, live_server
 
+from triollm.policies import policy_name
 from triollm.server.metrics import Metrics
 
 GAUGES = ("num_requests_waiting", "num_requests_running", "kv_cache_usage_perc")
@@ -60,7 +61,8 @@ def body(prompt: str, max_tokens: int) -> dict[str, Any]:
 async def test_the_gauges_and_counters_move_as_the_protocol_says(loaded: Any) -> None:
     slots, block_size = 2, 16
     async with (
-        live_server(loaded, slots=slots, block_size=block_size) as live,
+        # a stall budget unlike the chunk's, so the info gauge must carry the real one
+        live_server(loaded, slots=slots, block_size=block_size, stall_rows=5) as live,
         httpx.AsyncClient(base_url=live.url, timeout=60) as http,
     ):
         service = live.service
@@ -75,6 +77,17 @@ async def test_the_gauges_and_counters_move_as_the_protocol_says(loaded: Any) ->
         assert info.value == 1
         assert info.labels["block_size"] == str(block_size)
         assert info.labels["num_gpu_blocks"] == str(config.num_blocks)
+        # the step budget the scheduler really runs with (stall_rows is resolved from
+        # the model's size when not given, so only the running config can say it)
+        (budget,) = idle["triollm:scheduler_config_info"].samples
+        assert budget.value == 1
+        assert {k: budget.labels[k] for k in ("slots", "chunk_tokens", "step_rows")} == {
+            "slots": str(config.slots),
+            "chunk_tokens": str(config.chunk_tokens),
+            "step_rows": str(config.step_rows),
+        }
+        assert budget.labels["stall_rows"] == str(config.stall_rows) == "5"
+        assert budget.labels["policy"] == policy_name(config.policy)
         queries0 = value(idle, "triollm:prefix_cache_queries")
 
         gate = StepGate(service)

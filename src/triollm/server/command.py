@@ -445,6 +445,13 @@ def build_stack(
     metrics.cache_config(
         sched_config.block_size, sched_config.num_blocks, sched_config.prefix_cache
     )
+    metrics.scheduler_config(
+        sched_config.slots,
+        sched_config.chunk_tokens,
+        sched_config.step_rows,
+        sched_config.stall_rows,
+        policy_name(sched_config.policy),
+    )
     tokenizer = loaded.tokenizer
     observer: Any = metrics
     publisher = None

@@ -176,6 +176,14 @@ class Metrics:
             ["block_size", "num_gpu_blocks", "enable_prefix_caching"],
             registry=r,
         )
+        # Ours, in the same form: the step budget the scheduler runs with, so a user
+        # reading ITL or TTFT on a dashboard sees which budget produced them.
+        self.scheduler_info = Gauge(
+            "triollm:scheduler_config_info",
+            "The scheduler's step budget, in the labels (value 1).",
+            ["slots", "chunk_tokens", "step_rows", "stall_rows", "policy"],
+            registry=r,
+        )
         self.ttft = Histogram(
             "triollm:time_to_first_token_seconds",
             "From arrival to the first generated token.",
@@ -280,6 +288,18 @@ class Metrics:
             block_size=str(block_size),
             num_gpu_blocks=str(num_blocks),
             enable_prefix_caching=str(prefix_caching),
+        ).set(1)
+
+    def scheduler_config(
+        self, slots: int, chunk_tokens: int, step_rows: int, stall_rows: int, policy: str
+    ) -> None:
+        """Publish the step budget as ``scheduler_config_info`` (once, at start)."""
+        self.scheduler_info.labels(
+            slots=str(slots),
+            chunk_tokens=str(chunk_tokens),
+            step_rows=str(step_rows),
+            stall_rows=str(stall_rows),
+            policy=policy,
         ).set(1)
 
     # -- the service's Observer hooks (triollm.events.Observer) ---------------------
