@@ -871,21 +871,43 @@ def linear(
     of a stack shares it) and multiplied with integer dot products
     (:mod:`triollm.model.quant_int8`). The caller (``matmul.linear``) has
     checked the shapes and dtypes. One row times a weight of at most
-    ``threads.SERIAL_MAX_BYTES`` runs on the calling thread (no parallel region).
+    ``threads.SERIAL_MAX_BYTES`` runs on the calling thread (no parallel region);
+    one row times a larger weight is one call opening one region.
     """
     if not x.shape[0]:
         return out
-    if x.shape[0] == 1 and w.nbytes <= threads.SERIAL_MAX_BYTES:
+    serial = x.shape[0] == 1 and w.nbytes <= threads.SERIAL_MAX_BYTES
+    if x.shape[0] == 1 and int8_rows is None:
         call = w.int8_call()
-        if call is not None and int8_rows is None:
-            block, table = call
-            q, d, sums = _row_buffers(w.in_features, block)
-            p0, p1, p2 = table.parts
-            _int8_one_row(np.ascontiguousarray(x), block, q, d, sums, p0, p1, p2,
-                          table.kinds, table.first, table.cols, out)  # fmt: skip
-            return out
+        if call is not None:
+            return _int8_one_row_call(x, call, w.in_features, out, split=not serial)
+    if serial:
         return threads.on_calling_thread(_linear, x, w, out, int8_rows)  # type: ignore[no-any-return]
     return _linear(x, w, out, int8_rows)
+
+
+def _int8_one_row_call(
+    x: np.ndarray,
+    call: tuple[int, quant_int8.PartsTable],
+    k: int,
+    out: np.ndarray,
+    *,
+    split: bool,
+) -> np.ndarray:
+    """One int8 row times a weight's parts in one numba call: on the calling thread
+    (:func:`_int8_one_row`) or split over the team (:func:`_int8_one_row_split`)."""
+    block, table = call
+    q, d, sums = _row_buffers(k, block)
+    p0, p1, p2 = table.parts
+    xc = np.ascontiguousarray(x)
+    if split:
+        per_task = block_rows(table.rows, thread_count()) // quant_int8.ROWS
+        _int8_one_row_split(xc, block, q, d, sums, p0, p1, p2,
+                            table.kinds, table.first, table.cols, out, per_task)  # fmt: skip
+    else:
+        _int8_one_row(xc, block, q, d, sums, p0, p1, p2,
+                      table.kinds, table.first, table.cols, out)  # fmt: skip
+    return out
 
 
 @njit(cache=True, nogil=True)
@@ -904,6 +926,29 @@ def _int8_one_row(x, block, q, d, sums, p0, p1, p2, kinds, first, cols, out):  #
         kind, at, m = kinds[p], cols[p], cols[p + 1] - cols[p]
         for g in range(first[p + 1] - first[p]):
             quant_int8._int8_tile(kind, 1, 0, q, d, sums, w, out, g, 0, 0, at, m)
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def _int8_one_row_split(x, block, q, d, sums, p0, p1, p2, kinds, first, cols, out, per_task):  # type: ignore[no-untyped-def]  # pragma: no cover
+    # _int8_one_row with the groups split over the team (a weight too large for one
+    # thread: threads.SERIAL_MAX_BYTES), in one call: the row is quantized on the
+    # calling thread into its buffers, then one parallel region runs contiguous runs
+    # of per_task groups, as _int8_matmul's n == 1 path does, with the same tile, so
+    # the same bits (test_threads). Against quantize_rows + product_table it saves
+    # a numba call, three fresh arrays and a record, the table's checks and the
+    # Python between them (~5-9 us a product; 57 a 1.5B step; engine.md, "The
+    # step's fixed costs"). Hazard: the row buffers are the calling thread's; the
+    # workers only read them, and only inside this call.
+    quant_int8._quantize_row(x, np.int64(0), block, q, d, sums)
+    groups = first[quant_int8.PARTS]
+    for task in prange((groups + per_task - 1) // per_task):
+        g0 = task * per_task
+        g1 = min(g0 + per_task, groups)
+        for p in range(quant_int8.PARTS):  # the part once per run of its groups
+            w = p0 if p == 0 else (p1 if p == 1 else p2)
+            kind, at, m = kinds[p], cols[p], cols[p + 1] - cols[p]
+            for gg in range(max(g0, first[p]), min(g1, first[p + 1])):
+                quant_int8._int8_tile(kind, 1, 0, q, d, sums, w, out, gg - first[p], 0, 0, at, m)
 
 
 _rows = threading.local()  # one thread's int8 row buffers, by (width, block)
@@ -1018,4 +1063,8 @@ def warm_up() -> None:
     for weight in (w, w.with_exact_activations()):
         for n in (1, 2):  # one row quantizes on the calling thread, more in parallel
             linear(np.zeros((n, 32), np.float32), weight, np.empty((n, 4), np.float32))
+    call = w.int8_call()  # a large weight's one-row driver (small weights take the other)
+    if call is not None:
+        x = np.zeros((1, 32), np.float32)
+        _int8_one_row_call(x, call, 32, np.empty((1, 4), np.float32), split=True)
     w[np.zeros(1, np.int64)]
