@@ -16,7 +16,10 @@ The machine is shared: every figure is a median over repetitions, ratios are
 taken within one run, and the load average is printed with the results.
 ``--profile`` adds a per-stage breakdown (weight products, attention, norms,
 the rest) by timing the engine's calls from outside; ``--compile`` measures
-numba's first-compile and cached-load times in fresh subprocesses.
+numba's first-compile and cached-load times in fresh subprocesses;
+``--serial-max-bytes 0,2097152`` times each case under each threshold of
+``threads.SERIAL_MAX_BYTES`` (which one-row products stay on the calling
+thread), alternating inside one process, ``--rounds`` rounds.
 """
 
 from __future__ import annotations
@@ -133,6 +136,37 @@ def time_steps(
         wall.append(time.perf_counter() - t)
         cpu.append(time.process_time() - c)
     return wall, cpu, (thread_sleeps() - slept) / reps
+
+
+def sweep_serial(
+    model: LlamaModel,
+    chunks: list[ChunkPlan],
+    kv: PagedKVCache,
+    reps: int,
+    values: list[int],
+    rounds: int,
+) -> dict[int, list[tuple[float, float, float]]]:
+    """Time the same step under each ``threads.SERIAL_MAX_BYTES`` in ``values``, alternating.
+
+    Round ``r`` runs the values in order, reversed when ``r`` is odd, so a drift in
+    the machine's load (or a warm cache) favours no value. Returns, per value, one
+    ``(median wall s, median CPU s, sleeps per step)`` a round. Inside one process:
+    the weights, the numba cache and the page cache are the same for every value,
+    which separate processes cannot promise. The setting is restored afterwards.
+    """
+    from triollm.model import threads
+
+    saved = threads.SERIAL_MAX_BYTES
+    out: dict[int, list[tuple[float, float, float]]] = {v: [] for v in values}
+    try:
+        for r in range(rounds):
+            for v in values if r % 2 == 0 else values[::-1]:
+                threads.SERIAL_MAX_BYTES = v
+                wall, cpu, sleeps = time_steps(model, chunks, kv, reps)
+                out[v].append((statistics.median(wall), statistics.median(cpu), sleeps))
+    finally:
+        threads.SERIAL_MAX_BYTES = saved
+    return out
 
 
 # --- per-stage profile -------------------------------------------------------
@@ -317,6 +351,17 @@ def run(args: argparse.Namespace) -> int:
         for case, chunks, nb in cases:
             kv = PagedKVCache(config, nb, BLOCK_SIZE)
             reps = max(3, args.reps // 3) if case.name == "prefill" else args.reps
+            if len(args.serial_sweep) > 1:  # an A/B of the threshold instead of the row
+                swept = sweep_serial(model, chunks, kv, reps, args.serial_sweep, args.rounds)
+                for v, runs in swept.items():
+                    per = ", ".join(f"{w * 1e3:.1f} / {c * 1e3:.1f} ({s:.0f})" for w, c, s in runs)
+                    print(
+                        f"  {case.name:7s} batch {case.batch:3d} serial-max-bytes {v:>9d}: "
+                        f"wall / CPU ms (sleeps) per round: {per}",
+                        flush=True,
+                    )
+                print(f"  load {load_average()}", flush=True)
+                continue
             times, cpu_times, sleeps = time_steps(model, chunks, kv, reps)
             med = statistics.median(times)
             cpu_med = statistics.median(cpu_times)
@@ -438,10 +483,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument(
         "--serial-max-bytes",
-        type=int,
         default=None,
         help="one-row products of weights up to this many bytes run on the calling thread "
-        "(default: threads.SERIAL_MAX_BYTES; 0: every product opens a parallel region)",
+        "(default: threads.SERIAL_MAX_BYTES; 0: every product opens a parallel region); "
+        "several, comma-separated, time each case under each value, alternating (--rounds)",
+    )
+    p.add_argument(
+        "--rounds", type=int, default=3, help="rounds of a --serial-max-bytes sweep (default 3)"
     )
     p.add_argument("--profile", action="store_true", help="per-stage time breakdown")
     p.add_argument("--compile", action="store_true", help="numba compile and cache-load times")
@@ -457,10 +505,17 @@ def main(argv: list[str] | None = None) -> int:
         matmul.BLAS_MIN_ROWS = args.blas_min_rows
     if args.threads:
         numba.set_num_threads(args.threads)
+    args.serial_sweep = []
     if args.serial_max_bytes is not None:
         from triollm.model import threads  # here: a tree from before it has no such module
 
-        threads.SERIAL_MAX_BYTES = args.serial_max_bytes
+        try:
+            args.serial_sweep = [int(v) for v in args.serial_max_bytes.split(",")]
+        except ValueError:
+            p.error(f"--serial-max-bytes: integers, comma-separated, got {args.serial_max_bytes!r}")
+        if any(v < 0 for v in args.serial_sweep):
+            p.error("--serial-max-bytes: byte counts must be >= 0")
+        threads.SERIAL_MAX_BYTES = args.serial_sweep[0]
     for d in args.dtypes.split(","):
         if d not in ("f32", "bf16"):
             p.error(f"--dtypes: unknown weight format {d!r} (choose f32, bf16)")

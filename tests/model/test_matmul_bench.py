@@ -116,3 +116,28 @@ def test_time_steps_reports_wall_and_cpu_per_step(bench: ModuleType, config: Mod
     assert len(wall) == len(cpu) == 3
     assert all(t > 0 for t in wall)
     assert sleeps >= 0  # a count per step (Linux); the worker's sleeps, if any
+
+
+def test_a_serial_threshold_sweep_alternates_the_values_and_restores_the_setting(
+    bench: ModuleType, config: ModelConfig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # --serial-max-bytes 0,N: each round times every value, every other round in
+    # reverse (a load that drifts favours none); the process's setting comes back
+    from triollm.model import threads
+
+    model = LlamaModel(config, bench.random_weights(config, "f32"))
+    chunks, n_blocks = bench.decode_plan(1, 40)
+    kv = PagedKVCache(config, n_blocks, bench.BLOCK_SIZE)
+    seen: list[int] = []
+    real = bench.time_steps
+
+    def spy(*args: object) -> object:
+        seen.append(threads.SERIAL_MAX_BYTES)
+        return real(*args, warmup=0)
+
+    monkeypatch.setattr(bench, "time_steps", spy)
+    before = threads.SERIAL_MAX_BYTES
+    swept = bench.sweep_serial(model, chunks, kv, 2, [0, 1 << 30], 3)
+    assert seen == [0, 1 << 30, 1 << 30, 0, 0, 1 << 30]
+    assert before == threads.SERIAL_MAX_BYTES  # restored
+    assert [len(runs) for runs in swept.values()] == [3, 3]
