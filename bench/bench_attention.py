@@ -30,6 +30,7 @@ The machine is shared: only same-run ratios (A/B) mean anything on a busy one.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import os
 import statistics
@@ -282,6 +283,70 @@ def wake_mode(args: argparse.Namespace) -> None:
     print(f"one tile visit (6 x 128): {(many_ms - one_ms) / 31 * 1e3:.2f} us")
 
 
+def crossover_mode(args: argparse.Namespace, shape: tuple[int, int, int, int]) -> None:
+    """One layer's decode attention on one thread and on both, at each depth.
+
+    Between calls the calling thread works alone for ``--gap-us`` (a layer's
+    products on a small model run on the calling thread), so the other OpenMP
+    worker has gone back to sleep as in a real step, and each parallel call pays
+    the wake-up the forward pays. The depth where "both" wins is the crossover
+    behind ``attention.PARALLEL_MIN_WORK``.
+    """
+    dtype = KVDtype(args.kv_dtype)
+    _, n_heads, n_kv, hd = shape
+    gap_s = args.gap_us * 1e-6
+
+    def spin() -> None:
+        t = time.perf_counter()
+        while time.perf_counter() - t < gap_s:
+            pass
+
+    print(f"# one layer's decode attention, shape {shape}, {dtype.value}, gap {args.gap_us} us")
+    print(f"# GOMP_SPINCOUNT={os.environ.get('GOMP_SPINCOUNT', '(unset)')}; load {load_average()}")
+    print(
+        "| depth | work (vectors x head_dim x tiles) | planned | round | one thread us "
+        "| both us | load |"
+    )
+    print("| ---: | ---: | --- | ---: | ---: | ---: | --- |")
+    for depth in args.depths:
+        pools = Pools((1, n_heads, n_kv, hd), depth, dtype)
+        plan = attention.plan_attention(pools.positions, pools.chunk, 0, n_kv, n_heads, hd)
+        plans = {
+            False: dataclasses.replace(plan, parallel=False),
+            True: dataclasses.replace(plan, parallel=True),
+        }
+
+        def call(parallel: bool, p: Pools = pools, plans: dict[bool, Any] = plans) -> float:
+            spin()
+            t = time.perf_counter()
+            attention.paged_attention(
+                p.q,
+                p.kv.k[0],
+                p.kv.v[0],
+                p.positions,
+                p.chunk,
+                p.table,
+                0,
+                np.float32(0.088),
+                p.out,
+                p.kv.k_scale[0],
+                p.kv.v_scale[0],
+                plans[parallel],
+            )
+            return time.perf_counter() - t
+
+        for rnd in range(args.rounds):
+            got = {}
+            for parallel in (False, True) if rnd % 2 == 0 else (True, False):
+                got[parallel], _ = median_ms(lambda q=parallel: call(q), args.reps)
+            print(
+                f"| {depth} | {getattr(plan, 'work', '?')} | "
+                f"{'both' if plan.parallel else 'one'} | {rnd + 1} | {got[False] * 1e3:.1f} "
+                f"| {got[True] * 1e3:.1f} | {load_average()} |",
+                flush=True,
+            )
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--shape", choices=sorted(SHAPES), default="qwen1.5b")
@@ -293,6 +358,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--baseline", help="git revision of attention.py to A/B against")
     p.add_argument("--step", action="store_true", help="the whole decode step (needs --model)")
     p.add_argument("--wake", action="store_true", help="parallel region vs one tile")
+    p.add_argument(
+        "--crossover", action="store_true", help="one layer on one thread vs both, per depth"
+    )
+    p.add_argument("--gap-us", type=float, default=300.0, help="--crossover: work between calls")
     p.add_argument(
         "--cpu", action="store_true", help="kernel mode in process CPU time, not wall time"
     )
@@ -316,6 +385,9 @@ def main(argv: list[str] | None = None) -> int:
 
         c = GGUFFile(Path(args.model)).config()
         shape = (c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads, c.head_dim)
+    if args.crossover:
+        crossover_mode(args, shape)
+        return 0
     kernel_mode(args, shape)
     return 0
 

@@ -476,3 +476,66 @@ def test_qkv_rope_store_is_the_split_bias_rope_and_store_by_stages(
     np.testing.assert_array_equal(k, want_k)
     np.testing.assert_array_equal(v, want_v)
     assert got.k.tobytes() == want.k.tobytes() and got.v.tobytes() == want.v.tobytes()
+
+
+def _decode_row(position: int, n_kv: int, group: int, head_dim: int) -> attention.AttentionPlan:
+    one = np.array([position], np.int64)
+    return attention.plan_attention(one, np.zeros(1, np.int64), 0, n_kv, n_kv * group, head_dim)
+
+
+def test_a_plan_opens_a_parallel_region_by_its_work_not_its_tile_count() -> None:
+    # SmolLM2 (3 KV heads x 3 query heads x 64) at position 128: 15 tile visits
+    # of cheap work (2880 units), a few us, less than waking the other worker
+    small = _decode_row(128, 3, 3, 64)
+    assert small.work == 3 * 5 * 3 * 64
+    assert not small.parallel
+    # Qwen2.5-1.5B (2 KV heads x 6 x 128) at 4096: ~0.8 ms of one thread's work
+    deep = _decode_row(4096, 2, 6, 128)
+    assert deep.work == 2 * 129 * 6 * 128
+    assert deep.parallel
+    # the line itself: the first depth whose work reaches PARALLEL_MIN_WORK
+    per_tile = 3 * 3 * 64
+    tiles = -(-attention.PARALLEL_MIN_WORK // per_tile)
+    assert not _decode_row((tiles - 1) * 32 - 1, 3, 3, 64).parallel
+    assert _decode_row(tiles * 32 - 1, 3, 3, 64).parallel
+
+
+@settings(max_examples=10, deadline=None)
+@given(
+    lanes=st.integers(1, 5),
+    depth=st.integers(0, 700),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_the_parallel_driver_runs_each_item_once_however_many_lanes_claim(
+    lanes: int, depth: int, seed: int
+) -> None:
+    # _attend hands its items out by an atomic counter: every item must be run
+    # by exactly one lane, into its own partials, whatever the lanes and threads
+    saved = attention.SEGMENT_POSITIONS
+    attention.SEGMENT_POSITIONS = 64  # many segments: many items to claim
+    try:
+        rng = rng_for(seed)
+        n_kv, group, hd, bs = 2, 3, 32, 32
+        n_blocks = depth // bs + 1
+        k_cache, v_cache, k_scale, v_scale = stored_cache(rng, KVDtype.F16, n_blocks, n_kv, bs, hd)
+        tables = np.arange(n_blocks, dtype=np.int64).reshape(1, n_blocks)
+        positions = np.array([depth], np.int64)
+        chunk = np.zeros(1, np.int64)
+        q = f32(rng, 1, n_kv * group, hd)
+        plan = attention.plan_attention(positions, chunk, 0, n_kv, n_kv * group, hd)
+        got = {}
+        for driver, n_lanes in ((attention._attend_serial, 1), (attention._attend, lanes)):
+            parts = np.full_like(plan.parts, np.nan)  # an item never run stays NaN
+            counter = np.zeros(1, np.int64)
+            driver(
+                q, k_cache, v_cache, k_scale, v_scale, positions, chunk, tables, 0,
+                np.float32(0.3), plan.items, plan.first_seg, plan.base, plan.seg_len,
+                parts, counter, n_lanes,
+            )  # fmt: skip
+            got[driver] = parts
+        n_items = len(plan.items)
+        assert not np.isnan(got[attention._attend]).any()
+        np.testing.assert_array_equal(got[attention._attend], got[attention._attend_serial])
+        assert counter[0] == n_items + lanes  # each lane's last claim found nothing
+    finally:
+        attention.SEGMENT_POSITIONS = saved

@@ -74,7 +74,7 @@ from numba.extending import intrinsic, overload
 from triollm.model.kvstore import Q8_BLOCK
 from triollm.model.matmul import PANEL as TILE
 from triollm.model.matmul import _make_tile, _tile1, _tile8
-from triollm.model.threads import start_parallel_runtime
+from triollm.model.threads import start_parallel_runtime, thread_count
 
 start_parallel_runtime()  # passive OpenMP workers, before the first prange (threads.py)
 
@@ -86,13 +86,17 @@ Q_BLOCK = 16
 # n_kv items for 2 cores, and keeps a 2048-row prefill's partials (rows x heads
 # x segments x (head_dim + 2) floats) at tens of MB.
 SEGMENT_POSITIONS = 1024  # a multiple of TILE (32)
-# Below this many tile visits (a tile loaded and multiplied for one row; a
-# query block of r rows counts r per tile) the items run on the calling thread.
-# Two cores halve at best the visits' time, and opening a parallel region costs
-# about five visits: `python bench/bench_attention.py --wake` measured an empty
-# region at 9.1 us and a visit (6 query heads x 128) at 1.8 us (busy machine,
-# load 18); so the split pays from 2 x 9.1 / 1.8 ~ 10 visits on.
-PARALLEL_MIN_TILES = 10
+# Below this much work the items run on the calling thread. The unit is one
+# query vector times head_dim over one tile of 32 positions (a tile visit of
+# Qwen2.5-1.5B's 6 x 128 is 768 units, of SmolLM2's 3 x 64 is 192): a tile visit's
+# two products cost in proportion to it, and counting visits alone had SmolLM2's
+# cheap visits open a region per layer from position ~128 on, ~100 us each for a
+# few us of work. The parallel driver's cost is the wake-up of the other (passive)
+# worker, W, which it now overlaps with work (_attend: the items are claimed, so
+# this thread starts at once); it loses only while the serial time S < W.
+# `python bench/bench_attention.py --crossover` measures both; 12 288 units is
+# S ~ 40-60 us, about W on this machine.
+PARALLEL_MIN_WORK = 12288
 
 # The products' register tiles for every row count up to 8, without the
 # next-panel prefetch (here the "next panel" of a K block read in place is the
@@ -146,6 +150,29 @@ def _f32_from_half(typingctx: Any, bits: Any) -> Any:
         return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
 
     return types.float32(bits), codegen
+
+
+@intrinsic
+def _claim(typingctx: Any, counter: Any) -> Any:
+    """``counter[0] += 1`` as one atomic step; returns the value before it.
+
+    counter: a C-contiguous int64 array. How the parallel driver hands out its
+    items: whichever thread asks next gets the next item, so a thread that
+    starts late (a worker still waking up) takes fewer. "monotonic" ordering is
+    enough: the items' inputs were written before the parallel region began and
+    their outputs are read after it ended, both of which order memory already.
+    """
+    if not (
+        isinstance(counter, types.Array) and counter.dtype == types.int64 and counter.layout == "C"
+    ):
+        return None
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        arr = context.make_array(signature.args[0])(context, builder, args[0])
+        one = ir.Constant(ir.IntType(64), 1)
+        return builder.atomic_rmw("add", arr.data, one, "monotonic")
+
+    return types.int64(counter), codegen
 
 
 @njit(inline="always")
@@ -757,28 +784,43 @@ def _attend(
     base: Any,
     seg_len: int,
     parts: Any,
+    next_item: Any,
+    lanes: int,
 ) -> None:  # pragma: no cover - numba
-    for i in prange(items.shape[0]):
-        r0 = items[i, 0]
-        _item(
-            q,
-            k_cache,
-            v_cache,
-            k_scale,
-            v_scale,
-            positions,
-            block_tables[row_chunk[r0]],
-            r0,
-            items[i, 1],
-            items[i, 2],
-            items[i, 3],
-            seg_len,
-            window,
-            scale,
-            parts,
-            first_seg,
-            base,
-        )
+    # One lane per thread (lanes: the team's size, passed in: numba's
+    # get_num_threads inside a kernel reads a ctypes pointer, which makes the
+    # kernel uncachable), each claiming the next unclaimed item until none is left
+    # (not prange over the items: numba splits those statically, half to each
+    # thread, and this thread then waits for the other to wake up and do its half;
+    # with claims it starts at once and does whatever the late one has not taken).
+    # Which thread ran an item never changes its bits: each item is computed whole
+    # by the one compiled _item, into its own partials.
+    next_item[0] = 0
+    for _lane in prange(lanes):
+        while True:
+            i = _claim(next_item)
+            if i >= items.shape[0]:
+                break
+            r0 = items[i, 0]
+            _item(
+                q,
+                k_cache,
+                v_cache,
+                k_scale,
+                v_scale,
+                positions,
+                block_tables[row_chunk[r0]],
+                r0,
+                items[i, 1],
+                items[i, 2],
+                items[i, 3],
+                seg_len,
+                window,
+                scale,
+                parts,
+                first_seg,
+                base,
+            )
 
 
 @njit(cache=True, nogil=True)
@@ -798,6 +840,8 @@ def _attend_serial(
     base: Any,
     seg_len: int,
     parts: Any,
+    next_item: Any,
+    lanes: int,
 ) -> None:  # pragma: no cover - numba
     # _attend's loop on the calling thread: no parallel region to open (and no
     # worker to wake) for a few tiles' work.
@@ -870,7 +914,9 @@ class AttentionPlan:
     seg_len: int  # positions per segment (SEGMENT_POSITIONS when planned)
     window: int  # 0, or the sliding window the plan masks to
     parts: np.ndarray  # (n_partials, n_heads, head_dim + 2) float32 scratch, reused
-    parallel: bool  # False: fewer than PARALLEL_MIN_TILES tile visits, one thread
+    parallel: bool  # False: less than PARALLEL_MIN_WORK, one thread
+    work: int  # query vectors x head_dim x tiles visited (PARALLEL_MIN_WORK's unit)
+    next_item: np.ndarray  # (1,) int64: the parallel driver's next unclaimed item
 
 
 def plan_attention(
@@ -885,8 +931,11 @@ def plan_attention(
     seg_len = SEGMENT_POSITIONS  # a multiple of TILE: a tile never straddles two segments
     items, first_seg, base, visits = _plan(positions, row_chunk, int(window), seg_len, n_kv_heads)
     parts = np.empty((int(base[-1]), n_heads, head_dim + 2), np.float32)
-    parallel = len(items) > 1 and visits >= PARALLEL_MIN_TILES
-    return AttentionPlan(items, first_seg, base, seg_len, int(window), parts, parallel)
+    work = visits * (n_heads // n_kv_heads) * head_dim
+    parallel = len(items) > 1 and work >= PARALLEL_MIN_WORK
+    return AttentionPlan(
+        items, first_seg, base, seg_len, int(window), parts, parallel, work, np.zeros(1, np.int64)
+    )
 
 
 _NO_SCALES = np.zeros((1, 1, 1, 1), np.int16)  # the scale argument of an unscaled cache
@@ -952,6 +1001,8 @@ def paged_attention(
         plan.base,
         plan.seg_len,
         plan.parts,
+        plan.next_item,
+        thread_count() if plan.parallel else 1,
     )
     _merge(plan.parts, plan.base, out)
 
