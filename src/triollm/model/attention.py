@@ -798,7 +798,7 @@ def _attend(
     next_item[0] = 0
     for _lane in prange(lanes):
         while True:
-            i = _claim(next_item)
+            i = _claim(next_item)  # type: ignore[call-arg,var-annotated]  # numba typing
             if i >= items.shape[0]:
                 break
             r0 = items[i, 0]
