@@ -21,7 +21,8 @@
   machine distorts less than wall time (with ``NUMBA_NUM_THREADS=1``: one
   thread's work, the kernel's cost without the split across cores).
 - ``--wake``: what a parallel region costs here against a tile's work, the two
-  numbers behind ``attention.PARALLEL_MIN_TILES``.
+  numbers behind ``attention.PARALLEL_MIN_WORK`` (``--crossover`` times a
+  whole layer both ways).
 
 Every figure is a median over ``--reps``; the load average is printed with it.
 The machine is shared: only same-run ratios (A/B) mean anything on a busy one.

@@ -5,7 +5,7 @@
 
 Each kernel that has a ``prange`` also has a serial driver calling the same
 compiled row or item function: attention's ``_attend`` / ``_attend_serial``
-(chosen per step by ``plan.parallel``, from ``PARALLEL_MIN_TILES``), SwiGLU's
+(chosen per step by ``plan.parallel``, from ``PARALLEL_MIN_WORK``), SwiGLU's
 ``_silu_rows`` / ``_silu_rows_serial`` and the int8 activations'
 ``_quantize_rows`` / ``_quantize_rows_serial`` (one row: the serial one). So
 the two columns differ only in the parallel region. The cases, on one layer of

@@ -36,8 +36,8 @@ half of a SmolLM2 prefill (docs/performance.md). This one works on tiles:
 
 One step's items are planned once (:func:`plan_attention`) and the plan serves
 every layer with the same window; a plan with little work runs its items on
-the calling thread (:data:`PARALLEL_MIN_TILES`), since waking the other
-(passive) OpenMP worker costs more than a few tiles.
+the calling thread (:data:`PARALLEL_MIN_WORK`, in query vectors x head_dim x
+tiles), since waking a sleeping OpenMP worker costs more than a few tiles.
 
 Batch invariance, the rule that a row's bits do not depend on what else is in
 the step: a row's arithmetic is a function of its own position only. Tiles are
