@@ -27,6 +27,10 @@ K-quants eight and sixteen) over
 records that stay in L1/L2: the tile's compute ceiling, no memory traffic.
 ``--memory`` runs the same one-row tile over records far larger than L3,
 beside one thread's streaming read: what the record stream costs.
+``--prefetch`` runs the many-row tiles over records from memory with and
+without the prefetch of the next group's records, alternating in one process.
+``--shape smollm2`` times SmolLM2-135M's products (and its head) instead of
+the 1.5B's; ``--threads 1`` gives CPU times that are the work alone.
 ``--pack`` times the load's repacking of one gate/up matrix per type;
 ``--stacks`` a fused product in one stacked call against the way before it.
 """
@@ -46,6 +50,13 @@ from triollm.model import matmul
 from triollm.model.quant import QuantizedTensor, QuantType
 
 LAYER = ((2048, 1536), (1536, 1536), (17920, 1536), (1536, 8960))
+# SmolLM2-135M (hidden 576, intermediate 1536, 3 KV heads of 64): q/k/v 960 x 576,
+# o 576 x 576, gate/up 3072 x 576, down 576 x 1536; its tied head 49152 x 576,
+# once per model, comes after the layers (--shape smollm2)
+SHAPES = {
+    "qwen1.5b": (LAYER, ()),
+    "smollm2": (((960, 576), (576, 576), (3072, 576), (576, 1536)), ((49152, 576),)),
+}
 
 
 def random_weight(
@@ -54,8 +65,9 @@ def random_weight(
     rows, cols = shape
     nb = cols // kind.block_values
     b = rng.integers(0, 256, (rows, nb, kind.block_bytes), dtype=np.uint8)
-    at = {QuantType.Q6_K: (208,), QuantType.Q4_K: (0, 2), QuantType.Q5_K: (0, 2)}.get(kind, (0,))
-    for k in at:  # sane float16 scales (random bytes could be NaN)
+    at = {QuantType.Q6_K: (208,), QuantType.Q4_K: (0, 2), QuantType.Q5_K: (0, 2),
+          QuantType.Q4_1: (0, 2), QuantType.Q5_1: (0, 2)}.get(kind, (0,))  # fmt: skip
+    for k in at:  # sane float16 scales and mins (random bytes could be NaN or Inf)
         v = rng.uniform(0.001, 0.01, (rows, nb)).astype(np.float16)
         b[..., k : k + 2] = v.view(np.uint8).reshape(rows, nb, 2)
     return QuantizedTensor(kind, shape, b.reshape(rows, -1))
@@ -63,6 +75,12 @@ def random_weight(
 
 def products(args: argparse.Namespace) -> None:
     rng = np.random.default_rng(0)
+    if args.threads:
+        # one thread: its CPU time is the work alone; with two on a shared machine a
+        # spinning worker waiting for a descheduled peer adds CPU time too
+        import numba
+
+        numba.set_num_threads(args.threads)
     print(f"# load average at start: {os.getloadavg()}")
     print(
         "| type | rows | variant | per-round ms | median ms | weight GB/s | GMAC/s "
@@ -71,12 +89,17 @@ def products(args: argparse.Namespace) -> None:
     print("| --- | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: |")
     for name in args.types.split(","):
         kind = QuantType[name]
-        ws = [random_weight(kind, s, rng) for _ in range(args.layers) for s in LAYER]
-        variants = {"int8": ws, "exact": [w.with_exact_activations() for w in ws]}
+        layer, once = SHAPES[args.shape]
+        shapes = [*(s for _ in range(args.layers) for s in layer), *once]
+        ws = [random_weight(kind, s, rng) for s in shapes]
+        variants = {"int8": ws}
+        if not args.int8_only:
+            variants["exact"] = [w.with_exact_activations() for w in ws]
         nbytes = sum(w.nbytes for w in ws)
         macs = sum(w.shape[0] * w.shape[1] for w in ws)
         for n in (int(r) for r in args.rows.split(",")):
-            xs = {k: rng.standard_normal((n, k), dtype=np.float32) for k in (1536, 8960)}
+            widths = {s[1] for s in shapes}
+            xs = {k: rng.standard_normal((n, k), dtype=np.float32) for k in widths}
             outs = [np.empty((n, w.shape[0]), np.float32) for w in ws]
 
             def sweep(weights: list[QuantizedTensor], xs=xs, outs=outs) -> tuple[float, float]:
@@ -226,8 +249,11 @@ def tile_rate(types: str) -> None:
         packed = w.packed()
         lay = qi.LAYOUTS[int(kind)]
         tiles = [(1, one_row), (4, four_rows)]
-        if int(kind) in qi._MANY_TYPES:  # the only types with tiles of 8 and 16 rows
-            tiles += [(8, eight_rows), (16, sixteen_rows)]
+        # the types with tiles of eight rows (trees before _EIGHT_TYPES: the K-quants)
+        if int(kind) in getattr(qi, "_EIGHT_TYPES", qi._MANY_TYPES):
+            tiles.append((8, eight_rows))
+        if int(kind) in qi._MANY_TYPES:  # the only types with tiles of sixteen rows
+            tiles.append((16, sixteen_rows))
         for n, fn in tiles:
             x = qi.quantize_rows(rng.standard_normal((n, 1536), dtype=np.float32), lay.values)
             out = np.empty((n, 32), np.float32)
@@ -245,6 +271,96 @@ def tile_rate(types: str) -> None:
                 f"| {busd / best / 1e9:.2f} | {' '.join(f'{r * 1e3:.0f}' for r in rounds)} |",
                 flush=True,
             )
+    print(f"# load average: {os.getloadavg()}")
+
+
+def prefetch_ab(types: str, rows: str, rounds: int) -> None:
+    """One core, the many-row tiles streaming records from memory, with and without
+    the prefetch of the next group's records (``quant_int8._PREFETCH_X``).
+
+    Both variants are compiled in this one process (the tile's IR reads
+    ``_PREFETCH_X`` when a caller is compiled; these callers are not cached) and
+    alternate round by round over the same weights (~60 MB of records per shape,
+    far larger than L3), in the thread's CPU time: an A/B that a shared machine
+    disturbs less than two processes would. A driver like the model's: per group,
+    every tile of the rows, tallest first. Same bits either way (a hint only).
+    """
+    import numba
+    from numba import njit
+
+    from triollm.model import quant_int8 as qi
+
+    def make():  # type: ignore[no-untyped-def]
+        @njit(nogil=True)
+        def tiles(kind, q, d, s, packed, out):  # type: ignore[no-untyped-def]
+            n = q.shape[0]
+            for g in range(packed.shape[0]):
+                r0 = 0
+                while kind >= 12 and r0 + 16 <= n:  # the K-quants' tile of sixteen
+                    qi._int8_tile(kind, 16, 0, q, d, s, packed, out, g, r0, n - 1, 0, out.shape[1])
+                    r0 += 16
+                while r0 + 8 <= n:
+                    qi._int8_tile(kind, 8, 0, q, d, s, packed, out, g, r0, n - 1, 0, out.shape[1])
+                    r0 += 8
+                while r0 + 4 <= n:
+                    qi._int8_tile(kind, 4, 0, q, d, s, packed, out, g, r0, n - 1, 0, out.shape[1])
+                    r0 += 4
+                while r0 < n:
+                    qi._int8_tile(kind, 1, 0, q, d, s, packed, out, g, r0, n - 1, 0, out.shape[1])
+                    r0 += 1
+
+        return tiles
+
+    numba.set_num_threads(1)
+    rng = np.random.default_rng(0)
+    on = qi._PREFETCH_X
+    print(
+        "| type | x rows | matrix | MB | G vpdpbusd/s without, per round | with "
+        "| median with / without |"
+    )
+    print("| --- | ---: | --- | ---: | --- | --- | ---: |")
+    for name in types.split(","):
+        kind = QuantType[name]
+        k_quant = kind.block_values == 256
+        shapes = (
+            [(3072, 1536), (8960, 1536)] if k_quant else [(3072, 576), (48000, 576), (1152, 1536)]
+        )
+        for n in (int(r) for r in rows.split(",")):
+            variants = {}
+            for label, px in (("without", 1 << 30), ("with", on)):
+                qi._PREFETCH_X = px  # read when the tile's IR is made, at the first call
+                try:
+                    fn = make()
+                    w0 = random_weight(kind, (16, shapes[0][1]), rng)
+                    x0 = qi.quantize_rows(np.ones((n, shapes[0][1]), np.float32), kind.block_values)
+                    fn(int(kind), x0.q, x0.d, x0.sums, w0.packed(), np.empty((n, 16), np.float32))
+                finally:
+                    qi._PREFETCH_X = on
+                variants[label] = fn
+            for m, k in shapes:
+                ws = [
+                    random_weight(kind, (m, k), rng).packed()
+                    for _ in range(max(1, int(60e6 // (m * k))))
+                ]
+                x = qi.quantize_rows(
+                    rng.standard_normal((n, k), dtype=np.float32), kind.block_values
+                )
+                out = np.empty((n, m), np.float32)
+                busd = len(ws) * m * k * n / 64
+                got: dict[str, list[float]] = {v: [] for v in variants}
+                for _ in range(rounds):
+                    for label, fn in variants.items():
+                        t = time.thread_time()
+                        for p in ws:
+                            fn(int(kind), x.q, x.d, x.sums, p, out)
+                        got[label].append(busd / (time.thread_time() - t) / 1e9)
+                ratio = statistics.median(got["with"]) / statistics.median(got["without"])
+                per = [" ".join(f"{r:.2f}" for r in got[v]) for v in variants]
+                mb = sum(p.nbytes for p in ws) / 1e6
+                print(
+                    f"| {name} | {n} | {m} x {k} | {mb:.0f} | {per[0]} | {per[1]} | {ratio:.2f} |",
+                    flush=True,
+                )
     print(f"# load average: {os.getloadavg()}")
 
 
@@ -444,9 +560,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rows", default="1,16,512", help="row counts")
     p.add_argument("--rounds", type=int, default=3, help="alternating rounds (>= 3)")
     p.add_argument("--layers", type=int, default=2, help="layers per sweep (distinct arrays)")
+    p.add_argument(
+        "--shape",
+        choices=sorted(SHAPES),
+        default="qwen1.5b",
+        help="the products' model shapes (smollm2: its head too)",
+    )
+    p.add_argument("--threads", type=int, default=0, help="numba threads (default: all)")
+    p.add_argument("--int8-only", action="store_true", help="no --exact-activations variant")
     p.add_argument("--ceiling", action="store_true", help="instruction throughput and bandwidth")
     p.add_argument("--tile", action="store_true", help="the int8 tile alone on data in L1/L2")
     p.add_argument("--memory", action="store_true", help="the int8 tile on records from memory")
+    p.add_argument("--prefetch", action="store_true", help="many-row tiles with/without prefetch")
     p.add_argument("--pack", action="store_true", help="CPU time of the load's repacking")
     p.add_argument("--stacks", action="store_true", help="fused products: one call vs before")
     p.add_argument("--model", help="a GGUF file: whole forward passes instead of products")
@@ -466,6 +591,8 @@ def main(argv: list[str] | None = None) -> int:
         tile_rate(args.types)
     elif args.memory:
         memory_rate(args.types, args.rounds)
+    elif args.prefetch:
+        prefetch_ab(args.types, args.rows, args.rounds)
     elif args.model:
         model_rounds(args)
     else:

@@ -171,7 +171,7 @@ def raw_blocks(
 @settings(max_examples=60, deadline=None)
 @given(
     kind=st.sampled_from(TYPES),
-    n=st.integers(1, 40),  # tiles of 16, 8, 4 and 1 x rows (the K-quants), 4 and 1 (others)
+    n=st.integers(1, 40),  # tiles of 16, 8, 4 and 1 x rows (the K-quants), 8, 4 and 1 (others)
     rows=st.integers(1, 37),
     nb=st.integers(1, 4),
     w_exp=st.integers(-14, 10),

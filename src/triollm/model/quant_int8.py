@@ -36,8 +36,10 @@ Theory of operation
    every weight row.
 3. **The tile** (:func:`_tile_function`, LLVM IR): one *group* of sixteen
    weight rows meets ``R`` rows of ``x``: 1 for a batch-1 decode; for many
-   rows 16 (two halves of eight per record), 8, 4, 1 for the K-quants and 4, 1
-   for the others, so that an unpacked vector feeds up to eight ``vpdpbusd``.
+   rows 16 (two halves of eight per record), 8, 4, 1 for the K-quants and 8,
+   4, 1 for the others, so that an unpacked vector feeds up to eight
+   ``vpdpbusd``; tiles of eight rows and more prefetch the next group's
+   records (memory and compute overlap, see ``_PREFETCH_X``).
    Per block, each 64-byte vector of the group's record holds four values
    of each of the sixteen rows; its nibbles are unpacked once, in
    registers, and each ``x`` row's four matching bytes, broadcast to every
@@ -92,7 +94,8 @@ start_parallel_runtime()  # passive OpenMP workers, before the first prange (thr
 _Q4_0, _Q4_1, _Q5_0, _Q5_1, _Q8_0 = 2, 3, 6, 7, 8
 _Q4_K, _Q5_K, _Q6_K = 12, 13, 14
 INT8_TYPES = (_Q4_0, _Q4_1, _Q5_0, _Q5_1, _Q8_0, _Q4_K, _Q5_K, _Q6_K)
-_MANY_TYPES = (_Q4_K, _Q5_K, _Q6_K)  # the types with tiles of more than four x rows
+_MANY_TYPES = (_Q4_K, _Q5_K, _Q6_K)  # the types with tiles of sixteen x rows
+_EIGHT_TYPES = INT8_TYPES  # the types with tiles of eight x rows: all
 SUM_VALUES = 16  # activation values per stored sum
 SUM_DTYPE = np.int16  # the sums' type: the tile reads two of them as one 32-bit word
 
@@ -455,6 +458,8 @@ def _tile_function(module: Any, K: int, R: int, vnni: bool) -> Any:
     for a in accs:
         b.store(ir.Constant(vf, None), a)
     zero = ir.Constant(vi, None)
+    neg_off = _const(_I16, 2 * _LANES, -lay.offset)  # int16 pairs for vpdpwssd
+    ones16 = _const(_I16, 2 * _LANES, 1)
 
     # Rows of x in halves of at most eight: a tile of sixteen rows takes each record
     # twice in a row, eight rows at a time, so that a half's accumulators fit the 32
@@ -466,6 +471,16 @@ def _tile_function(module: Any, K: int, R: int, vnni: bool) -> Any:
     with cgutils.for_range(b, b.udiv(k_in, c64(lay.values))) as loop:
         bi = loop.index
         recbase = _ptr(b, wg, b.mul(bi, c64(lay.size)), _I8)
+        if R >= _PREFETCH_X:
+            # the next group's record of this block, line by line: see _PREFETCH_X
+            # (a hint: no fault past the array's end, after a task's last group)
+            pf_ty = ir.FunctionType(ir.VoidType(), [i8p, _I32, _I32, _I32])
+            pf = cgutils.get_or_insert_function(module, pf_ty, "llvm.prefetch.p0")
+            ahead = _ptr(b, recbase, w_s, _I8)  # w_s: one group's records
+            read, data = ir.Constant(_I32, 0), ir.Constant(_I32, 1)
+            locality = ir.Constant(_I32, _PREFETCH_LOCALITY)
+            for line in range(0, lay.size, 64):
+                b.call(pf, [_ptr(b, ahead, c64(line), _I8), read, locality, data])
         for rows in halves:
             if rows[0]:  # an opaque copy of the record's address: see `halves`
                 asm_ty = ir.FunctionType(i8p, [i8p])
@@ -474,11 +489,6 @@ def _tile_function(module: Any, K: int, R: int, vnni: bool) -> Any:
             dx = {r: b.load(_ptr(b, xdr[r], b.mul(bi, c64(4)), _F32)) for r in rows}
             xoff = b.mul(bi, c64(lay.values))  # the block's first byte in a row of q
             soff = b.mul(bi, c64(lay.values // SUM_VALUES * 2))  # ... and of its int16 sums
-
-            def xsum16(
-                r: int, i: int, soff: Any = soff
-            ) -> Any:  # x row r's i-th sum of 16 in this block
-                return b.sext(b.load(_ptr(b, xsr[r], b.add(soff, c64(2 * i)), _I16), align=2), _I32)
 
             def xpair(
                 r: int, p: int, soff: Any = soff
@@ -507,18 +517,33 @@ def _tile_function(module: Any, K: int, R: int, vnni: bool) -> Any:
                 b.store(b.fadd(b.load(accs[r]), value), accs[r])
 
             if lay.subs == 1:  # the 32-value types: one integer sum per row and block
-                s = sub_sums(0)
+                # sum (u - off) q = sum u q - off * sum q: the chain starts at
+                # -off * (s_0 + s_1), one vpdpwssd of the constant pair (-off, -off)
+                # against the row's two int16 sums of 16 broadcast from memory (no
+                # scalar chain, no broadcast from a general register).
+                # |off * sum q| <= 128 * 32 * 127, |isum| <= 32 * 255 * 127 + that: exact
+                if lay.offset:
+                    s = {r: _wssd(b, vnni, zero, neg_off, xpair(r, 0)) for r in rows}
+                else:
+                    s = dict.fromkeys(rows, zero)
+                if len(rows) >= _FEW_X:
+                    # one vpdpbusd chain per row: the rows' chains are independent and
+                    # hide the latency; two per row held 16 accumulators at eight rows,
+                    # which with the float ones spilled the 32 zmm registers
+                    for c in range(lay.vectors):
+                        u = rec.u(c)
+                        for r in rows:
+                            s[r] = _busd(b, vnni, s[r], u, xb(r, c))
+                else:  # one row: two chains, half as long (a decode step waits on it)
+                    t = sub_sums(0)
+                    s = {r: b.add(s[r], t[r]) for r in rows}
                 dw = rec.halves(lay.d)
                 for r in rows:
-                    xsum = b.add(xsum16(r, 0), xsum16(r, 1))  # |xsum| <= 32 * 127
-                    isum = s[r]  # |isum| <= 32 * 255 * 127, exact
-                    if lay.offset:  # sum (u - off) q = sum u q - off * sum q
-                        isum = b.sub(isum, _splat(b, b.mul(xsum, ir.Constant(_I32, lay.offset))))
-                    scale = b.fmul(dw, _splat(b, dx[r]))
-                    add(r, b.fmul(b.sitofp(isum, vf), scale))
-                    if lay.m is not None:  # + m * (dx * sum q)
-                        mx = b.fmul(dx[r], b.sitofp(xsum, _F32))
-                        add(r, b.fmul(rec.halves(lay.m), _splat(b, mx)))
+                    dxs = _splat(b, dx[r])
+                    add(r, b.fmul(b.sitofp(s[r], vf), b.fmul(dw, dxs)))
+                    if lay.m is not None:  # + m * (dx * sum q), sum q by vpdpwssd as above
+                        xsum = b.sitofp(_wssd(b, vnni, zero, ones16, xpair(r, 0)), vf)
+                        add(r, b.fmul(rec.halves(lay.m), b.fmul(dxs, xsum)))
             else:
                 # the K-quants: sub-block scales applied in integers, floats once per 256
                 total = dict.fromkeys(rows, zero)
@@ -626,7 +651,7 @@ def _int8_tile(  # type: ignore[no-untyped-def]
         vnni = _can_vnni(context) and not P
         end = builder.append_basic_block("type.end")
         switch = builder.switch(args[0], end)
-        for K in INT8_TYPES if R <= _FEW_X else _MANY_TYPES:
+        for K in _EIGHT_TYPES if R <= _HALF_X else _MANY_TYPES:
             case = builder.append_basic_block(f"type.{K}")
             switch.add_case(ir.Constant(_I64, K), case)
             builder.position_at_end(case)
@@ -643,13 +668,25 @@ def _int8_tile(  # type: ignore[no-untyped-def]
 # is left of a chunk (one row alone for a batch-1 decode). Each unpacked weight
 # vector feeds up to eight vpdpbusd. Any R gives a row the same bits. Sixteen
 # rows at once spilled (the accumulators no longer fit the 32 zmm registers)
-# and ran slower than eight; the 32-value types' tile at eight ran slower than
-# at four (Q8_0 1.99 against 2.75 G vpdpbusd/s on cached records,
-# bench_quant.py --tile: the block is short and the 24 row pointers spill
-# general registers), so they stop at four. Hazard: the tiles of eight and
-# sixteen rows are compiled for the K-quants only (_MANY_TYPES); another type
-# there would compute nothing, so the drivers ask `k >= _Q4_K` first.
+# and ran slower than eight. The 32-value types stop at eight: their block is
+# short, and a sixteen-row tile keeps sixteen float accumulators live across
+# it (59 stack moves per Q8_0 block); eight rows with one vpdpbusd chain per
+# row fit (one spill). Hazard: the tile of sixteen rows is compiled for the
+# K-quants only (_MANY_TYPES); another type there would compute nothing, so
+# the drivers ask `k >= _Q4_K` first.
 _MANY_X = 16
+# Tiles of at least this many x rows prefetch the next group's record of each
+# block, every line, into L2 (locality 1: prefetcht2; into L1, locality 3, the
+# next group evicted this one's records and gained nothing at eight rows). A
+# group's records come from memory in the first tile over it; the tiles after
+# that hit L1/L2, so the hardware prefetcher, which follows misses, idles, and
+# the next group's first tile waits on memory: memory and compute took turns.
+# bench_quant.py --prefetch: Q8_0 at 8 rows 0.9 -> 1.6 G vpdpbusd/s, at 16
+# 1.0 -> 1.35, Q4_1 at 16 1.25 -> 1.6, Q4_K 1.5 -> 1.8 (busy machine). At four
+# rows and one, one tile per group meets the records first and the hardware
+# prefetcher streams them: prefetching there gave no clear gain.
+_PREFETCH_X = 8
+_PREFETCH_LOCALITY = 1
 _HALF_X = 8
 _FEW_X = 4
 # x rows per pass over a thread's groups: a prefill's x (512 rows of 8960
@@ -695,7 +732,7 @@ def _int8_matmul(q, d, s, p0, p1, p2, kinds, first, cols, out, per_task):  # typ
                     while k >= _Q4_K and r0 + _MANY_X <= end:
                         _int8_tile(k, _MANY_X, 0, q, d, s, w, out, g, r0, n - 1, at, m)
                         r0 += _MANY_X
-                    while k >= _Q4_K and r0 + _HALF_X <= end:
+                    while r0 + _HALF_X <= end:
                         _int8_tile(k, _HALF_X, 0, q, d, s, w, out, g, r0, n - 1, at, m)
                         r0 += _HALF_X
                     while r0 + _FEW_X <= end:
@@ -726,7 +763,7 @@ def _portable_matmul(q, d, s, p0, p1, p2, kinds, first, cols, out, per_task):  #
                     g = gg - first[p]
                     end = min(c0 + _X_CHUNK, n)
                     r0 = c0
-                    while k >= _Q4_K and r0 + _HALF_X <= end:
+                    while r0 + _HALF_X <= end:
                         _int8_tile(k, _HALF_X, 1, q, d, s, w, out, g, r0, n - 1, at, m)
                         r0 += _HALF_X
                     while r0 + _FEW_X <= end:
