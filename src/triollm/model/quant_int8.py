@@ -490,6 +490,11 @@ def _tile_function(module: Any, K: int, R: int, vnni: bool) -> Any:
             xoff = b.mul(bi, c64(lay.values))  # the block's first byte in a row of q
             soff = b.mul(bi, c64(lay.values // SUM_VALUES * 2))  # ... and of its int16 sums
 
+            def xsum16(
+                r: int, i: int, soff: Any = soff
+            ) -> Any:  # x row r's i-th sum of 16 in this block
+                return b.sext(b.load(_ptr(b, xsr[r], b.add(soff, c64(2 * i)), _I16), align=2), _I32)
+
             def xpair(
                 r: int, p: int, soff: Any = soff
             ) -> Any:  # sums 2p and 2p + 1 (int16) in every lane
@@ -516,7 +521,25 @@ def _tile_function(module: Any, K: int, R: int, vnni: bool) -> Any:
             def add(r: int, value: Any) -> None:
                 b.store(b.fadd(b.load(accs[r]), value), accs[r])
 
-            if lay.subs == 1:  # the 32-value types: one integer sum per row and block
+            if lay.subs == 1 and len(rows) < _FEW_X:  # the 32-value types, one x row
+                # Two vpdpbusd chains, half as long (a decode step waits on them); the
+                # offset by a scalar chain on the x row's sums. The vpdpwssd start of
+                # the many-row tiles (below) made SmolLM2's batch-1 step ~25 % longer
+                # in CPU (busy A/B, bench_gguf --workload decode): one more op on the
+                # multiply pipes per block. The same integers, so the same bits.
+                s = sub_sums(0)
+                dw = rec.halves(lay.d)
+                for r in rows:
+                    xsum = b.add(xsum16(r, 0), xsum16(r, 1))  # |xsum| <= 32 * 127
+                    isum = s[r]  # |isum| <= 32 * 255 * 127, exact
+                    if lay.offset:  # sum (u - off) q = sum u q - off * sum q
+                        isum = b.sub(isum, _splat(b, b.mul(xsum, ir.Constant(_I32, lay.offset))))
+                    scale = b.fmul(dw, _splat(b, dx[r]))
+                    add(r, b.fmul(b.sitofp(isum, vf), scale))
+                    if lay.m is not None:  # + m * (dx * sum q)
+                        mx = b.fmul(dx[r], b.sitofp(xsum, _F32))
+                        add(r, b.fmul(rec.halves(lay.m), _splat(b, mx)))
+            elif lay.subs == 1:  # the 32-value types, four or eight x rows
                 # sum (u - off) q = sum u q - off * sum q: the chain starts at
                 # -off * (s_0 + s_1), one vpdpwssd of the constant pair (-off, -off)
                 # against the row's two int16 sums of 16 broadcast from memory (no
@@ -526,17 +549,13 @@ def _tile_function(module: Any, K: int, R: int, vnni: bool) -> Any:
                     s = {r: _wssd(b, vnni, zero, neg_off, xpair(r, 0)) for r in rows}
                 else:
                     s = dict.fromkeys(rows, zero)
-                if len(rows) >= _FEW_X:
-                    # one vpdpbusd chain per row: the rows' chains are independent and
-                    # hide the latency; two per row held 16 accumulators at eight rows,
-                    # which with the float ones spilled the 32 zmm registers
-                    for c in range(lay.vectors):
-                        u = rec.u(c)
-                        for r in rows:
-                            s[r] = _busd(b, vnni, s[r], u, xb(r, c))
-                else:  # one row: two chains, half as long (a decode step waits on it)
-                    t = sub_sums(0)
-                    s = {r: b.add(s[r], t[r]) for r in rows}
+                # one vpdpbusd chain per row: the rows' chains are independent and hide
+                # the latency; two per row held 16 accumulators at eight rows, which
+                # with the float ones spilled the 32 zmm registers
+                for c in range(lay.vectors):
+                    u = rec.u(c)
+                    for r in rows:
+                        s[r] = _busd(b, vnni, s[r], u, xb(r, c))
                 dw = rec.halves(lay.d)
                 for r in rows:
                     dxs = _splat(b, dx[r])
