@@ -21,7 +21,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from triollm.model import matmul, quant_int8, quant_pack
+from triollm.model import matmul, quant, quant_int8, quant_pack
 from triollm.model.quant import QuantizedStack, QuantizedTensor, QuantType, stack_rows
 
 TYPES = list(QuantType)
@@ -259,6 +259,22 @@ def test_activations_quantize_as_the_numpy_scheme_row_by_row(
     np.testing.assert_array_equal(alone.q[0], got.q[-1])
     np.testing.assert_array_equal(alone.d[0], got.d[-1])
     np.testing.assert_array_equal(alone.sums[0], got.sums[-1])
+
+
+def test_every_int8_row_buffer_has_the_layout_the_tile_reads() -> None:
+    # quantize_rows and the one-row product's per-thread buffers (quant._row_buffers)
+    # must hand the tile the same dtypes and shapes: int32 sums once gave wrong products
+    x = np.ones((3, 512), F32)
+    for block in (32, 256):
+        made = quant_int8.row_buffers(3, 512, block)
+        acts = quant_int8.quantize_rows(x, block)
+        one = quant._row_buffers(512, block)
+        for a, b, c in zip(made, (acts.q, acts.d, acts.sums), one, strict=True):
+            assert (a.dtype, a.shape) == (b.dtype, b.shape)
+            assert (c.dtype, c.shape[1:]) == (a.dtype, a.shape[1:]) and c.shape[0] == 1
+    assert made[2].dtype == quant_int8.SUM_DTYPE
+    with pytest.raises(ValueError, match="whole blocks of 32"):
+        quant_int8.row_buffers(1, 48, 32)
 
 
 def test_an_activation_width_that_is_not_whole_blocks_is_refused() -> None:

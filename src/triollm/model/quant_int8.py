@@ -260,14 +260,28 @@ def _quantize_rows_serial(
         _quantize_row(x, np.int64(r), block, q, d, sums)  # type: ignore[arg-type]  # numba: int64
 
 
+def row_buffers(n: int, k: int, block: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Empty ``(q, d, sums)`` for ``n`` rows of ``k`` values quantized per ``block``.
+
+    The arrays :func:`quantize_rows` fills and the tiles read: int8 ``(n, k)``,
+    float32 ``(n, k / block)``, :data:`SUM_DTYPE` ``(n, k / 16)``. Every maker of
+    row buffers should call this one (``quant._row_buffers`` keeps its own
+    today). Hazard: buffers made by hand drift from the layout; int32 sums once
+    compiled and gave wrong one-row products.
+    """
+    if k % block:
+        raise ValueError(f"rows of {k} values are not whole blocks of {block}")
+    return (
+        np.empty((n, k), np.int8),
+        np.empty((n, k // block), np.float32),
+        np.empty((n, k // SUM_VALUES), SUM_DTYPE),
+    )
+
+
 def quantize_rows(x: np.ndarray, block: int) -> Int8Rows:
     """``x`` float32 ``(n, k)`` quantized per block of ``block`` (32 or 256) values."""
     n, k = x.shape
-    if k % block:
-        raise ValueError(f"rows of {k} values are not whole blocks of {block}")
-    q = np.empty((n, k), np.int8)
-    d = np.empty((n, k // block), np.float32)
-    sums = np.empty((n, k // SUM_VALUES), SUM_DTYPE)
+    q, d, sums = row_buffers(n, k, block)
     if n:
         driver = _quantize_rows if n > 1 else _quantize_rows_serial
         driver(np.ascontiguousarray(x, np.float32), block, q, d, sums)
