@@ -964,11 +964,7 @@ def _row_buffers(k: int, block: int) -> tuple[np.ndarray, np.ndarray, np.ndarray
         cache = _rows.cache = {}
     key = (k, block)
     if key not in cache:
-        cache[key] = (
-            np.empty((1, k), np.int8),
-            np.empty((1, k // block), np.float32),
-            np.empty((1, k // quant_int8.SUM_VALUES), quant_int8.SUM_DTYPE),
-        )
+        cache[key] = quant_int8.row_buffers(1, k, block)
     return cache[key]  # type: ignore[no-any-return]
 
 

@@ -265,9 +265,9 @@ def row_buffers(n: int, k: int, block: int) -> tuple[np.ndarray, np.ndarray, np.
 
     The arrays :func:`quantize_rows` fills and the tiles read: int8 ``(n, k)``,
     float32 ``(n, k / block)``, :data:`SUM_DTYPE` ``(n, k / 16)``. Every maker of
-    row buffers should call this one (``quant._row_buffers`` keeps its own
-    today). Hazard: buffers made by hand drift from the layout; int32 sums once
-    compiled and gave wrong one-row products.
+    row buffers calls this one (:func:`quantize_rows`, ``quant._row_buffers``).
+    Hazard: buffers made by hand drift from the layout; int32 sums once compiled
+    and gave wrong one-row products.
     """
     if k % block:
         raise ValueError(f"rows of {k} values are not whole blocks of {block}")
