@@ -13,7 +13,9 @@
 - ``--baseline REV``: the same, alternating (each round runs both, the order
   flipped every round) with ``src/triollm/model/attention.py`` as of git
   revision REV, loaded from a temporary file. Revisions before the plan
-  (``plan_attention``) stored K position-major; their pools are laid out so.
+  (``plan_attention``) stored K position-major, and revisions before V's panels
+  (``_values_in_place``) stored V position-major; their pools are laid out so
+  (a copy of the same values).
 - ``--step`` with ``--model``: the whole batch-1 decode step of the real model at
   depth D over random K/V (normal values, stored in the cache's type). The
   difference to depth 0 is what depth costs the step.
@@ -103,16 +105,22 @@ class Pools:
         rng = np.random.default_rng(0)
         self.kv = PagedKVCache(config_like, n_blocks, BLOCK, dtype)
         # K transposed within a block since the plan; position-major before (an
-        # older tree on PYTHONPATH, for --step A/B runs)
+        # older tree on PYTHONPATH, for --step A/B runs). V in panels of 32 columns
+        # (a 6-D pool) since V is read in place, position-major before.
         k_axes = (0, 2, 3, 1) if hasattr(self.kv, "position") else (0, 2, 1, 3)
+        v_panels = self.kv.v.ndim == 6
         for layer in range(layers):
             for pool, scales, axes in (
                 (self.kv.k, self.kv.k_scale, k_axes),
-                (self.kv.v, self.kv.v_scale, (0, 2, 1, 3)),
+                (self.kv.v, self.kv.v_scale, k_axes if v_panels else (0, 2, 1, 3)),
             ):
                 x = rng.standard_normal((n_blocks * BLOCK, n_kv, hd), np.float32)
                 values, s = self.kv.encode(x)
-                pool[layer] = values.reshape(n_blocks, BLOCK, n_kv, hd).transpose(axes)
+                by_block = values.reshape(n_blocks, BLOCK, n_kv, hd)
+                if pool is self.kv.v and v_panels:  # (blocks, n_kv, hd / 32, BLOCK, 32)
+                    pool[layer] = _panels(by_block.transpose(0, 2, 1, 3))
+                else:
+                    pool[layer] = by_block.transpose(axes)
                 if s is not None:
                     scales[layer] = s.reshape(n_blocks, BLOCK, n_kv, -1).transpose(axes)
         self.depth = depth
@@ -123,6 +131,7 @@ class Pools:
         self.out = np.empty_like(self.q)
         self.bytes = int(layers * (depth + 1) * n_kv * hd * 2 * np.dtype(STORAGE[dtype]).itemsize)
         self._old: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None
+        self._position_major: tuple[np.ndarray, np.ndarray] | None = None
 
     def old_layout(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """The same K in the position-major layout of revisions before the plan."""
@@ -133,8 +142,24 @@ class Pools:
             ks = self.kv.k_scale
             if ks.shape[-1] != 1 or ks.shape[-2] != 1:
                 ks = np.ascontiguousarray(ks.transpose(0, 1, 2, 4, 3))
-            self._old = (k, self.kv.v, ks, self.kv.v_scale)
+            v, vs = self.position_major_values()
+            self._old = (k, v, ks, vs)
         return self._old
+
+    def position_major_values(self) -> tuple[np.ndarray, np.ndarray]:
+        """V (and q8_0's V scales) as revisions before V's panels stored them:
+        ``(layers, blocks, n_kv, BLOCK, head_dim)`` and ``(..., BLOCK, head_dim / 32)``."""
+        v, vs = self.kv.v, self.kv.v_scale
+        if v.ndim == 5:  # an older tree's pool: position-major already
+            return v, vs
+        if self._position_major is None:
+            lay, nb, n_kv, nvp, bs, width = v.shape
+            flat = v.transpose(0, 1, 2, 4, 3, 5).reshape(lay, nb, n_kv, bs, nvp * width)
+            v_pm = np.ascontiguousarray(flat[..., : self.hd])
+            if vs.shape[-1] != 1 or vs.shape[-2] != 1:
+                vs = np.ascontiguousarray(vs.transpose(0, 1, 2, 4, 3))
+            self._position_major = (v_pm, vs)
+        return self._position_major
 
     def run(self, module: ModuleType, clock: Any = time.perf_counter) -> float:
         """Seconds of one decode step's attention: every layer, one plan (``clock``:
@@ -143,6 +168,8 @@ class Pools:
         k, v, ks, vs = (
             (self.kv.k, self.kv.v, self.kv.k_scale, self.kv.v_scale) if new else self.old_layout()
         )
+        if new and not hasattr(module, "_values_in_place"):  # V position-major
+            v, vs = self.position_major_values()
         t = clock()
         extra: tuple[Any, ...] = ()
         if new:
@@ -167,6 +194,16 @@ class Pools:
                 *extra,
             )
         return clock() - t
+
+
+def _panels(v: np.ndarray) -> np.ndarray:
+    """Position-major V ``(blocks, n_kv, bs, hd)`` -> the pool's panels ``(blocks,
+    n_kv, hd / 32, bs, 32)``, padding columns zero."""
+    nb, n_kv, bs, hd = v.shape
+    nvp = -(-hd // 32)
+    padded = np.zeros((nb, n_kv, bs, nvp * 32), v.dtype)
+    padded[..., :hd] = v
+    return padded.reshape(nb, n_kv, bs, nvp, 32).transpose(0, 1, 3, 2, 4)
 
 
 def _config(shape: tuple[int, int, int, int]) -> Any:

@@ -203,15 +203,16 @@ def test_add_remove_and_sizes() -> None:
     batch = Batch(model, num_blocks=4, block_size=16)
     c = model.config
     per_value = {KVDtype.F16: 2, KVDtype.BF16: 2, KVDtype.F32: 4}[DEFAULT_KV_DTYPE]
+    v_width = -(-c.head_dim // 32) * 32  # V is stored in whole panels of 32 columns
     assert (
         batch.kv_bytes_per_position
-        == 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * per_value
+        == c.num_hidden_layers * c.num_key_value_heads * (c.head_dim + v_width) * per_value
     )
     assert batch.kv_bytes_total == batch.kv_bytes_per_position * 4 * 16
     q8 = Batch(model, num_blocks=4, block_size=16, kv_dtype=KVDtype.Q8_0)
     scales = -(-c.head_dim // 32) * 2  # one f16 scale per 32 values
-    assert q8.kv_bytes_per_position == 2 * c.num_hidden_layers * c.num_key_value_heads * (
-        c.head_dim + scales
+    assert q8.kv_bytes_per_position == c.num_hidden_layers * c.num_key_value_heads * (
+        c.head_dim + v_width + 2 * scales
     )
     assert q8.kv_bytes_total == q8.kv_bytes_per_position * 4 * 16
     batch.add(1, GenerationSpec([1, 2], GREEDY))

@@ -57,8 +57,11 @@ def test_defaults_and_derived_fields() -> None:
     # the pool's bytes per position follow the cache's element type (kvcache.py owns the
     # rule; the config no longer counts float32 behind the default f16 cache's back)
     assert not hasattr(c, "kv_bytes_per_position")
-    assert kv_bytes_per_position(c, KVDtype.F32) == 2 * 2 * 4 * 16 * 4
-    assert kv_bytes_per_position(c, KVDtype.F16) == 2 * 2 * 4 * 16 * 2
+    # layers x KV heads x (K's 16 values + V's one panel of 32: head_dim 16, padded) x bytes
+    assert kv_bytes_per_position(c, KVDtype.F32) == 2 * 4 * (16 + 32) * 4
+    assert kv_bytes_per_position(c, KVDtype.F16) == 2 * 4 * (16 + 32) * 2
+    wide = ModelConfig.from_dict(base(head_dim=64))  # a multiple of 32: no padding
+    assert kv_bytes_per_position(wide, KVDtype.F16) == 2 * 2 * 2 * 64 * 2  # as before panels
 
 
 def test_linear_rope_scaling_and_the_legacy_type_key() -> None:

@@ -10,13 +10,30 @@ from hypothesis import strategies as st
 
 from triollm.model import attention, kernels
 from triollm.model.config import ModelConfig
-from triollm.model.kvstore import KVDtype, PagedKVCache
+from triollm.model.kvstore import V_PANEL, KVDtype, PagedKVCache, v_panels
 
 SETTINGS = settings(max_examples=40, deadline=None)
 
 
 def rng_for(seed: int) -> np.random.Generator:
     return np.random.default_rng(seed)
+
+
+def as_panels(v: np.ndarray) -> np.ndarray:
+    """Position-major V ``(num_blocks, n_kv, bs, hd)`` -> the pool's panels
+    ``(num_blocks, n_kv, hd / 32, bs, 32)``, the padding columns zero."""
+    nb, n_kv, bs, hd = v.shape
+    nvp = v_panels(hd)
+    padded = np.zeros((nb, n_kv, bs, nvp * V_PANEL), v.dtype)
+    padded[..., :hd] = v
+    return np.ascontiguousarray(padded.reshape(nb, n_kv, bs, nvp, V_PANEL).transpose(0, 1, 3, 2, 4))
+
+
+def position_major(v: np.ndarray, hd: int) -> np.ndarray:
+    """The pool's V panels ``(num_blocks, n_kv, hd / 32, bs, 32)`` -> ``(num_blocks,
+    n_kv, bs, hd)``: each position's values in order, the padding dropped."""
+    nb, n_kv, nvp, bs, _ = v.shape
+    return v.transpose(0, 1, 3, 2, 4).reshape(nb, n_kv, bs, nvp * V_PANEL)[..., :hd]
 
 
 def f32(rng: np.random.Generator, *shape: int) -> np.ndarray:
@@ -137,7 +154,8 @@ def _attention_equals_dense(
     num_blocks = sum(blocks_per_seq) + 2
     order = rng.permutation(num_blocks)  # tables point at scattered blocks
     k_cache = f32(rng, num_blocks, n_kv, head_dim, block_size)  # K transposed in a block
-    v_cache = f32(rng, num_blocks, n_kv, block_size, head_dim)
+    v_dense = f32(rng, num_blocks, n_kv, block_size, head_dim)  # position-major
+    v_cache = as_panels(v_dense)  # the pool's panels of 32 columns
     tables = np.zeros((len(lens), max(blocks_per_seq)), dtype=np.int64)
     taken = 0
     dense_k, dense_v = [], []
@@ -147,7 +165,7 @@ def _attention_equals_dense(
         # (len, n_kv, head_dim): position p -> block tables[s, p // bs], offset p % bs
         p = np.arange(lens[s])
         dense_k.append(k_cache[tables[s, p // block_size], :, :, p % block_size])
-        dense_v.append(v_cache[tables[s, p // block_size], :, p % block_size])
+        dense_v.append(v_dense[tables[s, p // block_size], :, p % block_size])
     rows = [(s, int(pos)) for s in range(len(lens)) for pos in rng.integers(0, lens[s], 2)]
     rows += [(s, lens[s] - 1) for s in range(len(lens))]  # each sequence's last position
     q = f32(rng, len(rows), n_heads, head_dim)
@@ -256,11 +274,14 @@ def stored_cache(
     for cache, scales in ((kv.k, kv.k_scale), (kv.v, kv.v_scale)):
         x = f32(rng, n_blocks * bs, n_kv, hd)
         values, s = kv.encode(x)
-        # K transposed within a block (head_dim, bs), V position-major (bs, head_dim)
-        axes = (0, 2, 3, 1) if cache is kv.k else (0, 2, 1, 3)
-        cache[0] = values.reshape(n_blocks, bs, n_kv, hd).transpose(axes)
-        if s is not None:
-            scales[0] = s.reshape(n_blocks, bs, n_kv, -1).transpose(axes)
+        by_block = values.reshape(n_blocks, bs, n_kv, hd)
+        # K transposed within a block (head_dim, bs), V in panels (hd / 32, bs, 32)
+        if cache is kv.k:
+            cache[0] = by_block.transpose(0, 2, 3, 1)
+        else:
+            cache[0] = as_panels(by_block.transpose(0, 2, 1, 3))
+        if s is not None:  # both transposed as K: (head_dim / 32, bs)
+            scales[0] = s.reshape(n_blocks, bs, n_kv, -1).transpose(0, 2, 3, 1)
     return kv.k[0], kv.v[0], kv.k_scale[0], kv.v_scale[0]
 
 
@@ -313,7 +334,7 @@ def test_each_cache_type_attends_over_the_values_it_stores(
     k_cache, v_cache, k_scale, v_scale = stored_cache(rng, dtype, n_blocks, n_kv, bs, head_dim)
     # (n_blocks, n_kv, bs, head_dim) float32; K (and its scales) back to position-major
     k = widened(k_cache.transpose(0, 1, 3, 2), k_scale.transpose(0, 1, 3, 2), dtype)
-    v = widened(v_cache, v_scale, dtype)
+    v = widened(position_major(v_cache, head_dim), v_scale.transpose(0, 1, 3, 2), dtype)
     tables = np.arange(n_blocks, dtype=np.int64).reshape(1, n_blocks)
     q = f32(rng, 1, n_kv * group, head_dim)
     out = np.empty_like(q)
@@ -341,14 +362,15 @@ def test_write_kv_stores_each_row_at_its_block_and_offset(n: int, seed: int) -> 
     slots = rng.choice(num_blocks * bs, n, replace=False)  # distinct (block, offset)
     block, offset = (slots // bs).astype(np.int64), (slots % bs).astype(np.int64)
     k_cache = np.zeros((num_blocks, n_kv, hd, bs), np.float32)  # K transposed in a block
-    v_cache = np.zeros((num_blocks, n_kv, bs, hd), np.float32)
+    v_cache = np.zeros((num_blocks, n_kv, 1, bs, V_PANEL), np.float32)  # V's one panel
     kernels.write_kv(k, v, k_cache, v_cache, block, offset)
     np.testing.assert_array_equal(k_cache[block, :, :, offset], k)
-    np.testing.assert_array_equal(v_cache[block, :, offset], v)
+    np.testing.assert_array_equal(position_major(v_cache, hd)[block, :, offset], v)
     untouched = np.ones((num_blocks, bs), bool)
     untouched[block, offset] = False
     assert not k_cache.transpose(0, 3, 1, 2)[untouched].any()
-    assert not v_cache.transpose(0, 2, 1, 3)[untouched].any()
+    assert not v_cache.transpose(0, 3, 1, 2, 4)[untouched].any()
+    assert not v_cache[..., hd:].any()  # the panel's padding columns are never written
 
 
 def test_kernels_release_the_gil_and_are_cached() -> None:
@@ -539,3 +561,62 @@ def test_the_parallel_driver_runs_each_item_once_however_many_lanes_claim(
         assert counter[0] == n_items + lanes  # each lane's last claim found nothing
     finally:
         attention.SEGMENT_POSITIONS = saved
+
+
+@settings(max_examples=10, deadline=None)
+@given(
+    dtype=st.sampled_from([KVDtype.F32, KVDtype.F16]),
+    head_dim=st.sampled_from([16, 64, 96]),
+    length=st.integers(1, 130),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_values_read_in_place_never_touch_positions_past_the_row(
+    dtype: KVDtype, head_dim: int, length: int, seed: int
+) -> None:
+    """Blocks of 32 f32/f16 positions: the V product reads whole tiles from the pool
+    itself (``attention._values_in_place``); a tile past the row's last position
+    must still be loaded, its tail zeroed, since weight 0 times the NaN of an
+    unwritten position is NaN. The pool's positions past ``length`` and V's
+    padding columns hold NaN (f16: NaN's half bits, which widen to a NaN): the
+    row's output keeps its bits."""
+    rng = rng_for(seed)
+    n_kv, group, bs = 2, 3, 32
+    n_blocks = -(-length // bs) + 1  # one block more than the row needs
+    k_cache, v_cache, k_scale, v_scale = stored_cache(rng, dtype, n_blocks, n_kv, bs, head_dim)
+    tables = np.arange(n_blocks, dtype=np.int64).reshape(1, n_blocks)
+    q = f32(rng, 1, n_kv * group, head_dim)
+    pos = np.array([length - 1], np.int64)
+    scale = np.float32(0.3)
+
+    def attend(v: np.ndarray) -> np.ndarray:
+        out = np.empty_like(q)
+        kernels.paged_attention(
+            q, k_cache, v, pos, np.zeros(1, np.int64), tables, 0, scale, out, k_scale, v_scale
+        )
+        return out
+
+    clean = attend(v_cache)
+    poison = np.float32(np.nan) if dtype is KVDtype.F32 else np.int16(0x7E00)  # a NaN half
+    dirty = v_cache.copy()
+    tail = np.arange(length, n_blocks * bs)  # positions no row has written
+    dirty[tail // bs, :, :, tail % bs, :] = poison
+    dirty[..., head_dim % V_PANEL or V_PANEL :][:, :, -1:] = poison  # the last panel's padding
+    assert attend(dirty).tobytes() == clean.tobytes()
+    assert np.isfinite(clean).all()
+
+
+def test_a_positions_values_read_back_from_the_panels_they_were_stored_in() -> None:
+    """``PagedKVCache.values`` and ``position`` find what ``store_kv`` put in V's panels."""
+    rng = rng_for(7)
+    hd, n_kv, bs = 48, 2, 4  # 48: one whole panel and one half-padded
+    kv = PagedKVCache(tiny_config(n_kv, hd), 3, bs, KVDtype.F32)
+    assert kv.v.shape == (1, 3, n_kv, 2, bs, V_PANEL)
+    x = f32(rng, 1, n_kv, hd)
+    block, offset = np.array([2], np.int64), np.array([1], np.int64)
+    kernels.store_kv(x, x, kv.k[0], kv.v[0], block, offset)
+    np.testing.assert_array_equal(kv.values(0, 2, 1), x[0])
+    k_at, v_at = kv.position(0, 2, 1)
+    np.testing.assert_array_equal(k_at, x[0])
+    assert v_at.shape == (n_kv, 2, V_PANEL)
+    np.testing.assert_array_equal(v_at.reshape(n_kv, -1)[:, :hd], x[0])
+    assert not v_at[:, 1, hd - V_PANEL :].any()  # padding

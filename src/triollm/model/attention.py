@@ -71,7 +71,7 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
-from triollm.model.kvstore import Q8_BLOCK
+from triollm.model.kvstore import Q8_BLOCK, V_PANEL
 from triollm.model.matmul import PANEL as TILE
 from triollm.model.matmul import _make_tile, _tile1, _tile8
 from triollm.model.threads import start_parallel_runtime, thread_count
@@ -112,8 +112,10 @@ _tile5 = _make_tile(5)
 _tile6 = _make_tile(6)
 _tile7 = _make_tile(7)
 
-if TILE != Q8_BLOCK:  # _load_values takes one q8_0 scale per V panel row
-    raise ImportError(f"attention needs TILE ({TILE}) == kvstore.Q8_BLOCK ({Q8_BLOCK})")
+if not TILE == Q8_BLOCK == V_PANEL:  # one q8_0 scale per V panel row; V's panels are the tiles'
+    raise ImportError(
+        f"attention needs TILE ({TILE}) == kvstore.Q8_BLOCK ({Q8_BLOCK}) == V_PANEL ({V_PANEL})"
+    )
 
 _LOG2E = np.float32(1.4426950408889634)
 _LN2_HI = np.float32(0.693359375)  # ln 2 split in two (Cody-Waite): n * hi is exact
@@ -378,18 +380,22 @@ def _prefetch_tile_impl(k_cache, v_cache, k_scale, v_scale, b, h, o, n):  # type
     def impl(k_cache, v_cache, k_scale, v_scale, b, h, o, n):  # type: ignore[no-untyped-def]
         head_dim, bs = k_cache.shape[2], k_cache.shape[3]
         at = (b * k_cache.shape[1] + h) * head_dim * bs + o  # K[b, h, 0, o], flat
-        if n == bs:  # the whole block: one run of head_dim x bs
+        n_vp = v_cache.shape[2]  # V: (num_blocks, n_kv, head_dim / 32, bs, 32)
+        v_at = ((b * v_cache.shape[1] + h) * n_vp * bs + o) * V_PANEL  # V[b, h, 0, o, 0]
+        if n == bs:  # the whole block: one run of head_dim x bs, and one of V's panels
             _prefetch(k_cache, at, head_dim * bs)
+            _prefetch(v_cache, v_at, n_vp * bs * V_PANEL)
         else:
             for j in range(head_dim):
                 _prefetch(k_cache, at + j * bs, n)
-        _prefetch(v_cache, at, n * head_dim)  # V[b, h, o, 0], flat: the same offset
-        if scaled:
+            for p in range(n_vp):
+                _prefetch(v_cache, v_at + p * bs * V_PANEL, n * V_PANEL)
+        if scaled:  # both (num_blocks, n_kv, head_dim / 32, bs)
             ns = k_scale.shape[2]
             s_at = (b * k_scale.shape[1] + h) * ns * bs + o
             for j in range(ns):
                 _prefetch(k_scale, s_at + j * bs, n)
-            _prefetch(v_scale, s_at, n * ns)
+                _prefetch(v_scale, s_at + j * bs, n)
 
     return impl
 
@@ -468,34 +474,82 @@ def _load_keys_impl(cache, scales, b, h, o, kp, t, n):  # type: ignore[no-untype
     return plain
 
 
-def _load_values(cache, scales, b, h, o, vp, t):  # type: ignore[no-untyped-def]
-    """``vp[p, t, :] = V[32 p : 32 p + 32]`` of position ``o`` of block ``b``, head ``h``."""
+def _values_in_place(cache):  # type: ignore[no-untyped-def]
+    """True when the V product can read V's blocks where they are stored."""
+    raise NotImplementedError  # only called from numba; the overload is the body
+
+
+@overload(_values_in_place, inline="always")
+def _values_in_place_impl(cache):  # type: ignore[no-untyped-def]
+    # A block of V, (head_dim / 32, block_size, 32) per head, is the products'
+    # panel layout (panels of 32 columns, positions as their rows) for any
+    # block size; it is one tile's panel when block_size == TILE. f32 and f16
+    # bits only, as for K: bf16 panels interleave their columns, q8_0 needs
+    # its scales.
+    if cache.dtype in (types.float32, types.int16):
+        return lambda cache: cache.shape[3] == TILE
+    return lambda cache: False
+
+
+def _weighted_values(sc, cache, vp, pv, b, h, here):  # type: ignore[no-untyped-def]
+    """``pv = sc @ V tile``: from block ``b``, head ``h`` in place when ``here``, else ``vp``."""
+    raise NotImplementedError  # only called from numba; the overload is the body
+
+
+@overload(_weighted_values, inline="always")
+def _weighted_values_impl(sc, cache, vp, pv, b, h, here):  # type: ignore[no-untyped-def]
+    def loaded(sc, cache, vp, pv, b, h, here):  # type: ignore[no-untyped-def]
+        head_dim = pv.shape[1]
+        for panel in range(vp.shape[0]):
+            _rows_times_panel(sc, vp, pv, panel, TILE, min(TILE, head_dim - panel * TILE))
+
+    if cache.dtype not in (types.float32, types.int16):
+        return loaded
+
+    def in_place(sc, cache, vp, pv, b, h, here):  # type: ignore[no-untyped-def]
+        # block b, head h: (head_dim / 32, TILE, 32), the tile's own panels; panel
+        # p is the output's columns 32 p .. 32 p + 31 (the tiles take one index
+        # for both), the last panel's padding columns masked off by ncols
+        head_dim = pv.shape[1]
+        block = cache[b, h]
+        for panel in range(vp.shape[0]):
+            ncols = min(TILE, head_dim - panel * TILE)
+            if here:
+                _rows_times_panel(sc, block, pv, panel, TILE, ncols)
+            else:
+                _rows_times_panel(sc, vp, pv, panel, TILE, ncols)
+
+    return in_place
+
+
+def _load_values(cache, scales, b, h, o, vp, t, n):  # type: ignore[no-untyped-def]
+    """``vp[:, t:t+n, :] = V`` of positions ``o .. o+n-1`` of block ``b``, head ``h``."""
     raise NotImplementedError  # only called from numba; the overload is the body
 
 
 @overload(_load_values, inline="always")
-def _load_values_impl(cache, scales, b, h, o, vp, t):  # type: ignore[no-untyped-def]
-    # cache: (num_blocks, n_kv, block_size, head_dim): a position's V is one
-    # contiguous run, cut into the panels of 32 columns the V product reads (the
-    # last one partial when head_dim is not a multiple of 32).
-    if cache.dtype == types.int8:  # q8_0: scales (num_blocks, n_kv, bs, head_dim // 32)
+def _load_values_impl(cache, scales, b, h, o, vp, t, n):  # type: ignore[no-untyped-def]
+    # cache: (num_blocks, n_kv, head_dim / 32, block_size, 32): V's panels, the
+    # vp tile's own layout (vp: (head_dim / 32, TILE, 32)); a panel's positions
+    # o .. o+n-1 are n contiguous rows of 32 on both sides.
+    if cache.dtype == types.int8:  # q8_0: scales (num_blocks, n_kv, head_dim / 32, bs)
 
-        def q8(cache, scales, b, h, o, vp, t):  # type: ignore[no-untyped-def]
-            head_dim = cache.shape[3]
+        def q8(cache, scales, b, h, o, vp, t, n):  # type: ignore[no-untyped-def]
+            # every column, the padding's too (zeros; the products mask those columns off)
             for p in range(vp.shape[0]):
-                d = _f32_from_half(scales[b, h, o, p])  # a panel is one q8_0 block
-                for c in range(min(TILE, head_dim - p * TILE)):
-                    vp[p, t, c] = np.float32(cache[b, h, o, p * TILE + c]) * d
+                for u in range(n):
+                    d = _f32_from_half(scales[b, h, p, o + u])  # a panel row is one q8_0 block
+                    for c in range(TILE):
+                        vp[p, t + u, c] = np.float32(cache[b, h, p, o + u, c]) * d
 
         return q8
 
-    def plain(cache, scales, b, h, o, vp, t):  # type: ignore[no-untyped-def]
-        head_dim = cache.shape[3]
-        at = ((b * cache.shape[1] + h) * cache.shape[2] + o) * head_dim  # V[b, h, o, 0]
-        for p in range(vp.shape[0]):  # vp: (n_panels, TILE, TILE)
-            _widen_run(
-                cache, at + p * TILE, vp, (p * TILE + t) * TILE, min(TILE, head_dim - p * TILE)
-            )
+    def plain(cache, scales, b, h, o, vp, t, n):  # type: ignore[no-untyped-def]
+        n_vp, bs = cache.shape[2], cache.shape[3]
+        at = ((b * cache.shape[1] + h) * n_vp * bs + o) * TILE  # V[b, h, 0, o, 0], flat
+        for p in range(n_vp):
+            for u in range(n):
+                _widen_run(cache, at + (p * bs + u) * TILE, vp, (p * TILE + t + u) * TILE, TILE)
 
     return plain
 
@@ -647,8 +701,12 @@ def _item(
             for j in range(head_dim):
                 qb[(r - r0) * group + g, j] = q[r, kvh * group + g, j]
     # f32 and f16 pools with blocks of TILE positions are read in place by the
-    # products (a tile is one block); the others widen each tile into kp and vp
+    # products (a tile is one block); the others widen each tile into kp and vp.
+    # V in place only for a whole tile: a tile past the item's last row holds
+    # positions nobody wrote (a reservation's stale bits, NaN in a test), and
+    # weight 0 times NaN is NaN; those tiles are loaded, their tail zeroed.
     in_place = _keys_in_place(k_cache)
+    v_in_place = _values_in_place(v_cache)
     kp_dim = 0 if in_place else head_dim
     kp = np.zeros((1, kp_dim, TILE), np.float32)  # K tile as one panel: keys along lanes
     vp = np.zeros((n_vp, TILE, TILE), np.float32)  # V tile as panels of 32 columns
@@ -672,6 +730,7 @@ def _item(
         # whatever the block holds: those scores only reach the softmax's
         # selects below, which drop them (a NaN included).
         n_valid = min(TILE, p_last - t0 + 1)
+        v_here = v_in_place and n_valid == TILE  # V read from the pool, not from vp
         t = 0
         while t < n_valid:
             pos = t0 + t
@@ -680,8 +739,8 @@ def _item(
             n = min(bs - o, n_valid - t)  # this block's positions in the tile
             if not in_place:
                 _load_keys(k_cache, k_scale, b, kvh, o, kp, t, n)
-            for u in range(n):
-                _load_values(v_cache, v_scale, b, kvh, o + u, vp, t + u)
+            if not v_here:
+                _load_values(v_cache, v_scale, b, kvh, o, vp, t, n)
             t += n
         if n_valid < TILE:
             kp[0, :, n_valid:] = np.float32(0.0)  # (no rows when K is read in place)
@@ -738,8 +797,7 @@ def _item(
                         acc[qi, j] *= alpha
                 started[qi] = True
         # pv = weights @ V tile, all vectors
-        for panel in range(n_vp):
-            _rows_times_panel(sc, vp, pv, panel, TILE, head_dim - panel * TILE)
+        _weighted_values(sc, v_cache, vp, pv, table[t0 // bs], kvh, v_here)
         for r in range(r0, r1):
             p = positions[r]
             lo = max(0, p - window + 1) if window > 0 else 0
@@ -1018,9 +1076,9 @@ def warm_up(storage: type) -> None:
     n, n_kv, hd, bs = 2, 2, 4, 4
     q = np.ones((n, n_kv, hd), np.float32)
     k_cache: np.ndarray = np.zeros((1, n_kv, hd, bs), storage)
-    v_cache: np.ndarray = np.zeros((1, n_kv, bs, hd), storage)
+    v_cache: np.ndarray = np.zeros((1, n_kv, 1, bs, V_PANEL), storage)  # V's panels
     k_scale = np.zeros((1, n_kv, 1, bs), np.int16)
-    v_scale = np.zeros((1, n_kv, bs, 1), np.int16)
+    v_scale = np.zeros((1, n_kv, 1, bs), np.int16)
     positions = np.arange(n, dtype=np.int64)
     row_chunk = np.zeros(n, np.int64)
     tables = np.zeros((1, 1), np.int64)

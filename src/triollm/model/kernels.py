@@ -31,7 +31,7 @@ from numba.extending import intrinsic, overload
 
 from triollm.model import attention
 from triollm.model.attention import AttentionPlan, paged_attention, plan_attention
-from triollm.model.kvstore import DEFAULT_KV_DTYPE, STORAGE, KVDtype
+from triollm.model.kvstore import DEFAULT_KV_DTYPE, STORAGE, V_PANEL, KVDtype
 from triollm.model.threads import start_parallel_runtime
 
 start_parallel_runtime()  # passive OpenMP workers, before the first prange (threads.py)
@@ -156,6 +156,28 @@ def silu_mul(gate_up: np.ndarray, out: np.ndarray) -> None:
         _silu_rows_serial(gate_up, out)
 
 
+def _put_v(v_cache, b, h, o, j, x):  # type: ignore[no-untyped-def]  # numba: overload
+    """Store value ``j`` of position ``o`` of block ``b``, head ``h`` into ``v_cache``."""
+    raise NotImplementedError  # only called from numba; the overload is the body
+
+
+@overload(_put_v, inline="always")
+def _put_v_impl(v_cache, b, h, o, j, x):  # type: ignore[no-untyped-def]
+    if v_cache.ndim == 5:  # V's values: (num_blocks, n_kv, head_dim / 32, block_size, 32)
+
+        def panels(v_cache, b, h, o, j, x):  # type: ignore[no-untyped-def]
+            v_cache[b, h, j // V_PANEL, o, j % V_PANEL] = x
+
+        return panels
+    if v_cache.ndim == 4:  # q8_0's V scales: (num_blocks, n_kv, head_dim / 32, block_size)
+
+        def transposed(v_cache, b, h, o, j, x):  # type: ignore[no-untyped-def]
+            v_cache[b, h, j, o] = x
+
+        return transposed
+    return None
+
+
 @njit(cache=True, nogil=True)
 def write_kv(
     k: np.ndarray,
@@ -170,10 +192,11 @@ def write_kv(
     k, v: (n, n_kv_heads, width), already in the pool's storage dtype
     (``PagedKVCache.encode``); k_cache: (num_blocks, n_kv_heads, width,
     block_size), K transposed within a block (attention loads a tile's keys as
-    contiguous runs of positions); v_cache: (num_blocks, n_kv_heads,
-    block_size, width). The same kernel stores q8_0's scales (width
-    head_dim // 32), K's transposed the same way. row_block, row_offset: (n,)
-    int64, already resolved through the block table.
+    contiguous runs of positions); v_cache: (num_blocks, n_kv_heads, width /
+    32, block_size, 32), V in panels of 32 columns (the V product reads them in
+    place; ``kvstore.py``). The same kernel stores q8_0's scales (width
+    head_dim / 32), both transposed as K is: a 4-D v_cache is that. row_block,
+    row_offset: (n,) int64, already resolved through the block table.
     Trap: no bounds checks here; the caller validates block ids first.
     """
     n, n_kv, width = k.shape
@@ -183,7 +206,7 @@ def write_kv(
         for h in range(n_kv):
             for j in range(width):
                 k_cache[b, h, j, o] = k[i, h, j]
-                v_cache[b, h, o, j] = v[i, h, j]
+                _put_v(v_cache, b, h, o, j, v[i, h, j])
 
 
 _F16_MAX = np.float32(65504.0)  # the largest finite half
@@ -270,7 +293,7 @@ def store_kv(
         for h in range(n_kv):
             for j in range(width):
                 k_cache[b, h, j, o] = _encode(k[i, h, j], k_cache)
-                v_cache[b, h, o, j] = _encode(v[i, h, j], v_cache)
+                v_cache[b, h, j // V_PANEL, o, j % V_PANEL] = _encode(v[i, h, j], v_cache)
 
 
 @njit(cache=True, nogil=True, fastmath=True)
@@ -345,16 +368,17 @@ def warm_up(kv_dtype: KVDtype = DEFAULT_KV_DTYPE) -> float:
     silu_mul(np.ones((2, 16), dtype=np.float32), x2)  # two rows: the parallel driver
     silu_mul(np.ones((1, 16), dtype=np.float32), x2[:1])  # one: the serial one
     storage = STORAGE[kv_dtype]
-    cache: np.ndarray = np.zeros((1, 2, 4, 4), dtype=storage)
+    cache: np.ndarray = np.zeros((1, 2, 4, 4), dtype=storage)  # K: (blocks, n_kv, hd, bs)
+    v_cache: np.ndarray = np.zeros((1, 2, 1, 4, V_PANEL), dtype=storage)  # V's panels
     if kv_dtype is not KVDtype.Q8_0:
-        store_kv(x, x, cache, cache, pos, pos)
+        store_kv(x, x, cache, v_cache, pos, pos)
         qkv = np.ones((2, 24), dtype=np.float32)  # 2 heads + 2 x 2 KV heads of 4
         for bias in (np.zeros(0, np.float32), np.ones(24, np.float32)):
             qkv_rope_store(
-                qkv, bias, pos, tab, tab, x.copy(), x.copy(), x.copy(), cache, cache, pos, pos
+                qkv, bias, pos, tab, tab, x.copy(), x.copy(), x.copy(), cache, v_cache, pos, pos
             )
     else:  # encode + write_kv, and its per-32 scales (int16 f16 bits)
-        write_kv(x.astype(storage), x.astype(storage), cache, cache, pos, pos)
+        write_kv(x.astype(storage), x.astype(storage), cache, v_cache, pos, pos)
         rows = np.zeros((2, 2, 1), dtype=np.int16)  # (n, n_kv, head_dim // 32)
         scales = np.zeros((1, 2, 1, 4), dtype=np.int16)
         write_kv(rows, rows, scales, scales, pos, pos)

@@ -27,6 +27,10 @@ from triollm.model.config import ModelConfig
 from triollm.sizing import DEFAULT_KV_DTYPE, KVDtype  # the type itself is pure (sizing.py)
 
 Q8_BLOCK = 32  # values per q8_0 scale, along head_dim (llama.cpp's QK8_0)
+# Columns of one V panel: V is stored as panels of this many head_dim columns,
+# the width of the products' register tiles (matmul.PANEL; attention.py checks
+# the two agree), so the V product reads a block of V where it lies.
+V_PANEL = 32
 _F16_MAX = np.float32(65504.0)
 
 
@@ -40,33 +44,51 @@ STORAGE: dict[KVDtype, type] = {
 
 
 def kv_bytes_per_position(config: ModelConfig, dtype: KVDtype) -> int:
-    """Bytes of K and V that one position occupies, over all layers, in ``dtype``."""
-    per_head = config.head_dim * np.dtype(STORAGE[dtype]).itemsize
+    """Bytes of K and V that one position occupies, over all layers, in ``dtype``.
+
+    V counts its panels' padding: a head_dim that is not a multiple of
+    :data:`V_PANEL` (none of the real models here; the tiny test models' 8 or
+    16) stores V in whole panels of 32 columns.
+    """
+    item = np.dtype(STORAGE[dtype]).itemsize
+    per_head = (config.head_dim + v_panels(config.head_dim) * V_PANEL) * item
     if dtype is KVDtype.Q8_0:
-        per_head += 2 * _scale_count(config.head_dim)
-    return 2 * config.num_hidden_layers * config.num_key_value_heads * per_head
+        per_head += 2 * 2 * _scale_count(config.head_dim)  # K's and V's f16 scales
+    return config.num_hidden_layers * config.num_key_value_heads * per_head
 
 
 def _scale_count(head_dim: int) -> int:
     return -(-head_dim // Q8_BLOCK)
 
 
+def v_panels(head_dim: int) -> int:
+    """V panels of :data:`V_PANEL` columns per head (the last one padded)."""
+    return -(-head_dim // V_PANEL)
+
+
 class PagedKVCache:
     """The K and V of every cached position, in blocks, for all layers.
 
     A sequence's position ``p`` lives in block ``block_table[p // block_size]``
-    at offset ``p % block_size``. ``v[layer, block, kv_head, offset, :]`` is its
-    value; its key is ``k[layer, block, kv_head, :, offset]``: K is stored
-    *transposed within a block*, ``(head_dim, block_size)`` per block and head,
-    because attention multiplies a tile of keys with the positions along the
-    vector lanes, and this way each of a tile's ``head_dim`` rows is one
-    contiguous run to widen (position-major, the load was a transpose that cost
-    a 1.5B decode step at depth 4096 more than its arithmetic). V stays
-    position-major, which is what its product wants. ``k_scale``/``v_scale``
-    hold q8_0's per-32 f16 scales, laid out like their values (K's
-    ``(head_dim // 32, block_size)``, V's ``(block_size, head_dim // 32)``),
-    and are a 1-element placeholder for the other types. :meth:`position`
-    gives one position's K and V whatever the layout.
+    at offset ``p % block_size``. Its key is ``k[layer, block, kv_head, :,
+    offset]``: K is stored *transposed within a block*, ``(head_dim,
+    block_size)`` per block and head, because attention multiplies a tile of
+    keys with the positions along the vector lanes, and this way each of a
+    tile's ``head_dim`` rows is one contiguous run (position-major, the load was
+    a transpose that cost a 1.5B decode step at depth 4096 more than its
+    arithmetic). Its value is ``v[layer, block, kv_head, :, offset, :]``
+    flattened: V is stored in *panels* of :data:`V_PANEL` columns,
+    ``(head_dim / 32, block_size, 32)`` per block and head, the layout the
+    weight products' register tiles read (``matmul.py``), so with blocks of 32
+    positions the V product reads each block where it lies, as the score
+    product reads K (position-major, each tile visit copied V into that layout
+    first: 128 widened runs of 32 per visit of a Qwen2.5-1.5B head).
+    The last panel's columns past head_dim are padding: stored, never
+    returned. ``k_scale``/``v_scale`` hold q8_0's per-32 f16 scales, one per
+    32 values along the head and position, both ``(head_dim / 32,
+    block_size)`` per block and head, and are a 1-element placeholder for the
+    other types. :meth:`position` gives one position's K and V whatever the
+    layout.
 
     Allocated once, zeroed, at the size the scheduler's pool was given. The
     cache does not know which sequence owns a block: ownership is the block
@@ -89,18 +111,18 @@ class PagedKVCache:
         self.dtype = dtype
         self.bytes_per_position = kv_bytes_per_position(config, dtype)
         lead = (config.num_hidden_layers, num_blocks, config.num_key_value_heads)
-        hd, ns = config.head_dim, _scale_count(config.head_dim)
+        hd, ns, nvp = config.head_dim, _scale_count(config.head_dim), v_panels(config.head_dim)
+        self.head_dim = hd
         # k: (n_layers, num_blocks, n_kv_heads, head_dim, block_size) storage dtype
-        # v: (n_layers, num_blocks, n_kv_heads, block_size, head_dim) storage dtype
+        # v: (n_layers, num_blocks, n_kv_heads, head_dim / 32, block_size, 32) storage dtype
         self.k: np.ndarray = np.zeros((*lead, hd, block_size), dtype=STORAGE[dtype])
-        self.v: np.ndarray = np.zeros((*lead, block_size, hd), dtype=STORAGE[dtype])
-        k_scales, v_scales = (*lead, ns, block_size), (*lead, block_size, ns)
+        self.v: np.ndarray = np.zeros((*lead, nvp, block_size, V_PANEL), dtype=STORAGE[dtype])
+        scales = (*lead, ns, block_size)
         if dtype is not KVDtype.Q8_0:
-            k_scales = v_scales = (config.num_hidden_layers, 1, 1, 1, 1)
-        # q8_0: k_scale (n_layers, num_blocks, n_kv_heads, head_dim // 32, block_size),
-        # v_scale (n_layers, num_blocks, n_kv_heads, block_size, head_dim // 32), f16 bits
-        self.k_scale = np.zeros(k_scales, dtype=np.int16)
-        self.v_scale = np.zeros(v_scales, dtype=np.int16)
+            scales = (config.num_hidden_layers, 1, 1, 1, 1)
+        # q8_0: (n_layers, num_blocks, n_kv_heads, head_dim / 32, block_size), f16 bits
+        self.k_scale = np.zeros(scales, dtype=np.int16)
+        self.v_scale = np.zeros(scales, dtype=np.int16)
 
     @property
     def nbytes(self) -> int:
@@ -108,12 +130,20 @@ class PagedKVCache:
         return int(self.k.nbytes + self.v.nbytes + scales)  # the placeholders do not count
 
     def position(self, layer: int, block: int, offset: int) -> tuple[np.ndarray, np.ndarray]:
-        """Views of one stored position's K and V, each ``(n_kv_heads, head_dim)``.
+        """Views of one stored position's K, ``(n_kv_heads, head_dim)``, and V,
+        ``(n_kv_heads, head_dim / 32, 32)`` (its panels' rows, padding included).
 
         In the storage dtype; writing through them changes the cache (tests plant
-        garbage this way). The K view is strided (K is transposed within a block).
+        garbage this way). Both are strided: K is transposed within a block, and
+        a position's V is one row of 32 in each panel. :meth:`values` gives V
+        as ``(n_kv_heads, head_dim)``, a copy.
         """
-        return self.k[layer, block, :, :, offset], self.v[layer, block, :, offset, :]
+        return self.k[layer, block, :, :, offset], self.v[layer, block, :, :, offset, :]
+
+    def values(self, layer: int, block: int, offset: int) -> np.ndarray:
+        """One stored position's V, ``(n_kv_heads, head_dim)``, a copy in the storage dtype."""
+        v = self.v[layer, block, :, :, offset, :]
+        return v.reshape(v.shape[0], -1)[:, : self.head_dim].copy()
 
     def encode(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
         """``(n, n_kv_heads, head_dim)`` float32 -> (values, scales or None) to store.
@@ -148,4 +178,12 @@ def _q8_0(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return np.ascontiguousarray(q.reshape(n, h, -1)[..., :hd]), d16.view(np.int16)
 
 
-__all__ = ["DEFAULT_KV_DTYPE", "STORAGE", "KVDtype", "PagedKVCache", "kv_bytes_per_position"]
+__all__ = [
+    "DEFAULT_KV_DTYPE",
+    "STORAGE",
+    "V_PANEL",
+    "KVDtype",
+    "PagedKVCache",
+    "kv_bytes_per_position",
+    "v_panels",
+]
