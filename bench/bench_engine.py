@@ -143,10 +143,13 @@ def sweep_serial(
     chunks: list[ChunkPlan],
     kv: PagedKVCache,
     reps: int,
-    values: list[int],
+    values: list[int | None],
     rounds: int,
-) -> dict[int, list[tuple[float, float, float]]]:
+) -> dict[int | None, list[tuple[float, float, float]]]:
     """Time the same step under each ``threads.SERIAL_MAX_BYTES`` in ``values``, alternating.
+
+    ``None`` is the default rule (each product path's break-even,
+    ``threads.split_pays``); a byte count overrides it for every path.
 
     Round ``r`` runs the values in order, reversed when ``r`` is odd, so a drift in
     the machine's load (or a warm cache) favours no value. Returns, per value, one
@@ -157,7 +160,7 @@ def sweep_serial(
     from triollm.model import threads
 
     saved = threads.SERIAL_MAX_BYTES
-    out: dict[int, list[tuple[float, float, float]]] = {v: [] for v in values}
+    out: dict[int | None, list[tuple[float, float, float]]] = {v: [] for v in values}
     try:
         for r in range(rounds):
             for v in values if r % 2 == 0 else values[::-1]:
@@ -355,8 +358,9 @@ def run(args: argparse.Namespace) -> int:
                 swept = sweep_serial(model, chunks, kv, reps, args.serial_sweep, args.rounds)
                 for v, runs in swept.items():
                     per = ", ".join(f"{w * 1e3:.1f} / {c * 1e3:.1f} ({s:.0f})" for w, c, s in runs)
+                    label = "rule" if v is None else str(v)
                     print(
-                        f"  {case.name:7s} batch {case.batch:3d} serial-max-bytes {v:>9d}: "
+                        f"  {case.name:7s} batch {case.batch:3d} serial-max-bytes {label:>10s}: "
                         f"wall / CPU ms (sleeps) per round: {per}",
                         flush=True,
                     )
@@ -484,9 +488,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--serial-max-bytes",
         default=None,
-        help="one-row products of weights up to this many bytes run on the calling thread "
-        "(default: threads.SERIAL_MAX_BYTES; 0: every product opens a parallel region); "
-        "several, comma-separated, time each case under each value, alternating (--rounds)",
+        help="one-row products of weights up to this many bytes run on the calling thread, "
+        "whatever their path (default, or 'rule': each path's break-even, "
+        "threads.split_pays; 0: every product opens a parallel region); several, "
+        "comma-separated, time each case under each value, alternating (--rounds)",
     )
     p.add_argument(
         "--rounds", type=int, default=3, help="rounds of a --serial-max-bytes sweep (default 3)"
@@ -510,10 +515,15 @@ def main(argv: list[str] | None = None) -> int:
         from triollm.model import threads  # here: a tree from before it has no such module
 
         try:
-            args.serial_sweep = [int(v) for v in args.serial_max_bytes.split(",")]
+            args.serial_sweep = [
+                None if v.strip() == "rule" else int(v) for v in args.serial_max_bytes.split(",")
+            ]
         except ValueError:
-            p.error(f"--serial-max-bytes: integers, comma-separated, got {args.serial_max_bytes!r}")
-        if any(v < 0 for v in args.serial_sweep):
+            p.error(
+                "--serial-max-bytes: integers or 'rule', comma-separated, "
+                f"got {args.serial_max_bytes!r}"
+            )
+        if any(v is not None and v < 0 for v in args.serial_sweep):
             p.error("--serial-max-bytes: byte counts must be >= 0")
         threads.SERIAL_MAX_BYTES = args.serial_sweep[0]
     for d in args.dtypes.split(","):

@@ -148,7 +148,7 @@ def test_only_one_row_times_a_small_weight_runs_serially_and_the_bits_are_the_sa
     monkeypatch.setattr(threads, "SERIAL_MAX_BYTES", 0)
     parallel = [matmul.linear(x[i : i + 1], w) for i in range(3)]
     assert calls == []
-    monkeypatch.setattr(threads, "SERIAL_MAX_BYTES", w.nbytes)
+    monkeypatch.setattr(threads, "SERIAL_MAX_BYTES", w.nbytes)  # the override: every path
     serial = [matmul.linear(x[i : i + 1], w) for i in range(3)]
     assert len(calls) == 3
     batch = matmul.linear(x, w)  # three rows: the team, whatever the threshold
@@ -179,3 +179,78 @@ def test_the_one_row_product_releases_the_gil_and_is_cached() -> None:
     assert quant._int8_one_row.targetoptions["nogil"] is True
     assert quant._int8_one_row._cache.__class__.__name__ == "FunctionCache"
     assert not quant._int8_one_row.targetoptions.get("parallel")  # no prange: no region
+
+
+# --- which one-row products are split: each path's break-even ---------------------------
+
+
+def test_a_path_splits_from_where_the_second_core_saves_more_than_a_region_costs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # B > R / (1/b1 - 1/b2): at the break-even the saving equals the region's cost
+    monkeypatch.setattr(threads, "SERIAL_MAX_BYTES", None)
+    b1 = 13.0
+    edge = threads.split_min_bytes(b1)
+    saved_us = edge * (1 / b1 - 1 / threads.TWO_THREADS_GBS) / 1000
+    assert saved_us == pytest.approx(threads.REGION_US)
+    assert not threads.split_pays(int(edge) - 1, b1)
+    assert threads.split_pays(int(edge) + 1, b1)
+    # a slower path (more work per byte) splits smaller weights than a faster one
+    assert threads.split_min_bytes(10.0) < edge < threads.split_min_bytes(19.0)
+    # one thread as fast as two: never worth a region
+    assert threads.split_min_bytes(threads.TWO_THREADS_GBS) == float("inf")
+    # a benchmark's override decides for every path
+    monkeypatch.setattr(threads, "SERIAL_MAX_BYTES", 0)
+    assert threads.split_pays(1, b1)
+
+
+def test_a_16_bit_product_is_split_from_a_smaller_weight_than_an_int8_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # the default rule, as each path calls it: a 1.1 MB bf16 weight (SmolLM2's
+    # q/k/v) is split, a 0.59 MB Q8_0 one (the same q/k/v) runs on this thread
+    monkeypatch.setattr(threads, "SERIAL_MAX_BYTES", None)
+    assert threads.split_pays(1_105_920, matmul._ONE_THREAD_GBS["bfloat16"])
+    assert not threads.split_pays(587_520, quant.INT8_ONE_THREAD_GBS)
+    rng = np.random.default_rng(11)
+    raw = rng.standard_normal((960, 576)).astype(np.float32)
+    bf16 = matmul.prepare((raw.view(np.uint32) >> np.uint32(16)).astype(np.uint16), bf16=True)
+    q8 = matmul.prepare(quantize(raw, QuantType.Q8_0))
+    x = rng.standard_normal((1, 576)).astype(np.float32)
+    calls = _spy(monkeypatch)
+    matmul.linear(x, bf16)
+    assert calls == []  # split: no team of one
+    matmul.linear(x, q8)
+    assert len(calls) == 1  # the one-row int8 kernel on this thread
+
+
+@pytest.mark.parametrize("kind", ["bf16", "f16", "q8_0", "stack"])
+@pytest.mark.parametrize("n_out", [960, 576, 96 + 16])
+def test_a_claimed_split_of_one_row_gives_the_bits_of_the_serial_product_and_of_a_batch(
+    kind: str, n_out: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The split one-row products hand out runs of panels (or weight-row groups) to
+    # whichever thread claims next; 30 or 18 panels end in a short run of single
+    # panels. Whoever ran a run, and in whichever tile, every column must have the
+    # bits of the serial product and of the same row inside a batch.
+    rng = np.random.default_rng(n_out)
+    raw = rng.standard_normal((n_out, 128)).astype(np.float32)
+    if kind == "bf16":
+        w = matmul.prepare((raw.view(np.uint32) >> np.uint32(16)).astype(np.uint16), bf16=True)
+    elif kind == "f16":
+        w = matmul.prepare(raw.astype(np.float16))
+    elif kind == "stack":
+        cut = n_out // 32 * 16
+        parts = [quantize(raw[:cut], QuantType.Q8_0), quantize(raw[cut:], QuantType.Q4_1)]
+        w = matmul.prepare(stack_rows(parts))
+    else:
+        w = matmul.prepare(quantize(raw, QuantType.Q8_0))
+    x = rng.standard_normal((5, 128)).astype(np.float32)
+    monkeypatch.setattr(threads, "SERIAL_MAX_BYTES", 0)
+    split = [matmul.linear(x[i : i + 1], w) for i in range(5)]
+    monkeypatch.setattr(threads, "SERIAL_MAX_BYTES", 1 << 40)
+    serial = [matmul.linear(x[i : i + 1], w) for i in range(5)]
+    batch = matmul.linear(x, w)
+    for i in range(5):
+        np.testing.assert_array_equal(split[i], serial[i])
+        np.testing.assert_array_equal(split[i][0], batch[i])

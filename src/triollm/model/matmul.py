@@ -69,7 +69,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from triollm.model import quant, threads
-from triollm.model.quant import Quantized, QuantizedStack, QuantizedTensor
+from triollm.model.quant import Quantized, QuantizedStack, QuantizedTensor, claim_next
 from triollm.model.threads import start_parallel_runtime
 
 start_parallel_runtime()  # passive OpenMP workers, before the first prange (threads.py)
@@ -314,8 +314,16 @@ _ONE_ROW_PANELS = 4
 _tile1_wide = _make_tile(1, panels=_ONE_ROW_PANELS, prefetch_bytes=1024)
 
 
+# How fast one thread streams a one-row product's panels from memory, per storage
+# (GB/s; threads.split_pays weighs it against what two threads reach). bfloat16:
+# the quiet 16:32 sweep's single-thread steps (~13 GB/s, SmolLM2's q/k/v, o and
+# down); the tile is bound by the misses one core keeps in flight, not by widening,
+# so float16 and float32 panels are given the same rate (measured alike; engine.md).
+_ONE_THREAD_GBS = {"bfloat16": 13.0, "float16": 13.0, "float32": 13.0}
+
+
 @njit(cache=True, nogil=True, parallel=True)
-def _panel_matmul(x: Any, w: Any, out: Any, n_cols: int) -> None:  # pragma: no cover - numba
+def _panel_matmul(x: Any, w: Any, out: Any, n_cols: int, lanes: int) -> None:  # pragma: no cover
     # x (n, K) float32; w (n_panels, K, PANEL) storage; out (n, n_cols) float32.
     # Threads split the panels (contiguous ranges: one memory stream each);
     # within a panel, rows go 8 at a time, then 4, 2, 1. Every tile computes
@@ -325,14 +333,27 @@ def _panel_matmul(x: Any, w: Any, out: Any, n_cols: int) -> None:  # pragma: no 
     n = x.shape[0]
     n_panels, k_in = w.shape[0], w.shape[1]
     if n == 1:
-        groups = n_panels // _ONE_ROW_PANELS
-        for g in prange(groups + n_panels - groups * _ONE_ROW_PANELS):
-            if g < groups:
+        # One row: runs of _ONE_ROW_PANELS panels, claimed one at a time by
+        # `lanes` threads (the team's size, passed in: numba's get_num_threads in
+        # a kernel makes it uncachable). Not prange over the runs: numba splits
+        # those statically, and a weight of 30 or 18 panels (SmolLM2's q/k/v, o,
+        # down: 7 or 4 runs of four and 2 single panels) gave one thread twice
+        # the other's panels; and the calling thread waited for a sleeping
+        # worker to wake and do its half. Which thread runs a panel never
+        # changes its bits: every column is one k chain in either tile.
+        runs = (n_panels + _ONE_ROW_PANELS - 1) // _ONE_ROW_PANELS
+        next_run = np.zeros(1, np.int64)
+        for _lane in prange(lanes):
+            while True:
+                g = claim_next(next_run)  # type: ignore[call-arg,var-annotated]  # numba typing
+                if g >= runs:
+                    break
                 p = g * _ONE_ROW_PANELS
-                _tile1_wide(x, w, out, 0, p, k_in, n_cols - p * PANEL)
-            else:  # the panels left over
-                p = groups * _ONE_ROW_PANELS + g - groups
-                _tile1(x, w, out, 0, p, k_in, n_cols - p * PANEL)
+                if p + _ONE_ROW_PANELS <= n_panels:
+                    _tile1_wide(x, w, out, 0, p, k_in, n_cols - p * PANEL)
+                else:  # the last run, short: one panel at a time
+                    for pp in range(p, n_panels):
+                        _tile1(x, w, out, 0, pp, k_in, n_cols - pp * PANEL)
         return
     for p in prange(n_panels):
         ncols = n_cols - p * PANEL  # columns left from this panel on (stores are masked)
@@ -522,10 +543,11 @@ def linear(
     if not out.flags.c_contiguous:
         raise ValueError("out must be C-contiguous")
     n_out = w.out_features
-    if n == 1 and w.nbytes <= threads.SERIAL_MAX_BYTES:  # too small to repay a region
-        threads.on_calling_thread(_panel_matmul, np.ascontiguousarray(x), w.data, out, n_out)
+    xc = np.ascontiguousarray(x)
+    if n == 1 and not threads.split_pays(w.nbytes, _ONE_THREAD_GBS[w.storage]):
+        threads.on_calling_thread(_panel_matmul, xc, w.data, out, n_out, 1)
     else:
-        _panel_matmul(np.ascontiguousarray(x), w.data, out, n_out)
+        _panel_matmul(xc, w.data, out, n_out, threads.thread_count())
     return out
 
 

@@ -840,6 +840,15 @@ def quantize(w: np.ndarray, qtype: QuantType) -> QuantizedTensor:
     return QuantizedTensor(qtype, (int(w.shape[0]), int(w.shape[1])), blocks)
 
 
+# How fast one thread streams a one-row int8 product's weights from memory (GB/s;
+# threads.split_pays weighs it against two threads): SmolLM2 Q8_0 and Q4_1,
+# Qwen2.5-Coder-0.5B Q4_K_M products in step order, thread CPU time, 19-24 GB/s
+# once the ~8-10 us a call costs besides is taken out (engine.md). The exact path
+# (float32 activations) is slower per byte, so for it the threshold is on the
+# safe side: it splits fewer products than it could.
+INT8_ONE_THREAD_GBS = 19.0
+
+
 def block_rows(n_out: int, n_threads: int) -> int:
     """Weight rows per parallel block: a multiple of 16, about 8 blocks per thread."""
     target = max(_GROUP, -(-n_out // (8 * n_threads)))
@@ -870,13 +879,13 @@ def linear(
     int8 per block once (``int8_rows`` keeps it by block size, so every part
     of a stack shares it) and multiplied with integer dot products
     (:mod:`triollm.model.quant_int8`). The caller (``matmul.linear``) has
-    checked the shapes and dtypes. One row times a weight of at most
-    ``threads.SERIAL_MAX_BYTES`` runs on the calling thread (no parallel region);
-    one row times a larger weight is one call opening one region.
+    checked the shapes and dtypes. One row times a weight too small to repay a
+    parallel region (``threads.split_pays``) runs on the calling thread; one row
+    times a larger weight is one call opening one region.
     """
     if not x.shape[0]:
         return out
-    serial = x.shape[0] == 1 and w.nbytes <= threads.SERIAL_MAX_BYTES
+    serial = x.shape[0] == 1 and not threads.split_pays(w.nbytes, INT8_ONE_THREAD_GBS)
     if x.shape[0] == 1 and int8_rows is None:
         call = w.int8_call()
         if call is not None:
@@ -901,9 +910,10 @@ def _int8_one_row_call(
     p0, p1, p2 = table.parts
     xc = np.ascontiguousarray(x)
     if split:
-        per_task = block_rows(table.rows, thread_count()) // quant_int8.ROWS
+        lanes = thread_count()
+        per_task = block_rows(table.rows, lanes) // quant_int8.ROWS
         _int8_one_row_split(xc, block, q, d, sums, p0, p1, p2,
-                            table.kinds, table.first, table.cols, out, per_task)  # fmt: skip
+                            table.kinds, table.first, table.cols, out, per_task, lanes)  # fmt: skip
     else:
         _int8_one_row(xc, block, q, d, sums, p0, p1, p2,
                       table.kinds, table.first, table.cols, out)  # fmt: skip
@@ -928,27 +938,62 @@ def _int8_one_row(x, block, q, d, sums, p0, p1, p2, kinds, first, cols, out):  #
             quant_int8._int8_tile(kind, 1, 0, q, d, sums, w, out, g, 0, 0, at, m)
 
 
+@intrinsic
+def claim_next(typingctx: Any, counter: Any) -> Any:
+    """``counter[0] += 1`` as one atomic step; returns the value before it.
+
+    How a one-row product hands out its runs of weight rows: whichever thread asks next
+    gets the next run, so a worker still waking up takes fewer. "monotonic" ordering
+    is enough: the inputs were written before the region began and the outputs are
+    read after it ended, both of which order memory already. matmul.py's
+    one-row panels use it too. Hazard: numba's cache does not see a change here
+    from a cached caller in another file; check such a change on a fresh cache.
+    """
+    if not (
+        isinstance(counter, types.Array) and counter.dtype == types.int64 and counter.layout == "C"
+    ):
+        return None
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        arr = context.make_array(signature.args[0])(context, builder, args[0])
+        one = ir.Constant(ir.IntType(64), 1)
+        return builder.atomic_rmw("add", arr.data, one, "monotonic")
+
+    return types.int64(counter), codegen
+
+
 @njit(cache=True, nogil=True, parallel=True)
-def _int8_one_row_split(x, block, q, d, sums, p0, p1, p2, kinds, first, cols, out, per_task):  # type: ignore[no-untyped-def]  # pragma: no cover
-    # _int8_one_row with the groups split over the team (a weight too large for one
-    # thread: threads.SERIAL_MAX_BYTES), in one call: the row is quantized on the
-    # calling thread into its buffers, then one parallel region runs contiguous runs
-    # of per_task groups, as _int8_matmul's n == 1 path does, with the same tile, so
-    # the same bits (test_threads). Against quantize_rows + product_table it saves
-    # a numba call, three fresh arrays and a record, the table's checks and the
-    # Python between them (~5-9 us a product; 57 a 1.5B step; engine.md, "The
-    # step's fixed costs"). Hazard: the row buffers are the calling thread's; the
-    # workers only read them, and only inside this call.
+def _int8_one_row_split(x, block, q, d, sums, p0, p1, p2, kinds, first, cols, out, per_task, lanes):  # type: ignore[no-untyped-def]  # pragma: no cover
+    # _int8_one_row with the groups split over the team (a weight large enough to
+    # repay a region: threads.split_pays), in one call: the row is quantized on the
+    # calling thread into its buffers, then `lanes` threads (the team's size, passed
+    # in: get_num_threads in a kernel makes it uncachable) claim runs of per_task
+    # groups one at a time, each through the same one-row tile as _int8_matmul's
+    # n == 1 path, so the same bits (test_threads). Claimed, not a prange over the
+    # runs: numba splits those statically, and the calling thread then waited for
+    # a sleeping worker to wake and do its half; now it starts at once and the
+    # worker takes what is left when it arrives. Against quantize_rows +
+    # product_table it saves a numba call, three fresh arrays and a record, the
+    # table's checks and the Python between them (~5-9 us a product; engine.md,
+    # "The step's fixed costs"). Hazard: the row buffers are the calling
+    # thread's; the workers only read them, and only inside this call.
     quant_int8._quantize_row(x, np.int64(0), block, q, d, sums)
     groups = first[quant_int8.PARTS]
-    for task in prange((groups + per_task - 1) // per_task):
-        g0 = task * per_task
-        g1 = min(g0 + per_task, groups)
-        for p in range(quant_int8.PARTS):  # the part once per run of its groups
-            w = p0 if p == 0 else (p1 if p == 1 else p2)
-            kind, at, m = kinds[p], cols[p], cols[p + 1] - cols[p]
-            for gg in range(max(g0, first[p]), min(g1, first[p + 1])):
-                quant_int8._int8_tile(kind, 1, 0, q, d, sums, w, out, gg - first[p], 0, 0, at, m)
+    runs = (groups + per_task - 1) // per_task
+    next_run = np.zeros(1, np.int64)
+    for _lane in prange(lanes):
+        while True:
+            task = claim_next(next_run)
+            if task >= runs:
+                break
+            g0 = task * per_task
+            g1 = min(g0 + per_task, groups)
+            for p in range(quant_int8.PARTS):  # the part once per run of its groups
+                w = p0 if p == 0 else (p1 if p == 1 else p2)
+                kind, at, m = kinds[p], cols[p], cols[p + 1] - cols[p]
+                for gg in range(max(g0, first[p]), min(g1, first[p + 1])):
+                    g = gg - first[p]
+                    quant_int8._int8_tile(kind, 1, 0, q, d, sums, w, out, g, 0, 0, at, m)
 
 
 _rows = threading.local()  # one thread's int8 row buffers, by (width, block)

@@ -43,12 +43,52 @@ _SPIN_COUNT = "GOMP_SPINCOUNT"
 # OMP_WAIT_POLICY replaces it.
 SPIN_COUNT = 1000
 
-# A one-row product (a batch-1 decode step) whose weight is at most this many bytes
-# runs on the calling thread (:func:`on_calling_thread`), not split over the team:
-# below it the parallel region costs more than the second core saves. Read at each
-# call (``quant.linear``, ``matmul.linear``), so a benchmark may change it; 0 makes
-# every product parallel. docs/engine.md ("The step's fixed costs") has the A/B.
-SERIAL_MAX_BYTES = 2 << 20
+# Which one-row products (a batch-1 decode step) are split over the team, and which
+# run on the calling thread (:func:`on_calling_thread`): :func:`split_pays`. The
+# second core halves a product's streaming only up to what two cores read together,
+# and the region costs a wake-up and a join; so a product is split when the time the
+# second core saves is more than the region costs. Each product path knows how fast
+# one thread streams its weights (the 16-bit float panels ~13 GB/s, the int8 types
+# ~19: matmul.py, quant.py), so the threshold follows the path's cost per byte, not
+# a model. The two constants come from the quiet sweep of 2026-12-02 16:32 (bf16 and
+# Q8_0 SmolLM2 steps under four thresholds; docs/engine.md, "Which one-row products
+# to split"), which both fit with a region at ~15 us and two threads at ~25 GB/s.
+REGION_US = 15.0
+TWO_THREADS_GBS = 25.0
+# A benchmark's override (bench_engine.py --serial-max-bytes): a one-row product of
+# at most this many bytes runs on the calling thread, whatever its path; 0 splits
+# every product. None: each path's break-even (split_min_bytes). Read at each call.
+SERIAL_MAX_BYTES: int | None = None
+
+
+def split_min_bytes(one_thread_gbs: float) -> float:
+    """The weight size from which splitting a one-row product over two threads pays.
+
+    One thread streams ``B`` bytes in ``B / b1``; two in ``B / b2 + R`` (``b2``:
+    :data:`TWO_THREADS_GBS`, ``R``: :data:`REGION_US`). Splitting pays when
+    ``B > R / (1/b1 - 1/b2)``. A path whose one thread already streams as fast as
+    two never splits (``inf``). Trap: ``b1`` is the path's *quiet* one-thread rate
+    from memory, not from L2; a rate from hot weights makes every product serial.
+    """
+    gain_ns_per_byte = 1.0 / one_thread_gbs - 1.0 / TWO_THREADS_GBS  # 1 GB/s = 1 byte/ns
+    if gain_ns_per_byte <= 0.0:
+        return float("inf")
+    return REGION_US * 1000.0 / gain_ns_per_byte
+
+
+def split_pays(nbytes: int, one_thread_gbs: float) -> bool:
+    """Whether a one-row product of ``nbytes`` of weights should open a parallel region.
+
+    ``one_thread_gbs`` is how fast one thread streams this product's weights (its
+    path's constant). :data:`SERIAL_MAX_BYTES`, when a benchmark set it, decides
+    instead. Either way only the team changes, never the bits: every output element
+    is computed whole by one thread.
+    """
+    if SERIAL_MAX_BYTES is not None:
+        return nbytes > SERIAL_MAX_BYTES
+    return nbytes > split_min_bytes(one_thread_gbs)
+
+
 _started = False
 _lock = threading.Lock()
 
@@ -99,7 +139,7 @@ def on_calling_thread(kernel: Callable[..., Any], *args: Any) -> Any:
 
     A team of one opens no parallel region: libgomp runs the loop inline and wakes
     no worker. For a product too small to repay a region (a batch-1 decode step's
-    small weights; :data:`SERIAL_MAX_BYTES`) this saves the wake-up, its
+    small weights; :func:`split_pays`) this saves the wake-up, its
     futex sleeps and, on an idle virtual machine, the idle vCPU's exit latency. The
     kernel's bits do not depend on how many threads split its items (every item is
     computed whole by one thread), so the result is the same either way.
