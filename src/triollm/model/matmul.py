@@ -342,7 +342,8 @@ def _panel_matmul(x: Any, w: Any, out: Any, n_cols: int, lanes: int) -> None:  #
         # worker to wake and do its half. Which thread runs a panel never
         # changes its bits: every column is one k chain in either tile.
         runs = (n_panels + _ONE_ROW_PANELS - 1) // _ONE_ROW_PANELS
-        next_run = np.zeros(1, np.int64)
+        next_run = np.empty(1, np.int64)  # not np.zeros: parallel=True makes that a region
+        next_run[0] = 0
         for _lane in prange(lanes):
             while True:
                 g = claim_next(next_run)  # type: ignore[call-arg,var-annotated]  # numba typing

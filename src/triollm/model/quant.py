@@ -980,7 +980,8 @@ def _int8_one_row_split(x, block, q, d, sums, p0, p1, p2, kinds, first, cols, ou
     quant_int8._quantize_row(x, np.int64(0), block, q, d, sums)
     groups = first[quant_int8.PARTS]
     runs = (groups + per_task - 1) // per_task
-    next_run = np.zeros(1, np.int64)
+    next_run = np.empty(1, np.int64)  # not np.zeros: parallel=True makes that a region
+    next_run[0] = 0
     for _lane in prange(lanes):
         while True:
             task = claim_next(next_run)
