@@ -17,9 +17,10 @@ taken within one run, and the load average is printed with the results.
 ``--profile`` adds a per-stage breakdown (weight products, attention, norms,
 the rest) by timing the engine's calls from outside; ``--compile`` measures
 numba's first-compile and cached-load times in fresh subprocesses;
-``--serial-max-bytes 0,2097152`` times each case under each threshold of
+``--serial-max-bytes 0,2097152,rule`` times each case under each threshold of
 ``threads.SERIAL_MAX_BYTES`` (which one-row products stay on the calling
-thread), alternating inside one process, ``--rounds`` rounds.
+thread; ``rule``: each path's break-even, ``threads.split_pays``, the default),
+alternating inside one process, ``--rounds`` rounds.
 """
 
 from __future__ import annotations

@@ -121,14 +121,14 @@ def test_time_steps_reports_wall_and_cpu_per_step(bench: ModuleType, config: Mod
 def test_a_serial_threshold_sweep_alternates_the_values_and_restores_the_setting(
     bench: ModuleType, config: ModelConfig, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # --serial-max-bytes 0,N: each round times every value, every other round in
-    # reverse (a load that drifts favours none); the process's setting comes back
+    # --serial-max-bytes 0,rule,N: each round times every value, every other round
+    # in reverse (a load that drifts favours none); the process's setting comes back
     from triollm.model import threads
 
     model = LlamaModel(config, bench.random_weights(config, "f32"))
     chunks, n_blocks = bench.decode_plan(1, 40)
     kv = PagedKVCache(config, n_blocks, bench.BLOCK_SIZE)
-    seen: list[int] = []
+    seen: list[int | None] = []
     real = bench.time_steps
 
     def spy(*args: object) -> object:
@@ -137,7 +137,7 @@ def test_a_serial_threshold_sweep_alternates_the_values_and_restores_the_setting
 
     monkeypatch.setattr(bench, "time_steps", spy)
     before = threads.SERIAL_MAX_BYTES
-    swept = bench.sweep_serial(model, chunks, kv, 2, [0, 1 << 30], 3)
-    assert seen == [0, 1 << 30, 1 << 30, 0, 0, 1 << 30]
+    swept = bench.sweep_serial(model, chunks, kv, 2, [0, None, 1 << 30], 3)
+    assert seen == [0, None, 1 << 30, 1 << 30, None, 0, 0, None, 1 << 30]
     assert before == threads.SERIAL_MAX_BYTES  # restored
-    assert [len(runs) for runs in swept.values()] == [3, 3]
+    assert [len(runs) for runs in swept.values()] == [3, 3, 3]

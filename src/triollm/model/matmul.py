@@ -316,10 +316,11 @@ _tile1_wide = _make_tile(1, panels=_ONE_ROW_PANELS, prefetch_bytes=1024)
 
 # How fast one thread streams a one-row product's panels from memory, per storage
 # (GB/s; threads.split_pays weighs it against what two threads reach). bfloat16:
-# the quiet 16:32 sweep's single-thread steps (~13 GB/s, SmolLM2's q/k/v, o and
-# down); the tile is bound by the misses one core keeps in flight, not by widening,
-# so float16 and float32 panels are given the same rate (measured alike; engine.md).
-_ONE_THREAD_GBS = {"bfloat16": 13.0, "float16": 13.0, "float32": 13.0}
+# the quiet 16:32 sweep's single-thread steps (~13 GB/s; SmolLM2's q/k/v, o, down);
+# widening is part of the cost per byte: by thread CPU time on the busy machine
+# bfloat16 and float16 panels read 15-17 GB/s and float32 ones 24, so float32 is
+# given 13 x 24 / 16.5 ~ 19 (engine.md, "Each path's break-even").
+_ONE_THREAD_GBS = {"bfloat16": 13.0, "float16": 13.0, "float32": 19.0}
 
 
 @njit(cache=True, nogil=True, parallel=True)

@@ -52,9 +52,10 @@ SPIN_COUNT = 1000
 # ~19: matmul.py, quant.py), so the threshold follows the path's cost per byte, not
 # a model. The two constants come from the quiet sweep of 2026-12-02 16:32 (bf16 and
 # Q8_0 SmolLM2 steps under four thresholds; docs/engine.md, "Which one-row products
-# to split"), which both fit with a region at ~15 us and two threads at ~25 GB/s.
-REGION_US = 15.0
-TWO_THREADS_GBS = 25.0
+# to split" and "Each path's break-even"): with two threads at ~30 GB/s (the
+# streaming probe's median) both fit a region at 15-27 us.
+REGION_US = 20.0
+TWO_THREADS_GBS = 30.0
 # A benchmark's override (bench_engine.py --serial-max-bytes): a one-row product of
 # at most this many bytes runs on the calling thread, whatever its path; 0 splits
 # every product. None: each path's break-even (split_min_bytes). Read at each call.
