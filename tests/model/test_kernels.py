@@ -620,3 +620,15 @@ def test_a_positions_values_read_back_from_the_panels_they_were_stored_in() -> N
     assert v_at.shape == (n_kv, 2, V_PANEL)
     np.testing.assert_array_equal(v_at.reshape(n_kv, -1)[:, :hd], x[0])
     assert not v_at[:, 1, hd - V_PANEL :].any()  # padding
+
+
+@settings(max_examples=40, deadline=None)
+@given(x=st.floats(-87.0, 0.0, width=32))
+def test_the_softmax_exp_is_exactly_one_at_zero_and_close_to_numpys_elsewhere(x: float) -> None:
+    """``attention._exp(0) == 1`` exactly: a tile that leaves a row's max where it was
+    skips its rescale (``alpha`` would be ``_exp(0)``; ``x * 1`` is ``x``), and a
+    single segment merges unchanged; both are the same bits only because of it."""
+    exp = attention._exp
+    assert exp(np.float32(0.0)) == np.float32(1.0)
+    got, want = exp(np.float32(x)), np.exp(np.float64(np.float32(x)))
+    assert abs(got - want) <= 4 * np.spacing(np.float32(want))  # the ~2 ulp of its comment

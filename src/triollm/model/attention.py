@@ -785,16 +785,18 @@ def _item(
                     e = _exp(sc[qi, t] * scale - m_new)
                     sc[qi, t] = e if a <= t <= z else np.float32(0.0)
                 total = _tree_sum(sc[qi], red)  # exact zeros outside a..z add nothing
-                if started[qi]:
+                if started[qi] and m_new != m[qi]:  # the max rose: shrink the past
                     alpha = _exp(m[qi] - m_new)
                     total = lsum[qi] * alpha + total
-                else:
-                    alpha = np.float32(0.0)
-                lsum[qi] = total
-                m[qi] = m_new
-                if started[qi]:
                     for j in range(head_dim):
                         acc[qi, j] *= alpha
+                elif started[qi]:
+                    # the max stayed (most tiles, deep in a context): alpha would be
+                    # _exp(0), exactly 1, and x * 1 is x, so skipping the exp and the
+                    # head_dim multiplies changes no bit
+                    total = lsum[qi] + total
+                lsum[qi] = total
+                m[qi] = m_new
                 started[qi] = True
         # pv = weights @ V tile, all vectors
         _weighted_values(sc, v_cache, vp, pv, table[t0 // bs], kvh, v_here)
