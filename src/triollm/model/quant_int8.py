@@ -364,11 +364,29 @@ def _can_vnni(context: Any) -> bool:
     return all(f"+{f}" in feats for f in ("avx512vnni", "avx512bw"))
 
 
+def _shift16(b: Any, op: Any, v: Any, n: int) -> Any:
+    """``v`` (<64 x i8>) shifted by ``n`` bits as 16-bit words, for a caller that masks.
+
+    The bits that cross from one byte into its neighbour must fall outside the
+    caller's mask (every caller here masks right after: nibbles with 15, Q6_K's
+    high bits with 0x30). Why words: x86 has no byte shift, and LLVM lowers a
+    byte shift plus mask to ``vgf2p8affineqb``, which runs on the multiply pipes
+    beside ``vpdpbusd`` (a Zen 4 fact, docs/engine.md); a word shift and an AND
+    do not. The same bytes after the mask, so the same bits.
+    """
+    w = b.bitcast(v, _vec(_I16, 32))
+    return b.bitcast(op(w, _const(_I16, 32, n)), _vec(_I8, 64))
+
+
 class _Record:
     """One group's record of one block (quant_pack's layout), read as IR values."""
 
-    def __init__(self, b: Any, kind: int, base: Any) -> None:
-        self.b, self.kind, self.base = b, kind, base
+    def __init__(self, b: Any, kind: int, base: Any, word_shifts: bool = False) -> None:
+        # word_shifts: unpack with 16-bit shifts (_shift16), for the tiles of eight
+        # rows and more; the tiles of one and four keep the byte shifts (with one
+        # vpdpbusd per unpacked vector, the extra AND of the word form measured no
+        # better: bench_quant.py --tile, docs/engine.md)
+        self.b, self.kind, self.base, self.word_shifts = b, kind, base, word_shifts
         self.lay = LAYOUTS[kind]
         self._memo: dict[tuple[str, int], Any] = {}
 
@@ -412,6 +430,11 @@ class _Record:
             order = [lane // 2 + (lane % 2) * _LANES for lane in range(2 * _LANES)]
         return self.b.shuffle_vector(w, w, _const(_I32, 2 * _LANES, order))
 
+    def _shift(self, op: Any, v: Any, n: int) -> Any:
+        if self.word_shifts:
+            return _shift16(self.b, op, v, n)
+        return op(v, _const(_I8, 64, n))
+
     def u(self, c: int) -> Any:
         """Vector ``c``: lane r's four bytes are row r's values 4c .. 4c + 3, unsigned."""
         b, lay, kind = self.b, self.lay, self.kind
@@ -420,7 +443,7 @@ class _Record:
             return self.load(lay.q_at(c), v64)
         nib = self._once("nib", c // 2, lambda: self.load(lay.q_at(c), v64))
         if c % 2:
-            nib = b.lshr(nib, _const(_I8, 64, 4))
+            nib = self._shift(b.lshr, nib, 4)
         u = b.and_(nib, _const(_I8, 64, 15))
         if kind in (_Q5_0, _Q5_1, _Q5_K):  # one bit per byte: a 64-bit mask
             bits = b.bitcast(self.load(lay.hi_at(c), _I64), _vec(_I1, 64))
@@ -429,9 +452,9 @@ class _Record:
             h = self._once("hi", c // 4, lambda: self.load(lay.hi_at(c), v64))
             j = c % 4
             if j < 2:
-                h = b.shl(h, _const(_I8, 64, 4 - 2 * j))
+                h = self._shift(b.shl, h, 4 - 2 * j)
             elif j == 3:
-                h = b.lshr(h, _const(_I8, 64, 2))
+                h = self._shift(b.lshr, h, 2)
             u = b.or_(u, b.and_(h, _const(_I8, 64, 0x30)))
         return u
 
@@ -499,7 +522,7 @@ def _tile_function(module: Any, K: int, R: int, vnni: bool) -> Any:
             if rows[0]:  # an opaque copy of the record's address: see `halves`
                 asm_ty = ir.FunctionType(i8p, [i8p])
                 recbase = b.asm(asm_ty, "", "=r,0", [recbase], side_effect=False)
-            rec = _Record(b, K, recbase)
+            rec = _Record(b, K, recbase, word_shifts=R >= _HALF_X)
             dx = {r: b.load(_ptr(b, xdr[r], b.mul(bi, c64(4)), _F32)) for r in rows}
             xoff = b.mul(bi, c64(lay.values))  # the block's first byte in a row of q
             soff = b.mul(bi, c64(lay.values // SUM_VALUES * 2))  # ... and of its int16 sums
