@@ -201,6 +201,97 @@ def ceiling() -> None:
     print(f"# load average: {os.getloadavg()}")
 
 
+def _pipes_ir(extra: str, count: int) -> str:
+    """IR of ``go(n)``: n iterations of 8 independent vpdpbusd and ``count`` ``extra`` ops."""
+    v16, v64, v32 = "<16 x i32>", "<64 x i8>", "<32 x i16>"
+    busd, wssd = "llvm.x86.avx512.vpdpbusd.512", "llvm.x86.avx512.vpdpwssd.512"
+    gf = "llvm.x86.vgf2p8affineqb.512"
+    lines = [f"declare {v16} @{f}({v16}, {v16}, {v16})" for f in (busd, wssd)]
+    lines += [f"declare {v64} @{gf}({v64}, {v64}, i8)", "define i64 @go(i64 %n, i64 %seed) {"]
+    lines += [
+        "entry:",
+        "  %s = trunc i64 %seed to i32",
+        f"  %v0 = insertelement {v16} undef, i32 %s, i32 0",
+    ]
+    lines += [
+        f"  %v = shufflevector {v16} %v0, {v16} undef, {v16} zeroinitializer",
+        "  br label %loop",
+    ]
+    lines += ["loop:", "  %i = phi i64 [0, %entry], [%i1, %loop]"]
+    chains = [f"b{c}" for c in range(8)] + [f"m{c}" for c in range(count)]
+    lines += [f"  %{c} = phi {v16} [%v, %entry], [%{c}n, %loop]" for c in chains]
+    lines += [f"  %b{c}n = call {v16} @{busd}({v16} %b{c}, {v16} %v, {v16} %v)" for c in range(8)]
+    for c in range(count):
+        m = f"%m{c}"
+        if extra == "vpmulld":
+            lines.append(f"  {m}n = mul {v16} {m}, %v")
+        elif extra == "vpdpwssd":
+            lines.append(f"  {m}n = call {v16} @{wssd}({v16} {m}, {v16} %v, {v16} %v)")
+        elif extra == "vgf2p8affineqb":  # what LLVM makes of a byte shift right by 4 and a mask
+            shift = "<8 x i64> <" + ", ".join(["i64 1157442765409226768"] * 8) + ">"
+            lines.append(f"  {m}b = bitcast {v16} {m} to {v64}")
+            lines.append(
+                f"  {m}g = call {v64} @{gf}({v64} {m}b, {v64} bitcast ({shift} to {v64}), i8 0)"
+            )
+            lines.append(f"  {m}n = bitcast {v64} {m}g to {v16}")
+        else:  # vpsrlw + vpandq: the same nibbles by a word shift (quant_int8._shift16)
+            lines.append(f"  {m}w = bitcast {v16} {m} to {v32}")
+            lines.append(f"  {m}s = lshr {v32} {m}w, <" + ", ".join(["i16 4"] * 32) + ">")
+            lines.append(f"  {m}t = bitcast {v32} {m}s to {v16}")
+            lines.append(f"  {m}n = and {v16} {m}t, <" + ", ".join(["i32 252645135"] * 16) + ">")
+    lines += ["  %i1 = add i64 %i, 1", "  %done = icmp eq i64 %i1, %n"]
+    lines += ["  br i1 %done, label %end, label %loop", "end:"]
+    total = "%v"
+    for k, c in enumerate(chains):
+        lines.append(f"  %t{k} = add {v16} {total}, %{c}n")
+        total = f"%t{k}"
+    lines += [f"  %e = extractelement {v16} {total}, i32 0", "  %r = sext i32 %e to i64"]
+    return "\n".join([*lines, "  ret i64 %r", "}"])
+
+
+def pipes() -> list[object]:
+    """Which ops share vpdpbusd's pipes: 8 vpdpbusd chains plus 2 or 4 of another op.
+
+    One core, registers only. An op that runs on the pipes ``vpdpbusd`` needs
+    makes the iteration longer by about one ``vpdpbusd`` each; an op on other
+    pipes hides behind the eight. On Zen 4: ``vpmulld``, ``vpdpwssd`` and
+    ``vgf2p8affineqb`` (LLVM's lowering of a byte shift plus a mask) cost one
+    slot each; a 16-bit shift and an AND cost none (docs/engine.md, int8).
+    """
+    import llvmlite.binding as llvm
+
+    llvm.initialize_native_target()
+    llvm.initialize_native_asmprinter()
+    tm = llvm.Target.from_default_triple().create_target_machine(
+        cpu=llvm.get_host_cpu_name(), features=llvm.get_host_cpu_features().flatten(), opt=2
+    )
+    engines = []  # kept alive while their code runs
+    print("| 8 vpdpbusd and | ns per iteration (best of 5, thread CPU) | per-round ns |")
+    print("| --- | ---: | --- |")
+    cases = [("nothing", 0)] + [
+        (op, k)
+        for op in ("vpmulld", "vpdpwssd", "vgf2p8affineqb", "vpsrlw + vpandq")
+        for k in (2, 4)
+    ]
+    for op, count in cases:
+        engine = llvm.create_mcjit_compiler(llvm.parse_assembly(_pipes_ir(op, count)), tm)
+        engine.finalize_object()
+        engines.append(engine)
+        go = ctypes.CFUNCTYPE(ctypes.c_int64, ctypes.c_int64, ctypes.c_int64)(
+            engine.get_function_address("go")
+        )
+        n = 10_000_000
+        rounds = []
+        for _ in range(5):
+            t = time.thread_time()  # CPU time: a shared core stretches wall time
+            go(n, 3)
+            rounds.append((time.thread_time() - t) / n * 1e9)
+        label = op if not count else f"{count} x {op}"
+        print(f"| {label} | {min(rounds):.2f} | {' '.join(f'{r:.2f}' for r in rounds)} |")
+    print(f"# load average: {os.getloadavg()}")
+    return engines  # freed with the function's frame, an engine crashed the process
+
+
 def tile_rate(types: str) -> None:
     """One core, the int8 tile alone on records that sit in L1/L2: its compute ceiling.
 
@@ -569,6 +660,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=0, help="numba threads (default: all)")
     p.add_argument("--int8-only", action="store_true", help="no --exact-activations variant")
     p.add_argument("--ceiling", action="store_true", help="instruction throughput and bandwidth")
+    p.add_argument("--pipes", action="store_true", help="which ops share vpdpbusd's pipes")
     p.add_argument("--tile", action="store_true", help="the int8 tile alone on data in L1/L2")
     p.add_argument("--memory", action="store_true", help="the int8 tile on records from memory")
     p.add_argument("--prefetch", action="store_true", help="many-row tiles with/without prefetch")
@@ -577,8 +669,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", help="a GGUF file: whole forward passes instead of products")
     p.add_argument("--prefill", type=int, default=128, help="prefill tokens with --model")
     args = p.parse_args(argv)
-    if args.ceiling:
-        ceiling()
+    if args.ceiling or args.pipes:
+        _kept = pipes() if args.pipes else []  # the engines outlive their code (a segfault)
+        if args.ceiling:
+            ceiling()
         # Hazard: llvmlite's MCJIT engines crashed the interpreter's teardown
         # (a segfault after the figures); leave without it
         sys.stdout.flush()
