@@ -382,10 +382,12 @@ class _Record:
     """One group's record of one block (quant_pack's layout), read as IR values."""
 
     def __init__(self, b: Any, kind: int, base: Any, word_shifts: bool = False) -> None:
-        # word_shifts: unpack with 16-bit shifts (_shift16), for the tiles of eight
-        # rows and more; the tiles of one and four keep the byte shifts (with one
-        # vpdpbusd per unpacked vector, the extra AND of the word form measured no
-        # better: bench_quant.py --tile, docs/engine.md)
+        # word_shifts: unpack with 16-bit shifts (_shift16), for the K-quants' tiles
+        # of eight rows and more; the tiles of one and four keep the byte shifts
+        # (with one vpdpbusd per unpacked vector, the extra AND of the word form
+        # measured no better), and so do the 32-value types (one shift per sixteen
+        # vpdpbusd there: Q4_0 and Q5_1 at eight rows came out mixed, bench_quant.py
+        # --tile, docs/engine.md)
         self.b, self.kind, self.base, self.word_shifts = b, kind, base, word_shifts
         self.lay = LAYOUTS[kind]
         self._memo: dict[tuple[str, int], Any] = {}
@@ -522,7 +524,7 @@ def _tile_function(module: Any, K: int, R: int, vnni: bool) -> Any:
             if rows[0]:  # an opaque copy of the record's address: see `halves`
                 asm_ty = ir.FunctionType(i8p, [i8p])
                 recbase = b.asm(asm_ty, "", "=r,0", [recbase], side_effect=False)
-            rec = _Record(b, K, recbase, word_shifts=R >= _HALF_X)
+            rec = _Record(b, K, recbase, word_shifts=R >= _HALF_X and lay.subs > 1)
             dx = {r: b.load(_ptr(b, xdr[r], b.mul(bi, c64(4)), _F32)) for r in rows}
             xoff = b.mul(bi, c64(lay.values))  # the block's first byte in a row of q
             soff = b.mul(bi, c64(lay.values // SUM_VALUES * 2))  # ... and of its int16 sums
