@@ -74,6 +74,7 @@ from numba.extending import intrinsic, overload
 from triollm.model.kvstore import Q8_BLOCK, V_PANEL
 from triollm.model.matmul import PANEL as TILE
 from triollm.model.matmul import _make_tile, _tile1, _tile8
+from triollm.model.quant import claim_next
 from triollm.model.threads import start_parallel_runtime, thread_count
 
 start_parallel_runtime()  # passive OpenMP workers, before the first prange (threads.py)
@@ -152,29 +153,6 @@ def _f32_from_half(typingctx: Any, bits: Any) -> Any:
         return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
 
     return types.float32(bits), codegen
-
-
-@intrinsic
-def _claim(typingctx: Any, counter: Any) -> Any:
-    """``counter[0] += 1`` as one atomic step; returns the value before it.
-
-    counter: a C-contiguous int64 array. How the parallel driver hands out its
-    items: whichever thread asks next gets the next item, so a thread that
-    starts late (a worker still waking up) takes fewer. "monotonic" ordering is
-    enough: the items' inputs were written before the parallel region began and
-    their outputs are read after it ended, both of which order memory already.
-    """
-    if not (
-        isinstance(counter, types.Array) and counter.dtype == types.int64 and counter.layout == "C"
-    ):
-        return None
-
-    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-        arr = context.make_array(signature.args[0])(context, builder, args[0])
-        one = ir.Constant(ir.IntType(64), 1)
-        return builder.atomic_rmw("add", arr.data, one, "monotonic")
-
-    return types.int64(counter), codegen
 
 
 @njit(inline="always")
@@ -858,7 +836,7 @@ def _attend(
     next_item[0] = 0
     for _lane in prange(lanes):
         while True:
-            i = _claim(next_item)  # type: ignore[call-arg,var-annotated]  # numba typing
+            i = claim_next(next_item)  # type: ignore[call-arg,var-annotated]  # numba typing
             if i >= items.shape[0]:
                 break
             r0 = items[i, 0]

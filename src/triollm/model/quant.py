@@ -945,9 +945,10 @@ def claim_next(typingctx: Any, counter: Any) -> Any:
     How a one-row product hands out its runs of weight rows: whichever thread asks next
     gets the next run, so a worker still waking up takes fewer. "monotonic" ordering
     is enough: the inputs were written before the region began and the outputs are
-    read after it ended, both of which order memory already. matmul.py's
-    one-row panels use it too. Hazard: numba's cache does not see a change here
-    from a cached caller in another file; check such a change on a fresh cache.
+    read after it ended, both of which order memory already. matmul.py's one-row
+    panels and attention's parallel driver (its items) use it too. Hazard: numba's
+    cache does not see a change here from a cached caller in another file; check
+    such a change on a fresh cache.
     """
     if not (
         isinstance(counter, types.Array) and counter.dtype == types.int64 and counter.layout == "C"
