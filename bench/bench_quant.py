@@ -43,6 +43,7 @@ import os
 import statistics
 import sys
 import time
+from typing import Any
 
 import numpy as np
 
@@ -154,6 +155,26 @@ def _loop_ir(acc: str, fn: str, op: str, chains: int) -> str:
     return "\n".join([*lines, "  ret i64 %r", "}"])
 
 
+def _loop_rounds(ir_text: str, tm: Any, engines: list[Any], n: int) -> list[float]:
+    """Compile a module whose ``go(n, seed)`` runs ``n`` iterations; its thread CPU
+    seconds in each of 5 runs. The engine goes into ``engines``: the caller keeps it
+    alive while its code may run."""
+    import llvmlite.binding as llvm
+
+    engine = llvm.create_mcjit_compiler(llvm.parse_assembly(ir_text), tm)
+    engine.finalize_object()
+    engines.append(engine)
+    go = ctypes.CFUNCTYPE(ctypes.c_int64, ctypes.c_int64, ctypes.c_int64)(
+        engine.get_function_address("go")
+    )
+    rounds = []
+    for _ in range(5):
+        t = time.thread_time()  # CPU time: a shared core stretches wall time
+        go(n, 3)
+        rounds.append(time.thread_time() - t)
+    return rounds
+
+
 def ceiling() -> None:
     """Independent vpdpbusd / FMA chains in registers, one core; and memory read bandwidth."""
     import llvmlite.binding as llvm
@@ -173,18 +194,8 @@ def ceiling() -> None:
     print("| instruction | per core | MAC/s per core | per-round ms |")
     print("| --- | ---: | ---: | --- |")
     for label, (acc, fn, op, macs) in loops.items():
-        engine = llvm.create_mcjit_compiler(llvm.parse_assembly(_loop_ir(acc, fn, op, chains)), tm)
-        engine.finalize_object()
-        engines.append(engine)
-        go = ctypes.CFUNCTYPE(ctypes.c_int64, ctypes.c_int64, ctypes.c_int64)(
-            engine.get_function_address("go")
-        )
         n = 20_000_000
-        rounds = []
-        for _ in range(5):
-            t = time.thread_time()  # CPU time: a shared core stretches wall time
-            go(n, 3)
-            rounds.append(time.thread_time() - t)
+        rounds = _loop_rounds(_loop_ir(acc, fn, op, chains), tm, engines, n)
         per_s = n * chains / min(rounds)
         print(
             f"| {label} | {per_s / 1e9:.2f} G/s | {per_s * macs / 1e9:.0f} G | "
@@ -274,18 +285,8 @@ def pipes() -> list[object]:
         for k in (2, 4)
     ]
     for op, count in cases:
-        engine = llvm.create_mcjit_compiler(llvm.parse_assembly(_pipes_ir(op, count)), tm)
-        engine.finalize_object()
-        engines.append(engine)
-        go = ctypes.CFUNCTYPE(ctypes.c_int64, ctypes.c_int64, ctypes.c_int64)(
-            engine.get_function_address("go")
-        )
         n = 10_000_000
-        rounds = []
-        for _ in range(5):
-            t = time.thread_time()  # CPU time: a shared core stretches wall time
-            go(n, 3)
-            rounds.append((time.thread_time() - t) / n * 1e9)
+        rounds = [r / n * 1e9 for r in _loop_rounds(_pipes_ir(op, count), tm, engines, n)]
         label = op if not count else f"{count} x {op}"
         print(f"| {label} | {min(rounds):.2f} | {' '.join(f'{r:.2f}' for r in rounds)} |")
     print(f"# load average: {os.getloadavg()}")
