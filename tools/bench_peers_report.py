@@ -254,6 +254,7 @@ def write_report(runs: list[Path], *, doc: bool = True, threshold: float | None 
     drawn = plots(runs, threshold) if doc else []
     if doc:
         write_long_context(runs, threshold)
+        write_targets(runs, threshold)
     body += [*[f"![{alt}](img/{name})\n" for name, alt in drawn], END]
     print("\n".join(body))
     if doc:
@@ -317,20 +318,33 @@ def _floor(row: str, rec: dict[str, Any], w: dict[str, Any], b: dict[str, int], 
     return batch * gbps * 1e9 / (b["weights"] + batch * ctx * b["kv_per_position"])
 
 
-def long_context(runs: list[Path], threshold: float | None = None) -> list[str]:
-    """The lines between performance.md's long-context markers: for each model, the
-    rows a long prompt or a long conversation lives on, each from the last run that
-    measured that row (a run at depth 16384 leaves the 4096 row of an earlier run),
-    against the floor of the run's own bandwidth probe."""
-    latest: dict[tuple[str, str, str], tuple[dict[str, Any], list[dict[str, Any]]]] = {}
+Rows = dict[tuple[str, str, str], tuple[dict[str, Any], list[dict[str, Any]]]]
+
+
+def latest_rows(runs: list[Path], threshold: float | None = None) -> Rows:
+    """Each (model, part, row) with the meta and records of the last run that measured
+    that row: a run at depth 16384 leaves an earlier run's depth 4096 row in place."""
+    latest: Rows = {}
     for results in runs:
         meta = json.loads((results / "meta.json").read_text())
         rs = [r for r in read(results / "records.jsonl") if "error" not in r]
         if threshold is not None:
             rs, _ = rejudge(rs, read(results / "rounds.jsonl"), threshold)
         for key in {(r["model"], r["part"], r["row"]) for r in rs}:
-            if key[1] == "depth" or key[2] in LONG_ROWS:
-                latest[key] = (meta, [r for r in rs if (r["model"], r["part"], r["row"]) == key])
+            latest[key] = (meta, [r for r in rs if (r["model"], r["part"], r["row"]) == key])
+    return latest
+
+
+def long_context(runs: list[Path], threshold: float | None = None) -> list[str]:
+    """The lines between performance.md's long-context markers: for each model, the
+    rows a long prompt or a long conversation lives on, each from the last run that
+    measured that row (a run at depth 16384 leaves the 4096 row of an earlier run),
+    against the floor of the run's own bandwidth probe."""
+    latest = {
+        key: v
+        for key, v in latest_rows(runs, threshold).items()
+        if key[1] == "depth" or key[2] in LONG_ROWS
+    }
     lines = [
         "| model | row | triollm tok/s | llama.cpp tok/s | ratio | per round | floor tok/s "
         "| triollm of floor | llama.cpp of floor | run |",
@@ -362,6 +376,99 @@ def long_context(runs: list[Path], threshold: float | None = None) -> list[str]:
                 f"`{meta.get('commit', '?')}`, {gbps or '—'} GB/s |"
             )
     return [LONG_BEGIN, "", *lines, "", LONG_END]
+
+
+# docs/results.md's table of the wave's targets (the int8 issue's and the long-context
+# issue's, as they were written): each row judged from the last run that measured it.
+TARGETS_BEGIN = "<!-- targets:begin (written by tools/bench_peers.py tables; edit the tool) -->"
+TARGETS_END = "<!-- targets:end -->"
+_B1 = "engine.md#the-steps-fixed-costs"
+_INT8 = "engine.md#int8-activations-the-default-and-exact-activations"
+_ATTN = "engine.md#attention-tiles-an-online-softmax-split-contexts"
+_SERVE = "performance.md#the-server-path"
+# (model, row, metric, the ratio triollm / llama.cpp must reach, where its cost is taken
+# apart). For a latency (ms) the target is a ceiling: at most that ratio.
+TARGETS: tuple[tuple[str, str, str, float, str], ...] = (
+    *(
+        t
+        for m in ("qwen1.5b", "qwen0.5b")
+        for t in (
+            (m, "decode b=1", "tok/s", 1.3, _B1),
+            (m, "decode b=16", "tok/s", 2.0, _INT8),
+            (m, "prefill 512", "tok/s", 1.5, _INT8),
+            (m, "prefill 2048", "tok/s", 1.5, _ATTN),
+            (m, "decode after 4096", "tok/s", 1.3, _ATTN),
+            (m, "decode after 16384", "tok/s", 1.3, _ATTN),
+            (m, "c=1", "TTFT p50 ms", 1.0, _SERVE),
+            (m, "c=1", "aggregate tok/s", 1.2, _SERVE),
+            (m, "c=8", "aggregate tok/s", 1.5, _SERVE),
+            (m, "c=8", "ITL p99 ms", 1.0, _SERVE),
+        )
+    ),
+    *(
+        t
+        for m in ("smollm2-q8_0", "smollm2-q4_1")
+        for t in (
+            (m, "decode b=1", "tok/s", 1.2, _B1),
+            (m, "decode b=16", "tok/s", 2.0, _INT8),
+            (m, "prefill 512", "tok/s", 1.5, _INT8),
+        )
+    ),
+    ("smollm2-q4_1", "c=1", "aggregate tok/s", 1.0, _SERVE),
+    ("smollm2-16bit", "c=1", "aggregate tok/s", 1.0, _SERVE),
+)
+
+
+def target_status(s: Summary, target: float) -> str:
+    """``met`` when the median of the quiet rounds reaches the target and every quiet
+    round does; ``met by the median`` when some round fell short; else ``missed``. At
+    least 3 quiet rounds, or nothing is judged."""
+    ratios = [r.ratio for r in s.quiet if r.ratio is not None]
+    if len(ratios) < 3 or s.ratio is None:
+        return f"not judged: {len(ratios)} quiet round(s)"
+
+    def ok(x: float) -> bool:
+        return x >= target if s.higher_is_better else x <= target
+
+    if not ok(s.ratio):
+        return "**missed**"
+    short = sum(not ok(x) for x in ratios)
+    return "met" if not short else f"met by the median ({short} of {len(ratios)} rounds short)"
+
+
+def targets(runs: list[Path], threshold: float | None = None) -> list[str]:
+    """The lines between results.md's target markers: every target, its median ratio,
+    rounds and status, from the last run that measured its row."""
+    latest = latest_rows(runs, threshold)
+    lines = [
+        "| model | row | target | ratio (median) | per round | status | run "
+        "| cost taken apart in |",
+        "| --- | --- | ---: | ---: | --- | --- | --- | --- |",
+    ]
+    for model, row, metric, target, where in TARGETS:
+        key = next((k for k in latest if k[0] == model and k[2] == row), None)
+        meta, rs = latest[key] if key else ({}, [])
+        entry = next((e for e in summaries(rs) if e["metric"] == metric), None)
+        if key is None or entry is None:
+            lines.append(f"| {model} | {row} {metric} | — | — | — | not measured | — | — |")
+            continue
+        title = meta["models"][model]["title"]
+        s = entry["s"]
+        sign = ">=" if s.higher_is_better else "<="
+        lines.append(
+            f"| {title} | {row} {metric} | {sign} {target:.1f}x | "
+            + ("—" if s.ratio is None else f"{s.ratio:.2f}x")
+            + f" | {s.per_round()} | {target_status(s, target)} | "
+            f"{meta['date'][:16].replace('T', ' ')}, `{meta.get('commit', '?')}` | "
+            f"[{where.split('#')[0]}]({where}) |"
+        )
+    return [TARGETS_BEGIN, "", *lines, "", TARGETS_END]
+
+
+def write_targets(runs: list[Path], threshold: float | None = None) -> None:
+    body = targets(runs, threshold)
+    print("\n".join(body))
+    _replace_between(DOC, TARGETS_BEGIN, TARGETS_END, body)
 
 
 def write_long_context(runs: list[Path], threshold: float | None = None) -> None:

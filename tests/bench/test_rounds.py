@@ -289,3 +289,49 @@ def test_the_long_context_table_keeps_each_row_from_the_last_run_that_measured_i
     got = [(x.split(" | ")[1], x.split(" | ")[2], x.split("`")[1]) for x in lines]
     assert got == [("decode b=1", "40.0", "c"), ("decode after 4096", "10.0", "a"),
                    ("decode after 16384", "6.0", "b")]  # fmt: skip
+
+
+def test_a_target_is_met_only_when_the_median_reaches_it_and_says_which_rounds_fell_short() -> None:
+    report = _report()
+    peer = {0: 10.0, 1: 10.0, 2: 10.0}
+    assert report.target_status(summarize({0: 14.0, 1: 13.5, 2: 13.1}, peer), 1.3) == "met"
+    assert report.target_status(summarize({0: 14.0, 1: 13.5, 2: 12.0}, peer), 1.3) == (
+        "met by the median (1 of 3 rounds short)"
+    )
+    assert report.target_status(summarize({0: 14.0, 1: 12.9, 2: 11.0}, peer), 1.3) == "**missed**"
+    # a latency's target is a ceiling: TTFT 0.9x of the peer's meets "<= 1.0x"
+    ttft = summarize({0: 9.0, 1: 9.5, 2: 8.0}, peer, higher_is_better=False)
+    assert report.target_status(ttft, 1.0) == "met"
+    assert report.target_status(summarize({0: 14.0, 1: 14.0}, {0: 10.0, 1: 10.0}), 1.3) == (
+        "not judged: 2 quiet round(s)"
+    )
+    busy = summarize({0: 14.0, 1: 14.0, 2: 30.0}, peer, busy={2})
+    assert report.target_status(busy, 1.3) == "not judged: 2 quiet round(s)"
+
+
+def test_the_targets_table_takes_each_row_from_the_last_run_that_measured_it(
+    tmp_path: Path,
+) -> None:
+    report = _report()
+    runs = []
+    for name, rows in (("a", (("decode b=1", 1.0), ("decode after 16384", 2.0))),
+                       ("b", (("decode b=1", 1.4), ("decode after 4096", 1.2)))):  # fmt: skip
+        d = tmp_path / name
+        d.mkdir()
+        meta = {"date": f"2026-12-02T0{len(runs)}:00", "commit": name,
+                "models": {"qwen1.5b": {"title": "Q", "ours": "x"}}}  # fmt: skip
+        (d / "meta.json").write_text(json.dumps(meta))
+        recs = [
+            {"model": "qwen1.5b", "part": "decode" if "b=" in row else "depth", "row": row,
+             "system": system, "round": rnd, "tok_s": 10.0 * (ratio if system == "triollm" else 1)}
+            for row, ratio in rows for system in ("triollm", "llama.cpp") for rnd in range(3)
+        ]  # fmt: skip
+        (d / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+        (d / "rounds.jsonl").write_text("")
+        runs.append(d)
+    lines = report.targets(runs)
+    rows = {x.split(" | ")[1]: x for x in lines if x.startswith("| Q |")}
+    assert "| 1.40x | 1.40, 1.40, 1.40 | met | 2026-12-02 01:00, `b` |" in rows["decode b=1 tok/s"]
+    assert "| **missed** |" in rows["decode after 4096 tok/s"]
+    assert "| met | 2026-12-02 00:00, `a` |" in rows["decode after 16384 tok/s"]
+    assert "| qwen1.5b | c=1 aggregate tok/s | — | — | — | not measured |" in "\n".join(lines)
