@@ -104,7 +104,11 @@ def _column_positions(storage: str) -> np.ndarray:
 
 
 def _make_tile(
-    rows: int, panels: int = 1, prefetch_next: bool = False, prefetch_bytes: int = 0
+    rows: int,
+    panels: int = 1,
+    prefetch_next: bool = False,
+    prefetch_bytes: int = 0,
+    prefetch_from: bool = False,
 ) -> Any:
     """An intrinsic computing ``out[r0 : r0 + rows, panel]`` for one column panel.
 
@@ -117,13 +121,28 @@ def _make_tile(
     accumulators that live in registers (SSA phis across the loop). No
     fast-math flag is set, so LLVM may neither reassociate nor split the
     chains: every element is the same sequence of roundings in every tile.
+
+    ``prefetch_from``: the tile takes two more arguments, ``pf`` (any
+    C-contiguous array) and ``pf_at`` (an element offset into it), and at each
+    ``k`` asks for the lines of ``pf.flat[pf_at:]`` that lie as far in as the
+    panel's row ``k`` lies in the panel (``prefetcht1``, into L2): a caller
+    whose next panel is somewhere else than the next one in ``w`` (attention's
+    next K/V tile, wherever the block table put it) gets it streamed in one
+    line per ``k``, spread through the arithmetic. A hint: it changes no bit.
     """
     vecs = PANEL // _LANES
     nv = panels * vecs  # accumulators per row
 
-    @intrinsic
-    def tile(typingctx, x, w, out, r0, panel, k_in, ncols):  # type: ignore[no-untyped-def]
-        ok = (
+    def typed(typingctx, x, w, out, r0, panel, k_in, ncols, pf_args):  # type: ignore[no-untyped-def]
+        pf_ok = (
+            len(pf_args) == 2
+            and isinstance(pf_args[0], types.Array)
+            and pf_args[0].layout == "C"
+            and isinstance(pf_args[1], types.Integer)
+            if prefetch_from
+            else not pf_args
+        )
+        ok = pf_ok and (
             isinstance(x, types.Array)
             and x.dtype == types.float32
             and x.ndim == 2
@@ -137,7 +156,7 @@ def _make_tile(
         )
         if not ok:
             return None
-        sig = types.void(x, w, out, r0, panel, k_in, ncols)
+        sig = types.void(x, w, out, r0, panel, k_in, ncols, *pf_args)
         kind = str(w.dtype)
 
         def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
@@ -215,6 +234,12 @@ def _make_tile(
                     out_v.append(builder.fpext(half, vf))
                 return out_v
 
+            if prefetch_from:  # pf.flat[pf_at], in bytes
+                pfa = context.make_array(a[7])(context, builder, args[7])
+                pf_item = context.get_abi_sizeof(context.get_data_type(a[7].dtype))
+                pf_base = builder.gep(
+                    builder.bitcast(pfa.data, i8p), [builder.mul(intp(8), const(pf_item))]
+                )
             entry = builder.block
             loop = builder.append_basic_block("tile.loop")
             done = builder.append_basic_block("tile.done")
@@ -240,6 +265,8 @@ def _make_tile(
                         [at, ir.Constant(i32, 0), ir.Constant(i32, locality), ir.Constant(i32, 1)],
                     )
 
+            if prefetch_from:
+                prefetch(builder.gep(pf_base, [builder.mul(k, const(w_step))]), 2)
             if prefetch_next:
                 # the same k of the next panel, towards L2 (prefetcht1): the next
                 # panel streams in from memory while this one is multiplied
@@ -293,6 +320,18 @@ def _make_tile(
             return context.get_dummy_value()
 
         return sig, codegen
+
+    if prefetch_from:
+
+        @intrinsic
+        def tile_pf(typingctx, x, w, out, r0, panel, k_in, ncols, pf, pf_at):  # type: ignore[no-untyped-def]
+            return typed(typingctx, x, w, out, r0, panel, k_in, ncols, (pf, pf_at))
+
+        return tile_pf
+
+    @intrinsic
+    def tile(typingctx, x, w, out, r0, panel, k_in, ncols):  # type: ignore[no-untyped-def]
+        return typed(typingctx, x, w, out, r0, panel, k_in, ncols, ())
 
     return tile
 
