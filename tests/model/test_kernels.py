@@ -7,6 +7,7 @@ import dataclasses
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from numba import njit
 
 from triollm.model import attention, kernels
 from triollm.model.config import ModelConfig
@@ -632,3 +633,39 @@ def test_the_softmax_exp_is_exactly_one_at_zero_and_close_to_numpys_elsewhere(x:
     assert exp(np.float32(0.0)) == np.float32(1.0)
     got, want = exp(np.float32(x)), np.exp(np.float64(np.float32(x)))
     assert abs(got - want) <= 4 * np.spacing(np.float32(want))  # the ~2 ulp of its comment
+
+
+@njit(cache=False)
+def _both_products(x, w, pf, pf_at, plain, prefetching, k_in, ncols):  # type: ignore[no-untyped-def]
+    attention._rows_times_panel(x, w, plain, 0, k_in, ncols)
+    attention._rows_times_panel_pf(x, w, prefetching, 0, k_in, ncols, pf, pf_at)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    rows=st.integers(1, 20),
+    k_in=st.integers(1, 130),
+    ncols=st.integers(1, 32),
+    f16=st.booleans(),
+    far=st.integers(0, 3),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_the_tiles_that_prefetch_the_next_tile_give_the_same_bits(
+    rows: int, k_in: int, ncols: int, f16: bool, far: int, seed: int
+) -> None:
+    """The products of a K/V tile read in place ask for the next tile's lines
+    meanwhile (``attention._rows_times_panel_pf``, matmul's ``prefetch_from``): a
+    hint that must change no bit of the product, for every row count (the first
+    tile of 8 prefetches, the rest do not) and wherever the next tile is, even
+    past the end of the pool (a prefetch never faults)."""
+    rng = rng_for(seed)
+    x = f32(rng, rows, k_in)
+    w32 = f32(rng, 1, k_in, 32)
+    w = w32.astype(np.float16).view(np.int16) if f16 else w32
+    pf = f32(rng, 4, k_in, 32).astype(w.dtype)
+    pf_at = far * pf.size  # 0: inside; 1: just past the end; 2, 3: far past it
+    plain = np.full((rows, 32), np.nan, np.float32)
+    prefetching = np.full((rows, 32), np.nan, np.float32)
+    _both_products(x, w, pf, pf_at, plain, prefetching, k_in, ncols)
+    assert prefetching.tobytes() == plain.tobytes()
+    assert np.isfinite(plain[:, :ncols]).all()

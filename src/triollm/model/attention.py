@@ -112,6 +112,18 @@ _tile4 = _make_tile(4)
 _tile5 = _make_tile(5)
 _tile6 = _make_tile(6)
 _tile7 = _make_tile(7)
+# The same tiles asking, one line per k, for the next tile's K or V panel
+# (prefetch_from: wherever the block table put it) while they multiply this
+# one. The first tile over a panel of a product carries the prefetch; the
+# others find the panel in L2. See _item, "the next tile's K/V".
+_tile1_pf = _make_tile(1, prefetch_from=True)
+_tile2_pf = _make_tile(2, prefetch_from=True)
+_tile3_pf = _make_tile(3, prefetch_from=True)
+_tile4_pf = _make_tile(4, prefetch_from=True)
+_tile5_pf = _make_tile(5, prefetch_from=True)
+_tile6_pf = _make_tile(6, prefetch_from=True)
+_tile7_pf = _make_tile(7, prefetch_from=True)
+_tile8_pf = _make_tile(8, prefetch_from=True)
 
 if not TILE == Q8_BLOCK == V_PANEL:  # one q8_0 scale per V panel row; V's panels are the tiles'
     raise ImportError(
@@ -395,28 +407,31 @@ def _keys_in_place_impl(cache):  # type: ignore[no-untyped-def]
     return lambda cache: False
 
 
-def _scores(qb, cache, kp, sc, b, h):  # type: ignore[no-untyped-def]
-    """``sc = qb @ K tile``: from block ``b``, head ``h`` in place, or from ``kp``."""
+def _scores(qb, cache, kp, sc, b, h, b_next):  # type: ignore[no-untyped-def]
+    """``sc = qb @ K tile``: from block ``b``, head ``h`` in place (asking for block
+    ``b_next``'s K meanwhile), or from ``kp``."""
     raise NotImplementedError  # only called from numba; the overload is the body
 
 
 @overload(_scores, inline="always")
-def _scores_impl(qb, cache, kp, sc, b, h):  # type: ignore[no-untyped-def]
+def _scores_impl(qb, cache, kp, sc, b, h, b_next):  # type: ignore[no-untyped-def]
     if cache.dtype in (types.float32, types.int16):
 
-        def in_place(qb, cache, kp, sc, b, h):  # type: ignore[no-untyped-def]
+        def in_place(qb, cache, kp, sc, b, h, b_next):  # type: ignore[no-untyped-def]
             head_dim = qb.shape[1]
             if cache.shape[3] == TILE:
                 # block b, head h as a one-panel (1, head_dim, 32) view. Hazard: the
                 # tiles take the panel index as the output's column panel too, so
-                # the panel must be index 0 of the view, not b * n_kv + h of the pool
-                _rows_times_panel(qb, cache[b : b + 1, h], sc, 0, head_dim, TILE)
+                # the panel must be index 0 of the view, not b * n_kv + h of the pool.
+                # K[b_next, h] (flat offset) streams into L2 meanwhile, a line per k.
+                pf_at = (b_next * cache.shape[1] + h) * head_dim * TILE
+                _rows_times_panel_pf(qb, cache[b : b + 1, h], sc, 0, head_dim, TILE, cache, pf_at)
             else:
                 _rows_times_panel(qb, kp, sc, 0, head_dim, TILE)
 
         return in_place
 
-    def loaded(qb, cache, kp, sc, b, h):  # type: ignore[no-untyped-def]
+    def loaded(qb, cache, kp, sc, b, h, b_next):  # type: ignore[no-untyped-def]
         _rows_times_panel(qb, kp, sc, 0, qb.shape[1], TILE)
 
     return loaded
@@ -469,14 +484,15 @@ def _values_in_place_impl(cache):  # type: ignore[no-untyped-def]
     return lambda cache: False
 
 
-def _weighted_values(sc, cache, vp, pv, b, h, here):  # type: ignore[no-untyped-def]
-    """``pv = sc @ V tile``: from block ``b``, head ``h`` in place when ``here``, else ``vp``."""
+def _weighted_values(sc, cache, vp, pv, b, h, here, b_next):  # type: ignore[no-untyped-def]
+    """``pv = sc @ V tile``: from block ``b``, head ``h`` in place when ``here`` (asking
+    for block ``b_next``'s V meanwhile), else ``vp``."""
     raise NotImplementedError  # only called from numba; the overload is the body
 
 
 @overload(_weighted_values, inline="always")
-def _weighted_values_impl(sc, cache, vp, pv, b, h, here):  # type: ignore[no-untyped-def]
-    def loaded(sc, cache, vp, pv, b, h, here):  # type: ignore[no-untyped-def]
+def _weighted_values_impl(sc, cache, vp, pv, b, h, here, b_next):  # type: ignore[no-untyped-def]
+    def loaded(sc, cache, vp, pv, b, h, here, b_next):  # type: ignore[no-untyped-def]
         head_dim = pv.shape[1]
         for panel in range(vp.shape[0]):
             _rows_times_panel(sc, vp, pv, panel, TILE, min(TILE, head_dim - panel * TILE))
@@ -484,16 +500,19 @@ def _weighted_values_impl(sc, cache, vp, pv, b, h, here):  # type: ignore[no-unt
     if cache.dtype not in (types.float32, types.int16):
         return loaded
 
-    def in_place(sc, cache, vp, pv, b, h, here):  # type: ignore[no-untyped-def]
+    def in_place(sc, cache, vp, pv, b, h, here, b_next):  # type: ignore[no-untyped-def]
         # block b, head h: (head_dim / 32, TILE, 32), the tile's own panels; panel
         # p is the output's columns 32 p .. 32 p + 31 (the tiles take one index
-        # for both), the last panel's padding columns masked off by ncols
+        # for both), the last panel's padding columns masked off by ncols. Panel p
+        # of V[b_next, h] streams into L2 meanwhile, a line per k.
         head_dim = pv.shape[1]
         block = cache[b, h]
+        n_vp, bs = cache.shape[2], cache.shape[3]
         for panel in range(vp.shape[0]):
             ncols = min(TILE, head_dim - panel * TILE)
             if here:
-                _rows_times_panel(sc, block, pv, panel, TILE, ncols)
+                pf_at = ((b_next * cache.shape[1] + h) * n_vp + panel) * bs * TILE
+                _rows_times_panel_pf(sc, block, pv, panel, TILE, ncols, cache, pf_at)
             else:
                 _rows_times_panel(sc, vp, pv, panel, TILE, ncols)
 
@@ -626,7 +645,15 @@ def _rows_times_panel(x: Any, w: Any, out: Any, panel: int, k_in: int, ncols: in
     while r + 8 <= n:
         _tile8(x, w, out, r, panel, k_in, ncols)
         r += 8
-    rest = n - r  # the last 0-7 rows in one tile
+    _rows_times_panel_rest(x, w, out, panel, k_in, ncols, r)
+
+
+@njit(inline="always")
+def _rows_times_panel_rest(
+    x: Any, w: Any, out: Any, panel: int, k_in: int, ncols: int, r: int
+) -> None:  # pragma: no cover - numba
+    # rows r .. n-1 (fewer than 8) of _rows_times_panel, in one tile
+    rest = x.shape[0] - r
     if rest == 7:
         _tile7(x, w, out, r, panel, k_in, ncols)
     elif rest == 6:
@@ -641,6 +668,39 @@ def _rows_times_panel(x: Any, w: Any, out: Any, panel: int, k_in: int, ncols: in
         _tile2(x, w, out, r, panel, k_in, ncols)
     elif rest == 1:
         _tile1(x, w, out, r, panel, k_in, ncols)
+
+
+@njit(inline="always")
+def _rows_times_panel_pf(
+    x: Any, w: Any, out: Any, panel: int, k_in: int, ncols: int, pf: Any, pf_at: int
+) -> None:  # pragma: no cover - numba
+    # _rows_times_panel, its first tile asking for pf.flat[pf_at:] one line per k
+    # (the next tile's panel); the tiles after it find w's panel in L1/L2. The same
+    # tiles' arithmetic, so the same bits.
+    n = x.shape[0]
+    r = 0
+    if n >= 8:
+        _tile8_pf(x, w, out, 0, panel, k_in, ncols, pf, pf_at)
+        r = 8
+        while r + 8 <= n:
+            _tile8(x, w, out, r, panel, k_in, ncols)
+            r += 8
+        _rows_times_panel_rest(x, w, out, panel, k_in, ncols, r)
+        return
+    if n == 7:
+        _tile7_pf(x, w, out, 0, panel, k_in, ncols, pf, pf_at)
+    elif n == 6:
+        _tile6_pf(x, w, out, 0, panel, k_in, ncols, pf, pf_at)
+    elif n == 5:
+        _tile5_pf(x, w, out, 0, panel, k_in, ncols, pf, pf_at)
+    elif n == 4:
+        _tile4_pf(x, w, out, 0, panel, k_in, ncols, pf, pf_at)
+    elif n == 3:
+        _tile3_pf(x, w, out, 0, panel, k_in, ncols, pf, pf_at)
+    elif n == 2:
+        _tile2_pf(x, w, out, 0, panel, k_in, ncols, pf, pf_at)
+    elif n == 1:
+        _tile1_pf(x, w, out, 0, panel, k_in, ncols, pf, pf_at)
 
 
 @njit(cache=True, nogil=True, fastmath={"contract"})
@@ -723,12 +783,17 @@ def _item(
         if n_valid < TILE:
             kp[0, :, n_valid:] = np.float32(0.0)  # (no rows when K is read in place)
             vp[:, n_valid:, :] = np.float32(0.0)
-        # ask for the next tile's K/V now (into L2), so that memory delivers it
-        # while this tile is multiplied: at depth the tiles come from DRAM, and
-        # without it the products waited for them (docs/engine.md, "Decode at
-        # depth": 26.9 against 23.6 CPU ms per step at depth 4096)
+        # the next tile's K/V must stream in from memory while this one is
+        # multiplied: at depth the tiles come from DRAM, and without a prefetch
+        # the products waited for them (docs/engine.md, "Decode at depth"). Read
+        # in place (f16/f32, blocks of TILE), the two products ask for it
+        # themselves, one line per k (b_next); a burst of all its 256 lines here
+        # filled the core's miss buffers and stalled the arithmetic behind it,
+        # so memory and FMAs took turns (docs/engine.md, "the next tile's K/V").
+        # The other layouts still ask in one burst, before their loads.
         t_next = t0 + TILE
-        if t_next <= t_end:
+        b_next = table[t_next // bs] if t_next <= t_end else table[t0 // bs]
+        if t_next <= t_end and not (in_place and v_in_place):
             n_next = min(TILE, p_last - t_next + 1)
             t = 0
             while t < n_next:
@@ -738,7 +803,7 @@ def _item(
                 n = min(bs - o, n_next - t)
                 _prefetch_tile(k_cache, v_cache, k_scale, v_scale, b, kvh, o, n)
                 t += n
-        _scores(qb, k_cache, kp, sc, table[t0 // bs], kvh)  # sc = q . k, all vectors
+        _scores(qb, k_cache, kp, sc, table[t0 // bs], kvh, b_next)  # sc = q . k, all vectors
         for r in range(r0, r1):
             p = positions[r]
             lo = max(0, p - window + 1) if window > 0 else 0
@@ -777,7 +842,7 @@ def _item(
                 m[qi] = m_new
                 started[qi] = True
         # pv = weights @ V tile, all vectors
-        _weighted_values(sc, v_cache, vp, pv, table[t0 // bs], kvh, v_here)
+        _weighted_values(sc, v_cache, vp, pv, table[t0 // bs], kvh, v_here, b_next)
         for r in range(r0, r1):
             p = positions[r]
             lo = max(0, p - window + 1) if window > 0 else 0
