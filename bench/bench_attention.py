@@ -4,6 +4,7 @@
     python bench/bench_attention.py --shape qwen1.5b --depths 4096,16384 --baseline main
     NUMBA_NUM_THREADS=1 python bench/bench_attention.py --cpu --baseline main
     python bench/bench_attention.py --model FILE.gguf --step --depths 0,4096,16384
+    python bench/bench_attention.py --model FILE.gguf --step --profile --baseline main
     python bench/bench_attention.py --wake
 
 - **kernel** (the default): one decode row at depth D against every layer's own
@@ -274,22 +275,100 @@ def step_mode(args: argparse.Namespace) -> None:
     model = loaded.model
     c = model.config
     shape = (c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads, c.head_dim)
+    # the step's attention is whatever kernels.paged_attention is when llama.py calls
+    # it: --baseline swaps in the old module's (its pools are laid out as this tree's)
+    impls: list[tuple[str, Any]] = [("this tree", attention)]
+    if args.baseline:
+        impls.append((f"baseline {args.baseline}", baseline_module(args.baseline)))
+    saved = (kernels.plan_attention, kernels.paged_attention)
     print(f"# whole decode step, {Path(args.model).name}, shape {shape}, {dtype.value}")
-    print("| depth | round | ms per step | attention ms (kernel mode) | load |")
-    print("| ---: | ---: | ---: | ---: | --- |")
-    for depth in args.depths:
-        pools = Pools(shape, depth + 1, dtype)  # room for the step's own position
-        table = tuple(int(b) for b in pools.table[0])
-        plan = [ChunkPlan(0, (11,), depth, table, True, False)]
-        for rnd in range(args.rounds):
-            step_ms, _ = median_ms(
-                lambda c=plan, p=pools: _timed(model.forward, c, p.kv), args.reps
-            )
-            att_ms, _ = median_ms(lambda p=pools: p.run(attention), args.reps)
-            print(
-                f"| {depth} | {rnd + 1} | {step_ms:.1f} | {att_ms:.2f} | {load_average()} |",
-                flush=True,
-            )
+    if args.profile:
+        print(
+            "# per stage: wall ms / the process's CPU ms (both threads), mean of --reps "
+            "steps; rest = the step minus attention and the weight products"
+        )
+        print(
+            "| depth | impl | round | ms per step | attention | weight products | rest "
+            "| step CPU ms | load |"
+        )
+        print("| ---: | --- | ---: | ---: | --- | --- | --- | ---: | --- |")
+    else:
+        print("| depth | impl | round | ms per step | attention ms (kernel mode) | load |")
+        print("| ---: | --- | ---: | ---: | ---: | --- |")
+    try:
+        for depth in args.depths:
+            pools = Pools(shape, depth + 1, dtype)  # room for the step's own position
+            table = tuple(int(b) for b in pools.table[0])
+            plan = [ChunkPlan(0, (11,), depth, table, True, False)]
+            for rnd in range(args.rounds):
+                for name, module in impls if rnd % 2 == 0 else impls[::-1]:
+                    kernels.plan_attention = module.plan_attention
+                    kernels.paged_attention = module.paged_attention
+                    if args.profile:
+                        got = _profile_step(model, plan, pools.kv, args.reps)
+                        wall, cpu = got["step"]
+                        cells = " | ".join(
+                            f"{got[k][0]:.1f} / {got[k][1]:.1f}"
+                            for k in ("attention", "products", "rest")
+                        )
+                        print(
+                            f"| {depth} | {name} | {rnd + 1} | {wall:.1f} | {cells} | {cpu:.1f} "
+                            f"| {load_average()} |",
+                            flush=True,
+                        )
+                        continue
+                    step_ms, _ = median_ms(
+                        lambda c=plan, p=pools: _timed(model.forward, c, p.kv), args.reps
+                    )
+                    att_ms, _ = median_ms(lambda p=pools, m=module: p.run(m), args.reps)
+                    print(
+                        f"| {depth} | {name} | {rnd + 1} | {step_ms:.1f} | {att_ms:.2f} "
+                        f"| {load_average()} |",
+                        flush=True,
+                    )
+    finally:
+        kernels.plan_attention, kernels.paged_attention = saved
+
+
+def _profile_step(model: Any, chunks: Any, kv: Any, reps: int) -> dict[str, tuple[float, float]]:
+    """Mean (wall ms, process CPU ms) per step of attention, the weight products and
+    the rest, by wrapping the module attributes llama.py calls (~1 us per call)."""
+    from triollm.model import llama
+
+    totals = {"attention": [0.0, 0.0], "products": [0.0, 0.0]}
+    saved = [(kernels, "plan_attention"), (kernels, "paged_attention"), (llama, "linear")]
+    originals = [getattr(m, n) for m, n in saved]
+
+    def wrap(fn: Any, stage: str) -> Any:
+        def timed(*a: Any, **k: Any) -> Any:
+            t, c = time.perf_counter(), time.process_time()
+            try:
+                return fn(*a, **k)
+            finally:
+                totals[stage][0] += time.perf_counter() - t
+                totals[stage][1] += time.process_time() - c
+
+        return timed
+
+    model.forward(chunks, kv)  # warm
+    for (module, name), fn in zip(saved, originals, strict=True):
+        setattr(module, name, wrap(fn, "products" if name == "linear" else "attention"))
+    try:
+        t, c = time.perf_counter(), time.process_time()
+        for _ in range(reps):
+            model.forward(chunks, kv)
+        wall, cpu = time.perf_counter() - t, time.process_time() - c
+    finally:
+        for (module, name), fn in zip(saved, originals, strict=True):
+            setattr(module, name, fn)
+    out = {k: (v[0] / reps * 1e3, v[1] / reps * 1e3) for k, v in totals.items()}
+    step = (wall / reps * 1e3, cpu / reps * 1e3)
+    out["rest"] = (
+        step[0] - out["attention"][0] - out["products"][0],
+        step[1] - out["attention"][1] - out["products"][1],
+    )
+    out["step"] = step
+    return out
 
 
 def _timed(f: Any, *a: Any) -> float:
@@ -402,6 +481,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gap-us", type=float, default=300.0, help="--crossover: work between calls")
     p.add_argument(
         "--cpu", action="store_true", help="kernel mode in process CPU time, not wall time"
+    )
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="--step: attention, weight products and the rest, wall and CPU ms",
     )
     args = p.parse_args(argv)
     args.depths = [int(d) for d in args.depths.split(",")]
