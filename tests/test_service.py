@@ -18,6 +18,7 @@ import trio.testing
 
 from triollm.admission import QueueClosed, QueueFull
 from triollm.batch import BadChunks
+from triollm.events import StepKind
 from triollm.model.sampling import SamplingParams
 from triollm.outcomes import EndCode, Unfinished
 from triollm.plan import FinishReason, SampledToken, SequenceFailure, StepPlan, StepResult
@@ -131,7 +132,7 @@ class Counter:
     def ended_early(self, reason: Unfinished) -> None:
         self.rejections[reason] = self.rejections.get(reason, 0) + 1
 
-    def step(self, rows: int, width: int) -> None:
+    def step(self, rows: int, width: int, kind: StepKind, seconds: float) -> None:
         pass
 
 

@@ -14,6 +14,7 @@ Read with ``service.py`` (which produces all of these) and ``server/responses.py
 
 from __future__ import annotations
 
+import enum
 from collections import deque
 from dataclasses import dataclass
 from typing import Protocol
@@ -99,6 +100,22 @@ class Ended:
 # --------------------------------------------------------------------------- the hooks
 
 
+class StepKind(enum.Enum):
+    """What a step computed, for its timing: decode rows only, or prompt rows too.
+
+    Kept apart because they answer different questions: a decode step's time is the
+    engine's share of a streamed token (set beside the client's inter-token latency,
+    the rest is the server path's; docs/performance.md, "The server path"), a prefill
+    step's is the first token's."""
+
+    DECODE = "decode"
+    PREFILL = "prefill"
+
+    @classmethod
+    def of(cls, prefill_rows: int) -> StepKind:
+        return cls.PREFILL if prefill_rows else cls.DECODE
+
+
 class Observer(Protocol):
     """The metrics hooks the service calls (``server/metrics.py`` provides them).
 
@@ -112,7 +129,7 @@ class Observer(Protocol):
     def token(self, first: bool, seconds_since_previous: float) -> None: ...
     def finished(self, reason: FinishReason, e2e_seconds: float) -> None: ...
     def ended_early(self, reason: Unfinished) -> None: ...
-    def step(self, rows: int, width: int) -> None: ...
+    def step(self, rows: int, width: int, kind: StepKind, seconds: float) -> None: ...
 
 
 class NullObserver:
@@ -130,7 +147,7 @@ class NullObserver:
     def ended_early(self, reason: Unfinished) -> None:
         pass
 
-    def step(self, rows: int, width: int) -> None:
+    def step(self, rows: int, width: int, kind: StepKind, seconds: float) -> None:
         pass
 
 

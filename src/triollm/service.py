@@ -62,6 +62,7 @@ from triollm.events import (
     NullObserver,
     Observer,
     Outcome,
+    StepKind,
     StepRecorder,
     TokenInfo,
 )
@@ -533,7 +534,8 @@ class Service:
             finished = {f.seq_id: f for f in self.scheduler.commit(result)}
             rec = self.recorder.record(plan, result)
             if not self._only_internal(plan):  # the warm-up's steps stay out of the metrics
-                self.observer.step(rec.rows, rec.width)
+                kind = StepKind.of(rec.prefill_rows)
+                self.observer.step(rec.rows, rec.width, kind, rec.seconds)
             self.output.record_scores(result.scores)
             self.output.dispatch(result.sampled, finished)
             self._fail_sequences(result.failed)

@@ -56,8 +56,15 @@ async def test_closed_loop_levels_complete_with_usage_that_matches_the_stream(
         # left out of the per-token ITL (stats.py) and counted, never guessed.
         assert 0 <= lv["itl_unplaced"] <= lv["ok"] and lv["itl_definition"] == "per token"
         assert lv["aggregate_tok_s"] > 0 and len(lv["machine"]["load_avg"]) == 3
+        # The server's own steps during the level, read from its /metrics: each request
+        # is one prefill step (8 prompt tokens, one chunk; two may share one) and 4 decode
+        # steps at most.
+        steps = lv["server_step_ms"]
+        assert 1 <= steps["prefill"]["steps"] <= 3 and 0 < steps["decode"]["steps"] <= 12
+        assert steps["decode"]["mean_ms"] > 0
     table = capsys.readouterr().out
     assert "| c=1 | 3/3 |" in table and "| c=2 | 3/3 |" in table
+    assert "c=1: server decode step mean" in table
 
 
 async def test_poisson_arrivals_and_mixed_lengths_complete(loaded, tmp_path) -> None:

@@ -6,6 +6,8 @@ from typing import Any
 
 import trio
 
+from triollm.bench.client import step_means_ms, step_totals
+from triollm.events import StepKind
 from triollm.outcomes import EndCode, Refused
 from triollm.plan import FinishReason
 from triollm.server.lifetime import Lifetime
@@ -43,6 +45,28 @@ def test_counting_any_reason_never_raises_and_counts_it_alone() -> None:
     metrics.ended_early(EndCode.TOO_SLOW)
     assert metrics.rejection_count(EndCode.TOO_SLOW) == 2
     assert metrics.rejection_count(Refused.QUEUE_FULL) == 1
+
+
+def test_step_times_are_kept_apart_by_kind_and_read_back_by_the_load_generator() -> None:
+    # A decode step's time is the engine's share of a token, set beside the ITL; a
+    # prefill step mixed into the same series would hide what the server path adds.
+    metrics = Metrics("m")
+    before = step_totals(metrics.render().decode())
+    metrics.step(1, 1, StepKind.DECODE, 0.030)
+    metrics.step(1, 1, StepKind.DECODE, 0.040)
+    metrics.step(33, 2, StepKind.PREFILL, 0.200)
+    after = step_totals(metrics.render().decode())
+    assert after == {"decode": (0.070, 2.0), "prefill": (0.200, 1.0)}
+    assert step_means_ms(before, after) == {
+        "decode": {"steps": 2.0, "mean_ms": 35.0},
+        "prefill": {"steps": 1.0, "mean_ms": 200.0},
+    }
+    assert step_means_ms(before, {}) is None  # a server without the histogram
+
+
+def test_a_step_is_a_prefill_step_when_it_computed_any_prompt_row() -> None:
+    assert StepKind.of(prefill_rows=0) is StepKind.DECODE
+    assert StepKind.of(prefill_rows=1) is StepKind.PREFILL
 
 
 class _Warming:

@@ -33,6 +33,7 @@ What a correct OpenAI-style stream looks like, and so what is checked:
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections.abc import Callable
 from typing import Any
@@ -169,6 +170,56 @@ async def word_ids(
             ) from None
         out.append(tuple(ids))
     return tuple(out)
+
+
+# One line of the step-time histogram's sum or count on a Prometheus text page; the
+# labels come in any order (triollm adds model_name), so the kind is matched alone.
+_STEP_LINE = re.compile(r"^triollm:step_duration_seconds_(sum|count)\{([^}]*)\} (\S+)$")
+_KIND = re.compile(r'kind="([a-z]+)"')
+
+
+def step_totals(page: str) -> dict[str, tuple[float, float]]:
+    """``{kind: (seconds, steps)}`` from a triollm ``/metrics`` page's
+    ``triollm:step_duration_seconds`` histogram (its ``_sum`` and ``_count``); empty
+    for a page without it (another server, an older triollm). Two readings around a
+    level give the server's own mean step time during it (:func:`step_means_ms`)."""
+    out: dict[str, list[float]] = {}
+    for line in page.splitlines():
+        m = _STEP_LINE.match(line)
+        kind = _KIND.search(m.group(2)) if m else None
+        if m is None or kind is None:
+            continue
+        pair = out.setdefault(kind.group(1), [0.0, 0.0])
+        pair[0 if m.group(1) == "sum" else 1] = float(m.group(3))
+    return {k: (v[0], v[1]) for k, v in out.items()}
+
+
+def step_means_ms(
+    before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]]
+) -> dict[str, dict[str, float]] | None:
+    """Per kind, the steps run between two :func:`step_totals` readings and their mean
+    time in ms; None when the server publishes no step times."""
+    if not after:
+        return None
+    out = {}
+    for kind, (seconds, steps) in after.items():
+        s0, n0 = before.get(kind, (0.0, 0.0))
+        n = steps - n0
+        if n > 0:
+            out[kind] = {"steps": n, "mean_ms": round(1e3 * (seconds - s0) / n, 3)}
+    return out
+
+
+async def read_step_totals(
+    client: httpx.AsyncClient, base_url: str
+) -> dict[str, tuple[float, float]]:
+    """:func:`step_totals` of the server's ``/metrics`` page; empty if it has none
+    (llama-server answers 501 without ``--metrics``) or cannot be reached."""
+    try:
+        r = await client.get(base_url + "/metrics")
+    except httpx.HTTPError:
+        return {}
+    return step_totals(r.text) if r.status_code == 200 else {}
 
 
 # A keep-alive connection the server closed while it sat idle in the pool (hypercorn's

@@ -231,6 +231,21 @@ def turn_lines(label: str, s: LevelSummary) -> list[str]:
     ]
 
 
+def step_lines(label: str, steps: dict[str, dict[str, float]] | None, s: LevelSummary) -> list[str]:
+    """The server's own mean decode step beside the client's ITL: the difference is
+    what the path around the step (hand-off, SSE, the client) adds to a token."""
+    decode = (steps or {}).get("decode")
+    if decode is None:
+        return []
+    itl = s.itl_ms.get("mean")
+    line = (
+        f"{label}: server decode step mean {decode['mean_ms']:.2f} ms ({decode['steps']:.0f} steps)"
+    )
+    if itl is not None:
+        line += f"; ITL mean {itl:.2f} ms, {itl - decode['mean_ms']:.2f} ms around the step"
+    return [line]
+
+
 # ----------------------------------------------------------------------------- serve
 
 
@@ -248,6 +263,7 @@ async def serve_main(args: argparse.Namespace) -> int:
     except ImportError as exc:
         raise UserError(f"triollm bench needs {exc.name}: pip install 'triollm[bench]'") from None
 
+    from triollm.bench.client import read_step_totals, step_means_ms
     from triollm.bench.load import Level, run_level
     from triollm.bench.stats import summarise
 
@@ -315,6 +331,7 @@ async def serve_main(args: argparse.Namespace) -> int:
         clean = True
         for n, level in enumerate(levels):
             before = machine()
+            steps_before = await read_step_totals(client, base)
             with tqdm(
                 total=level.requests,
                 desc=level.label,
@@ -327,9 +344,11 @@ async def serve_main(args: argparse.Namespace) -> int:
                     client, base, workload, level, level_seed=n, on_done=lambda r: bar.update()
                 )
             s = summarise(records)
+            server_steps = step_means_ms(steps_before, await read_step_totals(client, base))
             clean = clean and s.ok == s.requests and not s.problems
             print(table_row(level.label, s), flush=True)
             after_table += turn_lines(level.label, s)
+            after_table += step_lines(level.label, server_steps, s)
             record = {
                 "tool": "triollm bench serve",
                 "system": label,
@@ -349,6 +368,9 @@ async def serve_main(args: argparse.Namespace) -> int:
                 "date": dt.datetime.now().astimezone().isoformat(timespec="seconds"),
                 "machine": before,
                 "load_avg_end": load_avg(),
+                # The server's own mean step time per kind during the level (triollm's
+                # /metrics), beside which the ITL shows what the server path adds.
+                "server_step_ms": server_steps,
                 **s.to_json(),
             }
             results.append(record)

@@ -314,8 +314,8 @@ class KVEventsFeed:
     def ended_early(self, reason: Any) -> None:
         self.inner.ended_early(reason)
 
-    def step(self, rows: int, width: int) -> None:
-        self.inner.step(rows, width)
+    def step(self, rows: int, width: int, kind: Any, seconds: float) -> None:
+        self.inner.step(rows, width, kind, seconds)
         self.flush()
 
 

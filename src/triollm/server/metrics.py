@@ -45,6 +45,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
+from triollm.events import StepKind
 from triollm.outcomes import EndCode, Refused, Unfinished
 from triollm.plan import FinishReason
 
@@ -54,6 +55,11 @@ from triollm.plan import FinishReason
 LATENCY_BUCKETS = (
     0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60,
     120, 300, 600, 1200, 2400, 4800, 7680,
+)  # fmt: skip
+# A step: from a few milliseconds (SmolLM2's decode) to minutes (a long prefill chunk
+# on a large model).
+STEP_BUCKETS = (
+    0.002, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.2, 0.5, 1, 2.5, 5, 10, 30, 60,
 )  # fmt: skip
 # Why a request ended without finishing: every member of both enums (outcomes.py).
 REJECTION_REASONS: tuple[Unfinished, ...] = (*Refused, *EndCode)
@@ -220,6 +226,19 @@ class Metrics:
             buckets=(1, 2, 3, 4, 6, 8, 12, 16, 32),
             registry=r,
         )
+        # The engine's share of a token, measured where it runs: a decode step's
+        # time beside the inter-token latency says how much of a token the server
+        # path adds (docs/performance.md, "The server path"; `triollm bench serve`
+        # reads the mean per level from here).
+        self.step_seconds = Histogram(
+            "triollm:step_duration_seconds",
+            "Compute time of one step (forward pass and sampling, in the worker "
+            "thread), by kind: decode (no prompt rows) or prefill.",
+            ["kind"],
+            buckets=STEP_BUCKETS,
+            registry=r,
+        )
+        self._step_seconds = {k: self.step_seconds.labels(kind=k.value) for k in StepKind}
         self.prompt_tokens = Counter(
             "triollm:prompt_tokens",
             "Prompt tokens of admitted requests (once per request, however many choices).",
@@ -323,9 +342,10 @@ class Metrics:
         the reasons are enum members, and every member has its series."""
         self._rejections[reason].inc()
 
-    def step(self, rows: int, width: int) -> None:
+    def step(self, rows: int, width: int, kind: StepKind, seconds: float) -> None:
         self.step_rows.observe(rows)
         self.step_width.observe(width)
+        self._step_seconds[kind].observe(seconds)
 
     # -- reading ---------------------------------------------------------------------
 
