@@ -18,7 +18,9 @@ half of a SmolLM2 prefill (docs/performance.md). This one works on tiles:
   4096, ~15x the step's K/V bytes at the machine's bandwidth.) With blocks of
   32 positions (the server's default) an f16 or f32 block of K *is* such a
   panel, and the score product reads it in place, no copy; the next tile's
-  K/V are prefetched into L2 while this one is multiplied;
+  K/V are prefetched into L2 while this one is multiplied, by the products
+  themselves, a line per step of their loop (a burst of all its lines before
+  them stalled the arithmetic until memory had answered);
 - **a work item** is (query block, KV head, segment): up to :data:`Q_BLOCK`
   consecutive rows of one chunk against the positions of one segment of
   :data:`SEGMENT_POSITIONS`. A segment's partial result (max, sum, weighted
@@ -101,7 +103,8 @@ PARALLEL_MIN_WORK = 12288
 
 # The products' register tiles for every row count up to 8, without the
 # next-panel prefetch (here the "next panel" of a K block read in place is the
-# other KV head's block, not the next tile, which _prefetch_tile asks for). A
+# next block in the pool, not the next tile of the block table, which the _pf
+# tiles below and _prefetch_tile ask for). A
 # decode row is one vector per query head of the GQA group (6 for
 # Qwen2.5-1.5B, 7 for the 0.5B, 3 for SmolLM2): one tile of exactly that many
 # rows passes over a K or V panel once, where 4 + 2 (+ 1) passed two or three
