@@ -14,8 +14,9 @@ A the KV bytes one sequence reads, beta the bandwidth.
 
 The machine is shared: every figure is a median over repetitions, ratios are
 taken within one run, and the load average is printed with the results.
-``--profile`` adds a per-stage breakdown (weight products, attention, norms,
-the rest) by timing the engine's calls from outside; ``--compile`` measures
+``--profile`` adds a per-stage breakdown (each kind of weight product with its
+bytes and GB/s, attention, norms, the rest; wall and the calling thread's CPU) by
+timing the engine's calls from outside; ``--compile`` measures
 numba's first-compile and cached-load times in fresh subprocesses;
 ``--serial-max-bytes 0,2097152,rule`` times each case under each threshold of
 ``threads.SERIAL_MAX_BYTES`` (which one-row products stay on the calling
@@ -35,7 +36,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections import defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -177,29 +177,55 @@ def sweep_serial(
 
 
 @contextmanager
-def stage_timer(totals: dict[str, float]) -> Iterator[None]:
+def stage_timer(
+    totals: dict[str, list[float]], kinds: dict[int, str] | None = None
+) -> Iterator[None]:
     """Time the engine's calls by stage, by wrapping the functions llama.py calls.
 
     llama.py reaches its kernels through module attributes (``kernels.rope_qk``,
     ``linear``), so wrapping those attributes times every call without editing
-    the engine. The wrappers cost ~1 us per call; the profile says so.
+    the engine. Each stage accumulates ``[wall s, calling thread's CPU s, calls]``;
+    a weight product is booked under its kind (``kinds``: ``id(weight)`` -> name,
+    :func:`product_kinds`). The wrappers cost ~1 us per call; the profile says so.
+    Hazard: the calling thread's CPU time misses a split product's worker share, and
+    on a busy machine wall time includes waiting for a core; CPU does not.
     """
     saved: list[tuple[Any, str, Any]] = []
+    kinds = kinds or {}
+
+    def book(stage: str, t: float, c: float) -> None:
+        acc = totals.setdefault(stage, [0.0, 0.0, 0.0])
+        acc[0] += time.perf_counter() - t
+        acc[1] += time.thread_time() - c
+        acc[2] += 1
 
     def wrap(module: Any, name: str, stage: str) -> None:
         fn = getattr(module, name)
 
         def timed(*args: Any, **kwargs: Any) -> Any:
-            t = time.perf_counter()
+            t, c = time.perf_counter(), time.thread_time()
             try:
                 return fn(*args, **kwargs)
             finally:
-                totals[stage] += time.perf_counter() - t
+                book(stage, t, c)
 
         saved.append((module, name, fn))
         setattr(module, name, timed)
 
-    wrap(llama, "linear", "weight products (matmul.linear)")
+    def wrap_linear() -> None:
+        fn = llama.linear
+
+        def timed(x: Any, w: Any, *args: Any, **kwargs: Any) -> Any:
+            t, c = time.perf_counter(), time.thread_time()
+            try:
+                return fn(x, w, *args, **kwargs)
+            finally:
+                book("product " + kinds.get(id(w), "other"), t, c)
+
+        saved.append((llama, "linear", fn))
+        llama.linear = timed  # type: ignore[assignment]
+
+    wrap_linear()
     wrap(kernels, "plan_attention", "attention (kernels.paged_attention)")
     wrap(kernels, "paged_attention", "attention (kernels.paged_attention)")
     wrap(kernels, "store_kv", "KV write (kernels.store_kv)")
@@ -218,21 +244,73 @@ def stage_timer(totals: dict[str, float]) -> Iterator[None]:
             setattr(module, name, fn)
 
 
+def product_kinds(model: LlamaModel) -> tuple[dict[int, str], dict[str, int]]:
+    """``id(weight)`` -> product kind, and each kind's weight bytes read per step."""
+    kinds: dict[int, str] = {id(model.lm_head): "lm_head"}
+    nbytes: dict[str, int] = {"lm_head": int(model.lm_head.nbytes)}
+    for layer in model.layers:
+        for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
+            w = getattr(layer, name)
+            if w is not None:
+                kinds[id(w)] = name
+                nbytes[name] = nbytes.get(name, 0) + int(w.nbytes)
+    return kinds, nbytes
+
+
+def profile_stages(
+    model: LlamaModel, chunks: list[ChunkPlan], kv: PagedKVCache, reps: int
+) -> dict[str, tuple[float, float, float, int]]:
+    """Per stage: mean (wall s, calling-thread CPU s, calls, weight bytes) per step.
+
+    Each weight product is its own stage ("product qkv_proj", ... "product lm_head").
+    'rest' is the step minus the stages: Python between the calls, the embedding,
+    the residual adds, the head's gather, and the wrappers' own ~1 us a call.
+    """
+    totals: dict[str, list[float]] = {}
+    kinds, nbytes = product_kinds(model)
+    model.forward(chunks, kv)
+    with stage_timer(totals, kinds):
+        t, c = time.perf_counter(), time.thread_time()
+        for _ in range(reps):
+            model.forward(chunks, kv)
+        wall, cpu = time.perf_counter() - t, time.thread_time() - c
+    per = {
+        k: (v[0] / reps, v[1] / reps, v[2] / reps, nbytes.get(k.removeprefix("product "), 0))
+        for k, v in totals.items()
+    }
+    rest_w = wall / reps - sum(v[0] for v in per.values())
+    rest_c = cpu / reps - sum(v[1] for v in per.values())
+    per["rest (Python, embedding, residual adds, head gather)"] = (rest_w, rest_c, 0.0, 0)
+    per["step"] = (wall / reps, cpu / reps, 0.0, 0)
+    return per
+
+
 def profile_case(
     model: LlamaModel, chunks: list[ChunkPlan], kv: PagedKVCache, reps: int
 ) -> dict[str, float]:
-    """Mean seconds per step in each stage; 'rest' is the step minus the stages."""
-    totals: dict[str, float] = defaultdict(float)
-    model.forward(chunks, kv)
-    with stage_timer(totals):
-        t = time.perf_counter()
-        for _ in range(reps):
-            model.forward(chunks, kv)
-        wall = time.perf_counter() - t
-    per = {k: v / reps for k, v in totals.items()}
-    per["rest (Python, embedding, residual adds, head gather)"] = wall / reps - sum(per.values())
-    per["step"] = wall / reps
-    return per
+    """Mean wall seconds per step in each stage, the products summed into one
+    (:func:`profile_stages` has them by kind, with CPU time and bytes)."""
+    out: dict[str, float] = {}
+    for name, (w, _c, _n, _b) in profile_stages(model, chunks, kv, reps).items():
+        key = "weight products (matmul.linear)" if name.startswith("product ") else name
+        out[key] = out.get(key, 0.0) + w
+    return out
+
+
+def print_profiles(profiles: list[tuple[str, dict[str, tuple[float, float, float, int]]]]) -> None:
+    """One table per profiled case: stage, wall ms, share, CPU ms, calls, MB, GB/s."""
+    for title, per in profiles:
+        step = per["step"][0]
+        print(f"\n{title}: per step (wrappers add ~1 us a call; CPU: the calling thread's)\n")
+        print("| stage | wall ms | share | CPU ms | calls | weight MB | GB/s (wall) |")
+        print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+        for name, (w, c, n, b) in per.items():
+            gbs = f"{b / w / 1e9:.1f}" if b and w > 0 else ""
+            mb = f"{b / 1e6:.1f}" if b else ""
+            print(
+                f"| {name} | {w * 1e3:.2f} | {w / step:.0%} | {c * 1e3:.2f} | "
+                f"{n:.0f} | {mb} | {gbs} |"
+            )
 
 
 # --- numba compile / cache-load time -----------------------------------------
@@ -319,7 +397,7 @@ def run(args: argparse.Namespace) -> int:
 
     rows_md = []
     records: list[dict[str, Any]] = []  # one JSON line per case (--json, --peer)
-    profiles: list[tuple[str, dict[str, float]]] = []
+    profiles: list[tuple[str, dict[str, tuple[float, float, float, int]]]] = []
     for dtype in dtypes:
         t = time.perf_counter()
         if args.model:  # a real file (GGUF or model directory); "dtype" is its name
@@ -420,9 +498,8 @@ def run(args: argparse.Namespace) -> int:
                 flush=True,
             )
             if args.profile and (case.name == "prefill" or case.batch in (1, 16)):
-                profiles.append(
-                    (f"{dtype} {case.name} batch {case.batch}", profile_case(model, chunks, kv, 5))
-                )
+                title = f"{dtype} {case.name} batch {case.batch}"
+                profiles.append((title, profile_stages(model, chunks, kv, args.profile_reps)))
         del model
 
     print(f"\nload average at end: {load_average()}\n")
@@ -433,17 +510,7 @@ def run(args: argparse.Namespace) -> int:
     print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in rows_md:
         print(r)
-    if profiles:
-        print("\nper-stage time (ms per step, mean of 5 steps, wrappers add ~1 us per call):\n")
-        names = list(profiles[0][1])
-        print("| stage | " + " | ".join(p for p, _ in profiles) + " |")
-        print("| --- |" + " ---: |" * len(profiles))
-        for name in names:
-            print(
-                f"| {name} | "
-                + " | ".join(f"{p.get(name, 0.0) * 1e3:.1f}" for _, p in profiles)
-                + " |"
-            )
+    print_profiles(profiles)
     if args.json:
         with open(args.json, "a") as f:
             f.writelines(json.dumps(r) + "\n" for r in records)
@@ -498,6 +565,7 @@ def main(argv: list[str] | None = None) -> int:
         "--rounds", type=int, default=3, help="rounds of a --serial-max-bytes sweep (default 3)"
     )
     p.add_argument("--profile", action="store_true", help="per-stage time breakdown")
+    p.add_argument("--profile-reps", type=int, default=20, help="steps a --profile averages")
     p.add_argument("--compile", action="store_true", help="numba compile and cache-load times")
     p.add_argument("--json", help="append one JSON line per case to this file")
     p.add_argument(

@@ -107,6 +107,26 @@ def test_profile_splits_the_step_and_restores_the_engine(
     assert kernels.paged_attention is attention.paged_attention  # a Python driver of numba kernels
 
 
+def test_the_stage_profile_books_each_product_under_its_kind_with_its_bytes(
+    bench: ModuleType, config: ModelConfig
+) -> None:
+    model = LlamaModel(config, bench.random_weights(config, "f32"))
+    chunks, n_blocks = bench.decode_plan(1, 40)
+    kv = PagedKVCache(config, n_blocks, bench.BLOCK_SIZE)
+    stages = bench.profile_stages(model, chunks, kv, reps=3)
+    layers = config.num_hidden_layers
+    for kind in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
+        wall, cpu, calls, nbytes = stages["product " + kind]
+        assert calls == layers  # one product of each kind per layer per step
+        assert nbytes == sum(getattr(layer, kind).nbytes for layer in model.layers)
+        assert wall > 0 and cpu >= 0
+    assert stages["product lm_head"][2:] == (1, model.lm_head.nbytes)  # one sampled row
+    assert "product other" not in stages  # every product the forward runs is classified
+    timed = [v[0] for k, v in stages.items() if k != "step" and not k.startswith("rest")]
+    assert sum(timed) <= stages["step"][0]
+    assert llama.linear is matmul.linear  # unwrapped again
+
+
 def test_time_steps_reports_wall_and_cpu_per_step(bench: ModuleType, config: ModelConfig) -> None:
     model = LlamaModel(config, bench.random_weights(config, "f32"))
     chunks, n_blocks = bench.decode_plan(2, 40)
