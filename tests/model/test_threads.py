@@ -126,6 +126,36 @@ def _spy(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return calls
 
 
+def test_a_one_row_products_arguments_are_made_once_per_weight_and_threshold(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # quant.linear keeps a batch-1 product's kernel arguments and split decision per
+    # weight, keyed by threads.SERIAL_MAX_BYTES: made on the first call, reused after,
+    # and made again when a benchmark changes the threshold (never a stale decision).
+    rng = np.random.default_rng(3)
+    w = matmul.prepare(quantize(rng.standard_normal((64, 64)).astype(np.float32), QuantType.Q8_0))
+    x = rng.standard_normal((1, 64)).astype(np.float32)
+    made: list[object] = []
+    real = quant._one_row_args
+
+    def spy(weight: object) -> object:
+        made.append(threads.SERIAL_MAX_BYTES)
+        return real(weight)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(quant, "_one_row_args", spy)
+    monkeypatch.setattr(threads, "SERIAL_MAX_BYTES", 0)
+    first = [matmul.linear(x, w) for _ in range(3)]
+    assert made == [0]
+    monkeypatch.setattr(threads, "SERIAL_MAX_BYTES", 1 << 40)
+    again = matmul.linear(x, w)
+    assert made == [0, 1 << 40]
+    monkeypatch.setattr(threads, "SERIAL_MAX_BYTES", 0)
+    matmul.linear(x, w)
+    assert made == [0, 1 << 40]  # each threshold's arguments kept
+    for out in first:
+        np.testing.assert_array_equal(out, again)
+
+
 @pytest.mark.parametrize("kind", ["q8_0", "stack", "exact", "bf16"])
 def test_only_one_row_times_a_small_weight_runs_serially_and_the_bits_are_the_same(
     kind: str, monkeypatch: pytest.MonkeyPatch

@@ -83,6 +83,8 @@ PANEL = 32  # output columns per panel: two vectors of 16 float32
 _LANES = 16  # float32 lanes of one AVX-512 vector
 _ALIGN = 64  # panels start on a cache line
 
+_F32 = np.dtype(np.float32)  # linear()'s identity test of a dtype
+
 _STORAGE = {"float32": np.float32, "bfloat16": np.uint16, "float16": np.int16}
 
 
@@ -559,17 +561,19 @@ def linear(
     Trap: ``x`` must be float32; a float64 ``x`` is rejected rather than
     silently promoting the residual stream.
     """
-    if x.ndim != 2 or x.shape[1] != w.in_features:
-        raise ValueError(f"x must be (n, {w.in_features}), got shape {x.shape}")
-    if x.dtype != np.float32:
+    # The checks read each attribute once and test a dtype by identity first (the
+    # builtin float32 dtype is one object; `!=` against the type converts it): a
+    # batch-1 step makes 121 calls, and these checks were ~0.8 us of each.
+    k_in, n_out = w.in_features, w.out_features
+    if x.ndim != 2 or x.shape[1] != k_in:
+        raise ValueError(f"x must be (n, {k_in}), got shape {x.shape}")
+    if x.dtype is not _F32 and x.dtype != np.float32:
         raise TypeError(f"x must be float32, got {x.dtype}")
     n = x.shape[0]
     if out is None:
-        out = np.empty((n, w.out_features), dtype=np.float32)
-    elif out.shape != (n, w.out_features) or out.dtype != np.float32:
-        raise ValueError(
-            f"out must be float32 ({n}, {w.out_features}), got {out.dtype} {out.shape}"
-        )
+        out = np.empty((n, n_out), dtype=np.float32)
+    elif out.shape != (n, n_out) or (out.dtype is not _F32 and out.dtype != np.float32):
+        raise ValueError(f"out must be float32 ({n}, {n_out}), got {out.dtype} {out.shape}")
     if n == 0:
         return out
     if isinstance(w, QuantizedTensor | QuantizedStack):  # the quantized kernels (quant.py)
@@ -583,7 +587,6 @@ def linear(
         return out
     if not out.flags.c_contiguous:
         raise ValueError("out must be C-contiguous")
-    n_out = w.out_features
     xc = np.ascontiguousarray(x)
     if n == 1 and not threads.split_pays(w.nbytes, _ONE_THREAD_GBS[w.storage]):
         threads.on_calling_thread(_panel_matmul, xc, w.data, out, n_out, 1)

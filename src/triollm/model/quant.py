@@ -622,6 +622,10 @@ class QuantizedTensor:
     _call: dict[str, tuple[int, quant_int8.PartsTable] | None] = field(
         default_factory=dict, repr=False, init=False
     )
+    # a one-row product's kernel arguments, by threads.SERIAL_MAX_BYTES (_one_row_args)
+    _one_row: dict[int | None, tuple[Any, ...] | None] = field(
+        default_factory=dict, repr=False, init=False
+    )
 
     def int8_call(self) -> tuple[int, quant_int8.PartsTable] | None:
         """``(activation block, table)`` of the int8 product, or None (exact path); made once."""
@@ -730,6 +734,9 @@ class QuantizedStack:
     # the int8 product's table of the parts (quant_int8.PartsTable), made once
     _table: dict[str, quant_int8.PartsTable] = field(default_factory=dict, repr=False, init=False)
     _call: dict[str, tuple[int, quant_int8.PartsTable] | None] = field(
+        default_factory=dict, repr=False, init=False
+    )
+    _one_row: dict[int | None, tuple[Any, ...] | None] = field(
         default_factory=dict, repr=False, init=False
     )
     # shape and bytes, summed once: linear() reads them on every call (a sum over
@@ -883,40 +890,60 @@ def linear(
     parallel region (``threads.split_pays``) runs on the calling thread; one row
     times a larger weight is one call opening one region.
     """
-    if not x.shape[0]:
+    n = x.shape[0]
+    if n == 1 and int8_rows is None:
+        args = w._one_row.get(threads.SERIAL_MAX_BYTES, _UNSET)
+        if args is _UNSET:
+            args = w._one_row[threads.SERIAL_MAX_BYTES] = _one_row_args(w)
+        if args is not None:
+            return _int8_one_row_product(x, args, out)
+    if not n:
         return out
-    serial = x.shape[0] == 1 and not threads.split_pays(w.nbytes, INT8_ONE_THREAD_GBS)
-    if x.shape[0] == 1 and int8_rows is None:
-        call = w.int8_call()
-        if call is not None:
-            return _int8_one_row_call(x, call, w.in_features, out, split=not serial)
+    serial = n == 1 and not threads.split_pays(w.nbytes, INT8_ONE_THREAD_GBS)
     if serial:
         return threads.on_calling_thread(_linear, x, w, out, int8_rows)  # type: ignore[no-any-return]
     return _linear(x, w, out, int8_rows)
 
 
-def _int8_one_row_call(
-    x: np.ndarray,
-    call: tuple[int, quant_int8.PartsTable],
-    k: int,
-    out: np.ndarray,
-    *,
-    split: bool,
-) -> np.ndarray:
+_UNSET: Any = object()  # _one_row's "not made yet" (None is "no int8 one-row path")
+
+
+def _one_row_args(w: QuantizedTensor | QuantizedStack) -> tuple[Any, ...] | None:
+    """What a one-row int8 product of ``w`` passes besides ``x`` and ``out``, or None
+    (the exact path, or a stack of more parts or blocks than one call takes).
+
+    ``(split, block, width, rows, p0, p1, p2, kinds, first, cols)``: made once per
+    weight and ``threads.SERIAL_MAX_BYTES`` value (a benchmark changes it between
+    steps), so a batch-1 product's Python is a dictionary lookup, not the split
+    rule, the table and the shape each call: ~1.3 us of the ~2 us a product spent
+    outside its kernel, ~0.15 ms of a SmolLM2 step's 121 products (docs/engine.md,
+    "The step's fixed costs"). Hazard: the split decision is frozen per value of
+    SERIAL_MAX_BYTES; a change of threads.REGION_US or of INT8_ONE_THREAD_GBS at
+    run time (nothing does it) would not be seen by a weight already used.
+    """
+    call = w.int8_call()
+    if call is None:
+        return None
+    block, table = call
+    split = threads.split_pays(w.nbytes, INT8_ONE_THREAD_GBS)
+    return (split, block, w.in_features, table.rows, *table.parts,
+            table.kinds, table.first, table.cols)  # fmt: skip
+
+
+def _int8_one_row_product(x: np.ndarray, args: tuple[Any, ...], out: np.ndarray) -> np.ndarray:
     """One int8 row times a weight's parts in one numba call: on the calling thread
     (:func:`_int8_one_row`) or split over the team (:func:`_int8_one_row_split`)."""
-    block, table = call
+    split, block, k, rows, p0, p1, p2, kinds, first, cols = args
     q, d, sums = _row_buffers(k, block)
-    p0, p1, p2 = table.parts
-    xc = np.ascontiguousarray(x)
+    if not x.flags.c_contiguous:
+        x = np.ascontiguousarray(x)
     if split:
         lanes = thread_count()
-        per_task = block_rows(table.rows, lanes) // quant_int8.ROWS
-        _int8_one_row_split(xc, block, q, d, sums, p0, p1, p2,
-                            table.kinds, table.first, table.cols, out, per_task, lanes)  # fmt: skip
+        per_task = block_rows(rows, lanes) // quant_int8.ROWS
+        _int8_one_row_split(x, block, q, d, sums, p0, p1, p2,
+                            kinds, first, cols, out, per_task, lanes)  # fmt: skip
     else:
-        _int8_one_row(xc, block, q, d, sums, p0, p1, p2,
-                      table.kinds, table.first, table.cols, out)  # fmt: skip
+        _int8_one_row(x, block, q, d, sums, p0, p1, p2, kinds, first, cols, out)
     return out
 
 
@@ -1106,8 +1133,8 @@ def warm_up() -> None:
     for weight in (w, w.with_exact_activations()):
         for n in (1, 2):  # one row quantizes on the calling thread, more in parallel
             linear(np.zeros((n, 32), np.float32), weight, np.empty((n, 4), np.float32))
-    call = w.int8_call()  # a large weight's one-row driver (small weights take the other)
-    if call is not None:
+    args = _one_row_args(w)  # a large weight's one-row driver (small weights take the other)
+    if args is not None:
         x = np.zeros((1, 32), np.float32)
-        _int8_one_row_call(x, call, 32, np.empty((1, 4), np.float32), split=True)
+        _int8_one_row_product(x, (True, *args[1:]), np.empty((1, 4), np.float32))
     w[np.zeros(1, np.int64)]
