@@ -178,7 +178,9 @@ def sweep_serial(
 
 @contextmanager
 def stage_timer(
-    totals: dict[str, list[float]], kinds: dict[int, str] | None = None
+    totals: dict[str, list[float]],
+    kinds: dict[int, str] | None = None,
+    model: LlamaModel | None = None,
 ) -> Iterator[None]:
     """Time the engine's calls by stage, by wrapping the functions llama.py calls.
 
@@ -237,6 +239,10 @@ def stage_timer(
     if hasattr(kernels, "add_rms_norm"):
         wrap(kernels, "add_rms_norm", "RMSNorm (kernels.rms_norm, add_rms_norm)")
     wrap(kernels, "silu_mul", "SwiGLU (kernels.silu_mul)")
+    if model is not None and hasattr(model, "_activation"):
+        # the model binds its activation at load (SwiGLU's silu_mul, Gemma's GELU), so
+        # the module attribute's wrapper above never sees the forward's calls
+        wrap(model, "_activation", "SwiGLU (kernels.silu_mul)")
     try:
         yield
     finally:
@@ -269,7 +275,7 @@ def profile_stages(
     totals: dict[str, list[float]] = {}
     kinds, nbytes = product_kinds(model)
     model.forward(chunks, kv)
-    with stage_timer(totals, kinds):
+    with stage_timer(totals, kinds, model):
         t, c = time.perf_counter(), time.thread_time()
         for _ in range(reps):
             model.forward(chunks, kv)

@@ -122,6 +122,8 @@ def test_the_stage_profile_books_each_product_under_its_kind_with_its_bytes(
         assert wall > 0 and cpu >= 0
     assert stages["product lm_head"][2:] == (1, model.lm_head.nbytes)  # one sampled row
     assert "product other" not in stages  # every product the forward runs is classified
+    assert stages["SwiGLU (kernels.silu_mul)"][2] == layers  # the model's bound activation
+    assert model._activation is kernels.silu_mul  # given back
     timed = [v[0] for k, v in stages.items() if k != "step" and not k.startswith("rest")]
     assert sum(timed) <= stages["step"][0]
     assert llama.linear is matmul.linear  # unwrapped again
