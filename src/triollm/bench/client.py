@@ -33,7 +33,6 @@ What a correct OpenAI-style stream looks like, and so what is checked:
 from __future__ import annotations
 
 import json
-import re
 import time
 from collections.abc import Callable
 from typing import Any
@@ -172,25 +171,26 @@ async def word_ids(
     return tuple(out)
 
 
-# One line of the step-time histogram's sum or count on a Prometheus text page; the
-# labels come in any order (triollm adds model_name), so the kind is matched alone.
-_STEP_LINE = re.compile(r"^triollm:step_duration_seconds_(sum|count)\{([^}]*)\} (\S+)$")
-_KIND = re.compile(r'kind="([a-z]+)"')
+# The server's step-time histogram (server/metrics.py), its _sum and _count samples.
+_STEP_SERIES = "triollm:step_duration_seconds"
 
 
 def step_totals(page: str) -> dict[str, tuple[float, float]]:
     """``{kind: (seconds, steps)}`` from a triollm ``/metrics`` page's
-    ``triollm:step_duration_seconds`` histogram (its ``_sum`` and ``_count``); empty
-    for a page without it (another server, an older triollm). Two readings around a
-    level give the server's own mean step time during it (:func:`step_means_ms`)."""
+    ``triollm:step_duration_seconds`` histogram (its ``_sum`` and ``_count``), read
+    with prometheus_client's own text parser; empty for a page without it (another
+    server, an older triollm). Two readings around a level give the server's own mean
+    step time during it (:func:`step_means_ms`)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
     out: dict[str, list[float]] = {}
-    for line in page.splitlines():
-        m = _STEP_LINE.match(line)
-        kind = _KIND.search(m.group(2)) if m else None
-        if m is None or kind is None:
-            continue
-        pair = out.setdefault(kind.group(1), [0.0, 0.0])
-        pair[0 if m.group(1) == "sum" else 1] = float(m.group(3))
+    for family in text_string_to_metric_families(page):
+        for sample in family.samples:
+            kind = sample.labels.get("kind")
+            end = sample.name.removeprefix(_STEP_SERIES)
+            if kind is None or sample.name == end or end not in ("_sum", "_count"):
+                continue
+            out.setdefault(kind, [0.0, 0.0])[end == "_count"] = sample.value
     return {k: (v[0], v[1]) for k, v in out.items()}
 
 
